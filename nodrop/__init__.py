@@ -1,0 +1,15 @@
+"""nodrop: dropless Mixture-of-Experts training in JAX on a C++/CUDA engine."""
+
+from nodrop import _ffi
+from nodrop._ffi import backends
+from nodrop.moe.losses import load_balancing_loss, router_z_loss, tokens_per_expert
+from nodrop.ops import (checks, checks_enabled, grouped_matmul, grouped_matmul_contract,
+                        permute, ragged_dot, topk_router, unpermute)
+
+__version__ = "0.1.0"
+__all__ = [
+    "backends", "checks", "checks_enabled", "grouped_matmul", "grouped_matmul_contract",
+    "load_balancing_loss", "permute", "ragged_dot", "router_z_loss", "tokens_per_expert",
+    "topk_router", "unpermute",
+]
+del _ffi

@@ -1,0 +1,42 @@
+"""Load-balancing terms for MoE routers (pure JAX: they are cheap reductions XLA fuses well)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def tokens_per_expert(ids, num_experts: int):
+    """[E] int32: how many (token, slot) pairs chose each expert; ids outside [0, E) count nowhere."""
+    flat = ids.reshape(-1)
+    valid = (flat >= 0) & (flat < num_experts)
+    return jnp.zeros((num_experts,), jnp.int32).at[jnp.where(valid, flat, 0)].add(
+        valid.astype(jnp.int32))
+
+
+def load_balancing_loss(probs, ids, num_experts: int | None = None):
+    """Switch/GShard auxiliary loss: E * sum_e f_e * P_e.
+
+    f_e is the fraction of the T*k routed slots that went to expert e and P_e the mean router
+    probability of e over the T tokens; perfectly uniform routing gives 1. Pass the probabilities
+    and ids of the global batch (gather them across data-parallel shards first) so the loss sees
+    the balance the experts see. Gradients flow through probs only.
+
+    Args:
+      probs: [T, E] router probabilities (softmax of the logits, or normalised sigmoid scores).
+      ids: [T, k] chosen experts.
+    """
+    num_tokens, num_experts_probs = probs.shape
+    num_experts = num_experts or num_experts_probs
+    if num_experts != num_experts_probs:
+        raise ValueError(f"probs has {num_experts_probs} experts but num_experts is {num_experts}")
+    counts = jax.lax.stop_gradient(tokens_per_expert(ids, num_experts)).astype(jnp.float32)
+    fraction = counts / max(ids.size, 1)
+    mean_prob = probs.astype(jnp.float32).mean(axis=0)
+    return num_experts * jnp.sum(fraction * mean_prob)
+
+
+def router_z_loss(logits):
+    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2 (keeps logits small)."""
+    z = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+    return jnp.mean(jnp.square(z))

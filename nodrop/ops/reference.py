@@ -1,0 +1,117 @@
+"""Pure-JAX references for every nodrop op.
+
+They define the semantics the C++ engines are tested against: written for clarity, not speed,
+and differentiable with ordinary JAX autodiff. They compute in the dtype they are given (pass
+float64 arrays with `jax_enable_x64` for a high-precision reference) and return the same dtypes
+as the ops.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_RENORM_EPS = 1e-20  # guards a zero sum of selected scores (sigmoid scores can underflow)
+
+
+def _group_row_masks(group_sizes, num_rows):
+    """[G, M] bool: row m belongs to group g. Negative sizes count as zero; the total is clamped
+    at num_rows (the engine's rule for invalid sizes)."""
+    sizes = jnp.maximum(group_sizes.astype(jnp.int64 if jax.config.jax_enable_x64 else jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), num_rows)
+    starts = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
+    rows = jnp.arange(num_rows)
+    return (rows[None, :] >= starts[:, None]) & (rows[None, :] < ends[:, None])
+
+
+def grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None):
+    """out[M, N] = lhs[rows_g] @ rhs[g] (or rhs[g].T) for each group g; rows past the groups are 0."""
+    out_dtype = out_dtype or lhs.dtype
+    acc = jnp.promote_types(lhs.dtype, jnp.float32)
+    masks = _group_row_masks(group_sizes, lhs.shape[0])
+    w = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+    out = jnp.zeros((lhs.shape[0], w.shape[2]), acc)
+    for g in range(w.shape[0]):
+        prod = jnp.dot(lhs.astype(acc), w[g].astype(acc), precision=jax.lax.Precision.HIGHEST)
+        out = out + jnp.where(masks[g][:, None], prod, 0)
+    return out.astype(out_dtype)
+
+
+def grouped_matmul_contract(lhs, rhs, group_sizes, *, out_dtype=None):
+    """out[G, K, N]: out[g] = lhs[rows_g].T @ rhs[rows_g]; zero for an empty group."""
+    out_dtype = out_dtype or lhs.dtype
+    acc = jnp.promote_types(lhs.dtype, jnp.float32)
+    masks = _group_row_masks(group_sizes, lhs.shape[0])
+    outs = [
+        jnp.dot(jnp.where(m[:, None], lhs, 0).astype(acc).T, rhs.astype(acc),
+                precision=jax.lax.Precision.HIGHEST)
+        for m in masks
+    ]
+    if not outs:
+        return jnp.zeros((0, lhs.shape[1], rhs.shape[1]), out_dtype)
+    return jnp.stack(outs).astype(out_dtype)
+
+
+def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None):
+    """`jax.lax.ragged_dot` semantics (lhs [M, K], rhs [G, K, N]) through the masked reference."""
+    del precision
+    return grouped_matmul(lhs, rhs, group_sizes, out_dtype=preferred_element_type)
+
+
+def topk_router(logits, k, *, score_function="softmax", expert_bias=None, num_groups=1,
+                topk_groups=1, renormalize=False, scaling_factor=1.0):
+    """logits [T, E] -> (weights [T, k] float, ids [T, k] int32). See nodrop.topk_router."""
+    acc = jnp.promote_types(logits.dtype, jnp.float32)
+    logits = logits.astype(acc)
+    num_tokens, num_experts = logits.shape
+    if score_function == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+    else:
+        scores = jax.nn.sigmoid(logits)
+    selection = scores if expert_bias is None else scores + expert_bias.astype(acc)[None, :]
+    selection = jax.lax.stop_gradient(selection)
+    if num_groups > 1:
+        per_group = num_experts // num_groups
+        best_in_group = max(1, k // topk_groups)
+        grouped = selection.reshape(num_tokens, num_groups, per_group)
+        group_scores = jax.lax.top_k(grouped, best_in_group)[0].sum(-1)
+        _, keep = jax.lax.top_k(group_scores, topk_groups)
+        group_mask = jnp.zeros((num_tokens, num_groups), bool).at[
+            jnp.arange(num_tokens)[:, None], keep].set(True)
+        expert_mask = jnp.repeat(group_mask, per_group, axis=1)
+        selection = jnp.where(expert_mask, selection, -jnp.inf)
+    _, ids = jax.lax.top_k(selection, k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdims=True) + _RENORM_EPS)
+    return weights * scaling_factor, ids.astype(jnp.int32)
+
+
+def permute(x, ids, num_experts):
+    """x [T, H], ids [T, k] -> (rows [T*k, H], group_sizes [E] int32, row_map [T*k] int32).
+
+    Rows are ordered by (expert, token, slot); a slot whose id is outside [0, E) is dropped: its
+    row_map entry is -1 and the rows after the last group are zero."""
+    num_tokens, k = ids.shape
+    flat = ids.reshape(-1)
+    valid = (flat >= 0) & (flat < num_experts)
+    key = jnp.where(valid, flat, num_experts)
+    order = jnp.argsort(key, stable=True)  # flat index is t*k + s, so ties stay in (token, slot)
+    row_map = jnp.zeros_like(order).at[order].set(jnp.arange(num_tokens * k, dtype=order.dtype))
+    row_map = jnp.where(valid, row_map, -1).astype(jnp.int32)
+    rows = jnp.where(valid[order][:, None], x[order // k], 0).astype(x.dtype)
+    group_sizes = jnp.zeros((num_experts,), jnp.int32).at[jnp.where(valid, flat, 0)].add(
+        valid.astype(jnp.int32))
+    return rows, group_sizes, row_map
+
+
+def unpermute(rows, row_map, weights):
+    """rows [T*k, H], row_map [T*k], weights [T, k] -> [T, H] = sum_s weight * row, in float32."""
+    num_tokens, k = weights.shape
+    acc = jnp.promote_types(rows.dtype, jnp.float32)
+    valid = (row_map >= 0) & (row_map < rows.shape[0])
+    picked = jnp.where(valid[:, None], rows[jnp.clip(row_map, 0, rows.shape[0] - 1)], 0)
+    picked = picked.astype(acc).reshape(num_tokens, k, -1)
+    out = jnp.einsum("tkh,tk->th", picked, weights.astype(acc),
+                     precision=jax.lax.Precision.HIGHEST)
+    return out.astype(rows.dtype)

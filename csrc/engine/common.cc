@@ -1,0 +1,63 @@
+// Backend-independent parts of the engine API: dtypes, group-size clamping, router config checks.
+#include <algorithm>
+#include <string>
+
+#include "nodrop/engine.h"
+
+namespace nodrop {
+
+int64_t dtype_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return "float32";
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+  }
+  return "unknown";
+}
+
+Status clamp_group_offsets(const int32_t* sizes, int64_t num_groups, int64_t rows, bool checked,
+                           const char* name, int64_t* offsets) {
+  offsets[0] = 0;
+  int64_t total = 0;  // the unclamped sum, for the checked-mode message
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const int64_t size = sizes[g];
+    if (checked && size < 0) {
+      return Status::Error(std::string(name) + "[" + std::to_string(g) + "] = " +
+                           std::to_string(size) + " is negative");
+    }
+    total += std::max<int64_t>(size, 0);
+    offsets[g + 1] = std::min(rows, offsets[g] + std::max<int64_t>(size, 0));
+  }
+  if (checked && total > rows) {
+    return Status::Error(std::string(name) + " sum to " + std::to_string(total) + " but there are only " +
+                         std::to_string(rows) + " rows");
+  }
+  return Status::Ok();
+}
+
+Status validate_router_config(const RouterConfig& c) {
+  auto fail = [](const std::string& what) { return Status::Error("router config: " + what); };
+  if (c.num_tokens < 0) return fail("num_tokens must be >= 0, got " + std::to_string(c.num_tokens));
+  if (c.num_experts < 1) return fail("num_experts must be >= 1, got " + std::to_string(c.num_experts));
+  if (c.k < 1 || c.k > c.num_experts) {
+    return fail("k must be in [1, " + std::to_string(c.num_experts) + "], got " + std::to_string(c.k));
+  }
+  if (c.num_groups < 1 || c.num_experts % c.num_groups != 0) {
+    return fail("num_groups must divide num_experts=" + std::to_string(c.num_experts) + ", got " +
+                std::to_string(c.num_groups));
+  }
+  if (c.topk_groups < 1 || c.topk_groups > c.num_groups) {
+    return fail("topk_groups must be in [1, " + std::to_string(c.num_groups) + "], got " +
+                std::to_string(c.topk_groups));
+  }
+  const int64_t allowed = c.topk_groups * (c.num_experts / c.num_groups);
+  if (c.k > allowed) {
+    return fail("k=" + std::to_string(c.k) + " exceeds the " + std::to_string(allowed) +
+                " experts in the topk_groups=" + std::to_string(c.topk_groups) + " chosen groups");
+  }
+  return Status::Ok();
+}
+
+}  // namespace nodrop

@@ -1,0 +1,211 @@
+"""CPU grouped-matmul benchmark: nodrop.ragged_dot against jax.lax.ragged_dot and a dense jnp.dot.
+
+One grouped matmul of M=4096 rows, K=N=512 and 8 groups (uniform and Zipf-skewed group sizes), in
+float32 and bfloat16, forward and forward+backward (gradients of lhs and rhs: 3 GEMMs). Every
+implementation is jitted and timed in this process: warm-up, then the median of --iters runs. The
+dense jnp.dot ([M, K] @ [K, N]) does the same FLOPs with no grouping, the speed a grouped matmul
+aims for. Acceptance targets, forward: nodrop >= 0.5x dense, and nodrop faster than
+jax.lax.ragged_dot. Results go to OUT/YYYY-MM-DD-cpu-grouped-matmul.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import pathlib
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import nodrop
+
+M, K, N, GROUPS = 4096, 512, 512, 8
+DTYPES = ("float32", "bfloat16")
+GROUP_SIZE_KINDS = ("uniform", "zipf")
+MIN_VS_DENSE = 0.5  # target: nodrop forward runs at >= 0.5x the dense jnp.dot
+CHECK_TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}  # nodrop vs jax.lax.ragged_dot output
+
+MATMULS = {
+    "nodrop": nodrop.ragged_dot,
+    "ragged_dot": jax.lax.ragged_dot,
+    "dense": lambda lhs, rhs, group_sizes: jnp.dot(lhs, rhs),  # rhs [K, N]: one group
+}
+
+
+def forward(matmul):
+    return lambda lhs, rhs, group_sizes, grad_out: matmul(lhs, rhs, group_sizes)
+
+
+def forward_backward(matmul):
+    """The output and the gradients of lhs and rhs for the output gradient grad_out."""
+    def step(lhs, rhs, group_sizes, grad_out):
+        out, vjp = jax.vjp(lambda lhs, rhs: matmul(lhs, rhs, group_sizes), lhs, rhs)
+        return out, vjp(grad_out)
+    return step
+
+
+PASSES = {"forward": (forward, 1), "forward+backward": (forward_backward, 3)}  # (step, GEMMs)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def median_ms(fn, args, iters: int, warmup: int = 2) -> float:
+    """Median wall time of jit(fn)(*args) in milliseconds, after `warmup` calls (which compile)."""
+    fn = jax.jit(fn)
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def relative_difference(actual, expected) -> float:
+    """max |actual - expected| / max |expected|, computed in float32."""
+    actual = np.asarray(jnp.asarray(actual, jnp.float32))
+    expected = np.asarray(jnp.asarray(expected, jnp.float32))
+    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
+
+
+def group_sizes(kind: str):
+    """[GROUPS] int32 summing to M: equal, or Zipf-skewed (group g gets a share 1/(g+1))."""
+    share = np.ones(GROUPS) if kind == "uniform" else 1.0 / np.arange(1, GROUPS + 1)
+    sizes = np.floor(M * share / share.sum()).astype(np.int32)
+    sizes[0] += M - sizes.sum()
+    return jnp.asarray(sizes)
+
+
+def cpu_device() -> dict:
+    cpuinfo = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo
+                  if line.startswith("model name")), "unknown CPU")
+    return {"cpu": model, "cores": len(os.sched_getaffinity(0))}
+
+
+def run_cases(iters: int) -> list[dict]:
+    """Times every (dtype, group sizes, pass, matmul); prints a line per case as it runs."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    total = len(DTYPES) * len(GROUP_SIZE_KINDS) * len(PASSES) * len(MATMULS)
+    cases = []
+    for dtype in DTYPES:
+        lhs = jax.random.normal(keys[0], (M, K), dtype)
+        rhs = jax.random.normal(keys[1], (GROUPS, K, N), dtype)
+        grad_out = jax.random.normal(keys[2], (M, N), dtype)
+        for kind in GROUP_SIZE_KINDS:
+            sizes = group_sizes(kind)
+            check = relative_difference(jax.jit(nodrop.ragged_dot)(lhs, rhs, sizes),
+                                        jax.jit(jax.lax.ragged_dot)(lhs, rhs, sizes))
+            print(f"{dtype} {kind} {sizes.tolist()}: nodrop vs jax.lax.ragged_dot output, "
+                  f"max rel diff {check:.1e}", flush=True)
+            for pass_name, (make_step, gemms) in PASSES.items():
+                for name, matmul in MATMULS.items():
+                    operands = (lhs, rhs[0] if name == "dense" else rhs, sizes, grad_out)
+                    ms = median_ms(make_step(matmul), operands, iters)
+                    gflops = gemms * 2 * M * K * N / ms / 1e6
+                    cases.append(dict(dtype=dtype, group_sizes=kind, sizes=sizes.tolist(),
+                                      passes=pass_name, matmul=name, ms=ms, gflops=gflops,
+                                      check=check))
+                    print(f"[{len(cases):2d}/{total}] {dtype:8s} {kind:7s} {pass_name:16s} "
+                          f"{name:10s} {ms:8.2f} ms {gflops:8.1f} GFLOP/s", flush=True)
+    return cases
+
+
+def summarize(cases: list[dict]) -> list[dict]:
+    """One row per (dtype, group sizes, pass): GFLOP/s of each matmul, nodrop's ratios, verdicts."""
+    rows = {}
+    for case in cases:
+        row = rows.setdefault((case["dtype"], case["group_sizes"], case["passes"]), dict(
+            dtype=case["dtype"], group_sizes=case["group_sizes"], passes=case["passes"],
+            check=case["check"]))
+        row[f"{case['matmul']}_gflops"] = case["gflops"]
+    for row in rows.values():
+        row["nodrop_vs_dense"] = row["nodrop_gflops"] / row["dense_gflops"]
+        row["nodrop_vs_ragged_dot"] = row["nodrop_gflops"] / row["ragged_dot_gflops"]
+        if row["passes"] == "forward":
+            row["check_ok"] = row["check"] <= CHECK_TOLERANCE[row["dtype"]]
+            row["vs_dense_pass"] = row["nodrop_vs_dense"] >= MIN_VS_DENSE
+            row["vs_ragged_dot_pass"] = row["nodrop_vs_ragged_dot"] > 1
+    return list(rows.values())
+
+
+def verdict(row: dict, key: str) -> str:
+    return ("PASS" if row[key] else "FAIL") if key in row else ""
+
+
+def check(row: dict) -> str:
+    if "check_ok" not in row:
+        return ""
+    return f"{row['check']:.0e} {'ok' if row['check_ok'] else 'FAIL'}"
+
+
+def markdown(summary: list[dict], meta: dict) -> str:
+    lines = [
+        f"# CPU grouped matmul, {meta['date']}",
+        "",
+        f"{meta['device']['cpu']}, {meta['device']['cores']} cores; jax {meta['jax']}, "
+        f"jaxlib {meta['jaxlib']}, nodrop {meta['nodrop']}.",
+        f"M={M}, K={K}, N={N}, {GROUPS} groups; median of {meta['iters']} jitted runs. "
+        "Forward+backward counts 3 GEMMs. Targets (forward): nodrop >= "
+        f"{MIN_VS_DENSE}x dense jnp.dot, nodrop > jax.lax.ragged_dot.",
+        "",
+        "| dtype | group sizes | pass | nodrop GFLOP/s | dense GFLOP/s | ragged_dot GFLOP/s "
+        "| nodrop/dense | nodrop/ragged_dot | output vs ragged_dot |",
+        "| --- | --- | --- | ---: | ---: | ---: | --- | --- | --- |",
+    ]
+    for row in summary:
+        lines.append(
+            f"| {row['dtype']} | {row['group_sizes']} | {row['passes']} "
+            f"| {row['nodrop_gflops']:.1f} | {row['dense_gflops']:.1f} "
+            f"| {row['ragged_dot_gflops']:.1f} "
+            f"| {row['nodrop_vs_dense']:.2f}x {verdict(row, 'vs_dense_pass')} "
+            f"| {row['nodrop_vs_ragged_dot']:.2f}x {verdict(row, 'vs_ragged_dot_pass')} "
+            f"| {check(row)} |")
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--iters", type=positive_int, default=20,
+                        help="timed runs per case, after warm-up (default: 20)")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"),
+                        help="folder for the JSON and markdown results (default: bench/results)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the benchmark, writes the results; exit status 1 if a target or a check fails."""
+    meta = dict(date=datetime.date.today().isoformat(), device=cpu_device(),
+                jax=jax.__version__, jaxlib=importlib.metadata.version("jaxlib"),
+                nodrop=nodrop.__version__, iters=args.iters,
+                shape=dict(M=M, K=K, N=N, groups=GROUPS))
+    print(f"{meta['device']['cpu']}, {meta['device']['cores']} cores, jax {meta['jax']}", flush=True)
+    cases = run_cases(args.iters)
+    summary = summarize(cases)
+    table = markdown(summary, meta)
+    print("\n" + table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"{meta['date']}-cpu-grouped-matmul"
+    stem.with_suffix(".json").write_text(
+        json.dumps(dict(meta, summary=summary, cases=cases), indent=2) + "\n")
+    stem.with_suffix(".md").write_text(table)
+    print(f"wrote {stem}.json and {stem}.md")
+    verdicts = [row[key] for row in summary
+                for key in ("check_ok", "vs_dense_pass", "vs_ragged_dot_pass") if key in row]
+    return 0 if all(verdicts) else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,170 @@
+"""Shared helpers for nodrop's Python tests.
+
+Every op is compared against its pure-JAX reference (nodrop/ops/reference.py) run on float64
+copies of the inputs, so x64 is switched on before anything else imports JAX arrays. With x64 on,
+inputs must be created with explicit dtypes (int32 group sizes, float32 arrays).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from nodrop.ops import reference  # noqa: E402
+
+settings.register_profile(
+    "nodrop", deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile("nodrop")
+
+FLOAT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
+DTYPE_IDS = ("f32", "f16", "bf16")
+INT32_MAX = 2**31 - 1
+INT32_MIN = -(2**31)
+
+# Relative error bounds (max abs diff / max abs reference) against the float64 reference.
+F32_TOL = 1e-5
+LOW_PRECISION_TOL = 1e-2
+
+
+@pytest.fixture(autouse=True)
+def _no_checked_mode(monkeypatch):
+    """Every test starts in unchecked mode unless it opts in."""
+    monkeypatch.delenv("NODROP_CHECKS", raising=False)
+
+
+# --- numbers ---------------------------------------------------------------------------------
+
+
+def tolerance(*dtypes) -> float:
+    """1e-5 when every dtype involved is float32 (or wider), else the bf16/fp16 bound 1e-2."""
+    narrow = [d for d in dtypes if d is not None and jnp.dtype(d).itemsize < 4]
+    return LOW_PRECISION_TOL if narrow else F32_TOL
+
+
+def as_f64(x) -> np.ndarray:
+    """A float64 numpy copy of any float array (bfloat16 included), holding exactly its values."""
+    return np.asarray(x).astype(np.float64)
+
+
+def relative_error(actual, expected) -> float:
+    """max |actual - expected| / max |expected|; the denominator is guarded against zero, so an
+    all-zero reference demands an (essentially) exactly zero result. NaN gives NaN (fails)."""
+    actual, expected = as_f64(actual), as_f64(expected)
+    assert actual.shape == expected.shape, f"shape {actual.shape} != reference {expected.shape}"
+    if actual.size == 0:
+        return 0.0
+    denom = max(float(np.max(np.abs(expected))), 1e-300)
+    return float(np.max(np.abs(actual - expected))) / denom
+
+
+def assert_close(actual, expected, tol: float, what: str = "result") -> None:
+    err = relative_error(actual, expected)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:g}"
+
+
+def random_normal(rng: np.random.Generator, shape, dtype=jnp.float32, scale: float = 1.0):
+    """A jax array of normal samples, rounded to `dtype` (explicit, since x64 is on)."""
+    return jnp.asarray((rng.standard_normal(shape) * scale).astype(np.float32)).astype(dtype)
+
+
+def int32(values):
+    return jnp.asarray(np.asarray(values, dtype=np.int64).astype(np.int32), dtype=jnp.int32)
+
+
+def f64(x):
+    """A float64 jax copy of a float array, for the reference."""
+    return jnp.asarray(as_f64(x), dtype=jnp.float64)
+
+
+# --- references ------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_reference(name: str, static: tuple):
+    return jax.jit(functools.partial(getattr(reference, name), **dict(static)))
+
+
+def ref64(name: str, *arrays, **static):
+    """Runs reference.<name> (jitted, keyed by its static keyword arguments) on float64 copies of
+    the float arrays; integer arrays are passed unchanged."""
+    args = [f64(a) if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating) else jnp.asarray(a)
+            for a in arrays]
+    return _jitted_reference(name, tuple(sorted(static.items())))(*args)
+
+
+def ref64_vjp(fn, primals, cotangent):
+    """Gradients of `fn` (a reference closure over static arguments) in float64: the vjp of the
+    float64 copies of `primals` applied to a float64 copy of `cotangent`."""
+    primals64 = tuple(f64(p) for p in primals)
+    _, vjp = jax.vjp(fn, *primals64)
+    return vjp(f64(cotangent))
+
+
+def group_offsets(group_sizes, rows: int) -> np.ndarray:
+    """The engine's clamped offsets: negative sizes count as zero, the total stops at `rows`."""
+    sizes = np.maximum(np.asarray(group_sizes, np.int64), 0)
+    return np.minimum(np.concatenate([[0], np.cumsum(sizes)]), rows)
+
+
+# --- hypothesis strategies -------------------------------------------------------------------
+
+
+@st.composite
+def valid_group_sizes(draw, rows: int, groups: int):
+    """Sizes >= 0 with sum <= rows: empty groups, skewed groups, and totals short of `rows`."""
+    total = draw(st.one_of(st.just(rows), st.integers(0, rows)))
+    cuts = sorted(draw(st.lists(st.integers(0, total), min_size=groups - 1,
+                                max_size=groups - 1)))
+    return np.diff(np.asarray([0, *cuts, total], np.int64)).astype(np.int32)
+
+
+@st.composite
+def invalid_group_sizes(draw, rows: int, groups: int):
+    """Sizes the engine must clamp: negative entries, totals past `rows`, int32 extremes."""
+    entry = st.one_of(st.integers(-rows - 2, rows + 2), st.sampled_from([INT32_MIN, INT32_MAX]))
+    sizes = draw(st.lists(entry, min_size=groups, max_size=groups))
+    if all(s >= 0 for s in sizes) and sum(sizes) <= rows:  # make it invalid
+        index = draw(st.integers(0, groups - 1))
+        sizes[index] = draw(st.one_of(st.integers(-rows - 2, -1),
+                                      st.integers(rows - sum(sizes) + sizes[index] + 1,
+                                                  rows + 3)))
+    return np.asarray(sizes, np.int64).astype(np.int32)
+
+
+seeds = st.integers(0, 2**32 - 1)
+
+
+# --- a small MoE model for the composition tests ---------------------------------------------
+
+
+def moe_layer(ops, x, params, *, k: int):
+    """route -> permute -> grouped_matmul -> tanh -> grouped_matmul -> unpermute, residual.
+
+    `ops` is the nodrop module or nodrop.ops.reference; params = (router [H, E], w_in [E, H, F],
+    w_out [E, F, H]).
+    """
+    router, w_in, w_out = params
+    num_experts = router.shape[1]
+    logits = jnp.dot(x, router, precision=jax.lax.Precision.HIGHEST)
+    weights, ids = ops.topk_router(logits, k, renormalize=True)
+    rows, group_sizes, row_map = ops.permute(x, ids, num_experts)
+    hidden = jnp.tanh(ops.grouped_matmul(rows, w_in, group_sizes))
+    out = ops.grouped_matmul(hidden, w_out, group_sizes)
+    return x + ops.unpermute(out, row_map, weights.astype(x.dtype))
+
+
+def moe_params(rng, *, layers: int, hidden: int, ffn: int, experts: int, dtype=jnp.float32):
+    return (random_normal(rng, (layers, hidden, experts), dtype),
+            random_normal(rng, (layers, experts, hidden, ffn), dtype, scale=hidden**-0.5),
+            random_normal(rng, (layers, experts, ffn, hidden), dtype, scale=ffn**-0.5))
+

@@ -1,0 +1,23 @@
+# Entry points; each one sets up what it needs first (scripts/setup.sh is idempotent).
+.PHONY: setup demo test test-cpp test-python bench clean
+
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	.venv/bin/nodrop demo
+
+test: setup test-cpp test-python
+
+test-cpp:
+	ctest --test-dir build/wheel --output-on-failure
+
+# The console script (not `python -m`) so the installed package is tested, not the source tree.
+test-python:
+	.venv/bin/pytest -q tests/python
+
+bench: setup
+	.venv/bin/nodrop bench --out bench/results
+
+clean:
+	rm -rf build .venv

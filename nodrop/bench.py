@@ -54,10 +54,10 @@ PASSES = {"forward": (forward, 1), "forward+backward": (forward_backward, 3)}  #
 
 
 def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+    """argparse type: an integer >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
 
 
 def median_ms(fn, args, iters: int, warmup: int = 2) -> float:
@@ -142,10 +142,12 @@ def summarize(cases: list[dict]) -> list[dict]:
 
 
 def verdict(row: dict, key: str) -> str:
-    return ("PASS" if row[key] else "FAIL") if key in row else ""
+    """' PASS' or ' FAIL' where the row has the target `key`, else ''."""
+    return (" PASS" if row[key] else " FAIL") if key in row else ""
 
 
 def check(row: dict) -> str:
+    """nodrop's output vs jax.lax.ragged_dot's (forward rows only)."""
     if "check_ok" not in row:
         return ""
     return f"{row['check']:.0e} {'ok' if row['check_ok'] else 'FAIL'}"
@@ -170,8 +172,8 @@ def markdown(summary: list[dict], meta: dict) -> str:
             f"| {row['dtype']} | {row['group_sizes']} | {row['passes']} "
             f"| {row['nodrop_gflops']:.1f} | {row['dense_gflops']:.1f} "
             f"| {row['ragged_dot_gflops']:.1f} "
-            f"| {row['nodrop_vs_dense']:.2f}x {verdict(row, 'vs_dense_pass')} "
-            f"| {row['nodrop_vs_ragged_dot']:.2f}x {verdict(row, 'vs_ragged_dot_pass')} "
+            f"| {row['nodrop_vs_dense']:.2f}x{verdict(row, 'vs_dense_pass')} "
+            f"| {row['nodrop_vs_ragged_dot']:.2f}x{verdict(row, 'vs_ragged_dot_pass')} "
             f"| {check(row)} |")
     return "\n".join(lines) + "\n"
 

@@ -76,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experts", type=positive_int, default=8, help="E (default: 8)")
     parser.add_argument("--topk", type=positive_int, default=2,
                         help="experts per token, at most E (default: 2)")
-    parser.add_argument("--dtype", choices=tuple(TOLERANCE), default="float32")
+    parser.add_argument("--dtype", choices=tuple(TOLERANCE), default="float32",
+                        help="dtype of the tokens and weights (default: float32)")
     parser.add_argument("--iters", type=positive_int, default=5,
                         help="timed steps per layer, after warm-up (default: 5)")
 

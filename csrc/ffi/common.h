@@ -4,7 +4,13 @@
 // be called directly with jax.ffi.ffi_call, and a wrong shape must never reach the engine.
 #pragma once
 
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 
@@ -57,6 +63,49 @@ inline ffi::ErrorOr<DType> require_float(const char* name, const ffi::AnyBuffer&
   if (auto dtype = float_dtype(buffer.element_type())) return *dtype;
   return ffi::Error::InvalidArgument(std::string(name) + " must be float32, float16 or bfloat16");
 }
+
+// The engine's ParallelRunner over XLA's intra-op thread pool. The calling thread takes items
+// too, so a loop finishes even when every pool thread is busy; helpers that start after the
+// last item only find the (shared, still alive) counter exhausted.
+class XlaThreadPoolRunner final : public ParallelRunner {
+ public:
+  explicit XlaThreadPoolRunner(ffi::ThreadPool pool) : pool_(pool) {}
+
+  int64_t num_workers() const override {
+    return std::max<int64_t>(1, const_cast<ffi::ThreadPool&>(pool_).num_threads());
+  }
+
+  void parallel_for(int64_t n, const std::function<void(int64_t)>& fn) override {
+    struct Loop {
+      std::atomic<int64_t> next{0}, done{0};
+      int64_t n = 0;
+      const std::function<void(int64_t)>* fn = nullptr;
+      std::mutex mu;
+      std::condition_variable finished;
+    };
+    auto loop = std::make_shared<Loop>();
+    loop->n = n;
+    loop->fn = &fn;
+    auto work = [](Loop& l) {
+      for (int64_t i; (i = l.next.fetch_add(1)) < l.n;) {
+        (*l.fn)(i);
+        if (l.done.fetch_add(1) + 1 == l.n) {
+          std::lock_guard<std::mutex> lock(l.mu);
+          l.finished.notify_all();
+        }
+      }
+    };
+    for (int64_t h = 1; h < std::min(n, num_workers()); ++h) {
+      pool_.Schedule([loop, work] { work(*loop); });
+    }
+    work(*loop);
+    std::unique_lock<std::mutex> lock(loop->mu);
+    loop->finished.wait(lock, [&] { return loop->done.load() == n; });
+  }
+
+ private:
+  ffi::ThreadPool pool_;
+};
 
 }  // namespace nodrop::ffi_glue
 

@@ -5,8 +5,9 @@ namespace nodrop::ffi_glue {
 namespace {
 
 // lhs [M, K], rhs [G, K, N] (or [G, N, K] transposed), group_sizes [G] -> out [M, N].
-ffi::Error GroupedMatmulCpu(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::Buffer<ffi::S32> group_sizes,
+ffi::Error GroupedMatmulCpu(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::Buffer<ffi::S32> group_sizes,
                             ffi::Result<ffi::AnyBuffer> out, bool transpose_rhs, bool checked) {
+  XlaThreadPoolRunner runner(pool);
   NODROP_RETURN_IF_ERROR(require_rank("lhs", lhs, 2));
   NODROP_RETURN_IF_ERROR(require_rank("rhs", rhs, 3));
   NODROP_RETURN_IF_ERROR(require_rank("group_sizes", group_sizes, 1));
@@ -26,13 +27,14 @@ ffi::Error GroupedMatmulCpu(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::Buffer<
   if (!out_dtype) return out_dtype.error();
   return to_ffi_error(cpu::grouped_matmul(lhs.untyped_data(), rhs.untyped_data(), *in_dtype,
                                           group_sizes.typed_data(), M, K, N, G, transpose_rhs,
-                                          out->untyped_data(), *out_dtype, checked));
+                                          out->untyped_data(), *out_dtype, checked, &runner));
 }
 
 // lhs [M, K], rhs [M, N], group_sizes [G] -> out [G, K, N].
-ffi::Error GroupedMatmulContractCpu(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+ffi::Error GroupedMatmulContractCpu(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                                     ffi::Buffer<ffi::S32> group_sizes,
                                     ffi::Result<ffi::AnyBuffer> out, bool checked) {
+  XlaThreadPoolRunner runner(pool);
   NODROP_RETURN_IF_ERROR(require_rank("lhs", lhs, 2));
   NODROP_RETURN_IF_ERROR(require_rank("rhs", rhs, 2));
   NODROP_RETURN_IF_ERROR(require_rank("group_sizes", group_sizes, 1));
@@ -52,7 +54,7 @@ ffi::Error GroupedMatmulContractCpu(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
   if (!out_dtype) return out_dtype.error();
   return to_ffi_error(cpu::grouped_matmul_contract(lhs.untyped_data(), rhs.untyped_data(),
                                                    *in_dtype, group_sizes.typed_data(), M, K, N, G,
-                                                   out->untyped_data(), *out_dtype, checked));
+                                                   out->untyped_data(), *out_dtype, checked, &runner));
 }
 
 }  // namespace
@@ -62,6 +64,7 @@ namespace ffi = xla::ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropGroupedMatmulCpu, nodrop::ffi_glue::GroupedMatmulCpu,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -72,6 +75,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropGroupedMatmulCpu, nodrop::ffi_glue::GroupedM
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropGroupedMatmulContractCpu,
                               nodrop::ffi_glue::GroupedMatmulContractCpu,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

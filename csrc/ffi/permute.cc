@@ -6,10 +6,11 @@ namespace nodrop::ffi_glue {
 namespace {
 
 // x [T, H], ids [T, k] -> rows [T*k, H], group_sizes [E], row_map [T*k].
-ffi::Error PermuteCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::AnyBuffer> rows,
+ffi::Error PermuteCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::AnyBuffer> rows,
                       ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
                       ffi::Result<ffi::Buffer<ffi::S32>> row_map, int64_t num_experts,
                       bool checked) {
+  XlaThreadPoolRunner runner(pool);
   NODROP_RETURN_IF_ERROR(require_rank("x", x, 2));
   NODROP_RETURN_IF_ERROR(require_rank("ids", ids, 2));
   const int64_t T = x.dimensions()[0], H = x.dimensions()[1], k = ids.dimensions()[1];
@@ -28,13 +29,14 @@ ffi::Error PermuteCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids, ffi::Result<f
                                       row_map->typed_data(), group_sizes->typed_data());
   if (!status.ok()) return to_ffi_error(status);
   cpu::scatter_rows(x.untyped_data(), *dtype, row_map->typed_data(), nullptr, T, k, H,
-                    rows->untyped_data());
+                    rows->untyped_data(), &runner);
   return ffi::Error::Success();
 }
 
 // src [T, H], row_map [T*k], weights [T, k] -> dst [T*k, H].
-ffi::Error ScatterRowsCpu(ffi::AnyBuffer src, ffi::Buffer<ffi::S32> row_map,
+ffi::Error ScatterRowsCpu(ffi::ThreadPool pool, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> row_map,
                           ffi::Buffer<ffi::F32> weights, ffi::Result<ffi::AnyBuffer> dst) {
+  XlaThreadPoolRunner runner(pool);
   NODROP_RETURN_IF_ERROR(require_rank("src", src, 2));
   NODROP_RETURN_IF_ERROR(require_rank("weights", weights, 2));
   const int64_t T = src.dimensions()[0], H = src.dimensions()[1], k = weights.dimensions()[1];
@@ -50,13 +52,14 @@ ffi::Error ScatterRowsCpu(ffi::AnyBuffer src, ffi::Buffer<ffi::S32> row_map,
     return ffi::Error::InvalidArgument("dst must have the dtype of src");
   }
   cpu::scatter_rows(src.untyped_data(), *dtype, row_map.typed_data(), weights.typed_data(), T, k,
-                    H, dst->untyped_data());
+                    H, dst->untyped_data(), &runner);
   return ffi::Error::Success();
 }
 
 // rows [T*k, H], row_map [T*k], weights [T, k] -> out [T, H].
-ffi::Error GatherRowsCpu(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> row_map,
+ffi::Error GatherRowsCpu(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> row_map,
                          ffi::Buffer<ffi::F32> weights, ffi::Result<ffi::AnyBuffer> out) {
+  XlaThreadPoolRunner runner(pool);
   NODROP_RETURN_IF_ERROR(require_rank("weights", weights, 2));
   const int64_t T = weights.dimensions()[0], k = weights.dimensions()[1];
   NODROP_RETURN_IF_ERROR(require_rank("rows", rows, 2));
@@ -73,13 +76,14 @@ ffi::Error GatherRowsCpu(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> row_map,
     return ffi::Error::InvalidArgument("out must have the dtype of rows");
   }
   cpu::gather_rows(rows.untyped_data(), *dtype, row_map.typed_data(), weights.typed_data(), T, k,
-                   H, out->untyped_data());
+                   H, out->untyped_data(), &runner);
   return ffi::Error::Success();
 }
 
 // a [T, H], rows [T*k, H], row_map [T*k] -> out [T, k] float32.
-ffi::Error GatherRowDotsCpu(ffi::AnyBuffer a, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> row_map,
+ffi::Error GatherRowDotsCpu(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> row_map,
                             ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  XlaThreadPoolRunner runner(pool);
   NODROP_RETURN_IF_ERROR(require_rank("a", a, 2));
   NODROP_RETURN_IF_ERROR(require_rank("out", *out, 2));
   const int64_t T = a.dimensions()[0], H = a.dimensions()[1], k = out->dimensions()[1];
@@ -95,7 +99,7 @@ ffi::Error GatherRowDotsCpu(ffi::AnyBuffer a, ffi::AnyBuffer rows, ffi::Buffer<f
     return ffi::Error::InvalidArgument("rows must have the dtype of a");
   }
   cpu::gather_row_dots(a.untyped_data(), rows.untyped_data(), *dtype, row_map.typed_data(), T, k,
-                       H, out->typed_data());
+                       H, out->typed_data(), &runner);
   return ffi::Error::Success();
 }
 
@@ -106,6 +110,7 @@ namespace ffi = xla::ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropPermuteCpu, nodrop::ffi_glue::PermuteCpu,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
@@ -116,6 +121,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropPermuteCpu, nodrop::ffi_glue::PermuteCpu,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropScatterRowsCpu, nodrop::ffi_glue::ScatterRowsCpu,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -123,6 +129,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropScatterRowsCpu, nodrop::ffi_glue::ScatterRow
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropGatherRowsCpu, nodrop::ffi_glue::GatherRowsCpu,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -130,6 +137,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropGatherRowsCpu, nodrop::ffi_glue::GatherRowsC
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropGatherRowDotsCpu, nodrop::ffi_glue::GatherRowDotsCpu,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -32,11 +32,12 @@ ffi::ErrorOr<RouterConfig> router_config(int64_t num_tokens, int64_t num_experts
 }
 
 // logits [T, E], expert_bias [E] -> weights [T, k], ids [T, k].
-ffi::Error TopkRouterCpu(ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::F32> expert_bias,
+ffi::Error TopkRouterCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::F32> expert_bias,
                          ffi::Result<ffi::Buffer<ffi::F32>> weights,
                          ffi::Result<ffi::Buffer<ffi::S32>> ids, int64_t k,
                          std::string_view score_function, int64_t num_groups, int64_t topk_groups,
                          bool renormalize, float scaling_factor) {
+  XlaThreadPoolRunner runner(pool);
   NODROP_RETURN_IF_ERROR(require_rank("logits", logits, 2));
   const int64_t T = logits.dimensions()[0], E = logits.dimensions()[1];
   NODROP_RETURN_IF_ERROR(require_rank("expert_bias", expert_bias, 1));
@@ -49,15 +50,16 @@ ffi::Error TopkRouterCpu(ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::F32> exp
                               scaling_factor);
   if (!config) return config.error();
   return to_ffi_error(cpu::topk_router(logits.typed_data(), expert_bias.typed_data(), *config,
-                                       weights->typed_data(), ids->typed_data()));
+                                       weights->typed_data(), ids->typed_data(), &runner));
 }
 
 // logits [T, E], ids [T, k], grad_weights [T, k] -> grad_logits [T, E].
-ffi::Error TopkRouterGradCpu(ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::S32> ids,
+ffi::Error TopkRouterGradCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::S32> ids,
                              ffi::Buffer<ffi::F32> grad_weights,
                              ffi::Result<ffi::Buffer<ffi::F32>> grad_logits, int64_t k,
                              std::string_view score_function, int64_t num_groups,
                              int64_t topk_groups, bool renormalize, float scaling_factor) {
+  XlaThreadPoolRunner runner(pool);
   NODROP_RETURN_IF_ERROR(require_rank("logits", logits, 2));
   const int64_t T = logits.dimensions()[0], E = logits.dimensions()[1];
   NODROP_RETURN_IF_ERROR(require_rank("ids", ids, 2));
@@ -73,7 +75,7 @@ ffi::Error TopkRouterGradCpu(ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::S32>
   if (!config) return config.error();
   return to_ffi_error(cpu::topk_router_grad(logits.typed_data(), ids.typed_data(),
                                             grad_weights.typed_data(), *config,
-                                            grad_logits->typed_data()));
+                                            grad_logits->typed_data(), &runner));
 }
 
 }  // namespace
@@ -91,6 +93,7 @@ namespace ffi = xla::ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropTopkRouterCpu, nodrop::ffi_glue::TopkRouterCpu,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
@@ -98,6 +101,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropTopkRouterCpu, nodrop::ffi_glue::TopkRouterC
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropTopkRouterGradCpu, nodrop::ffi_glue::TopkRouterGradCpu,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -7,13 +7,16 @@
 #include <vector>
 
 #include "engine/cpu/convert.h"
+#include "engine/cpu/parallel.h"
 #include "nodrop/engine.h"
 
 namespace nodrop::cpu {
 namespace {
 
-// Parallelise only loops with enough work to pay for waking the OpenMP team.
-constexpr int64_t kParallelElems = 1 << 15;
+// Elements per parallel block: smaller loops are not worth waking another thread for.
+constexpr int64_t kMinBlockElems = 1 << 14;
+
+int64_t min_rows(int64_t H) { return std::max<int64_t>(1, kMinBlockElems / std::max<int64_t>(H, 1)); }
 
 template <typename T>
 struct Storage;  // float <-> storage element for one dtype, so the row loops are monomorphic
@@ -81,7 +84,7 @@ Status sort_by_expert(const int32_t* ids, int64_t T, int64_t k, int64_t E, bool 
 }
 
 void scatter_rows(const void* src, DType dtype, const int32_t* row_map, const float* weights,
-                  int64_t T, int64_t k, int64_t H, void* dst) {
+                  int64_t T, int64_t k, int64_t H, void* dst, ParallelRunner* runner) {
   const int64_t num_rows = T * k;
   // Rows no slot maps to (dropped slots) must read as zero.
   std::vector<char> written(num_rows, 0);
@@ -92,38 +95,36 @@ void scatter_rows(const void* src, DType dtype, const int32_t* row_map, const fl
     using T_ = decltype(tag);
     const T_* in = static_cast<const T_*>(src);
     T_* out = static_cast<T_*>(dst);
-#pragma omp parallel for schedule(static) if (num_rows * H > kParallelElems)
-    for (int64_t r = 0; r < num_rows; ++r) {
-      if (!written[r]) std::memset(out + r * H, 0, H * sizeof(T_));
-    }
-#pragma omp parallel for schedule(static) if (num_rows * H > kParallelElems)
-    for (int64_t i = 0; i < num_rows; ++i) {
-      const int32_t row = row_map[i];
-      if (!in_range(row, num_rows)) continue;
-      const T_* x = in + (i / k) * H;
-      T_* y = out + static_cast<int64_t>(row) * H;
-      if (weights == nullptr) {
-        std::memcpy(y, x, H * sizeof(T_));
-      } else {
-        const float w = weights[i];
-        for (int64_t h = 0; h < H; ++h) y[h] = Storage<T_>::store(w * Storage<T_>::load(x[h]));
+    parallel_blocks(runner, num_rows, min_rows(H), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        if (!written[r]) std::memset(out + r * H, 0, H * sizeof(T_));
       }
-    }
+      for (int64_t i = begin; i < end; ++i) {
+        const int32_t row = row_map[i];
+        if (!in_range(row, num_rows)) continue;
+        const T_* x = in + (i / k) * H;
+        T_* y = out + static_cast<int64_t>(row) * H;
+        if (weights == nullptr) {
+          std::memcpy(y, x, H * sizeof(T_));
+        } else {
+          const float w = weights[i];
+          for (int64_t h = 0; h < H; ++h) y[h] = Storage<T_>::store(w * Storage<T_>::load(x[h]));
+        }
+      }
+    });
   });
 }
 
 void gather_rows(const void* src, DType dtype, const int32_t* row_map, const float* weights,
-                 int64_t T, int64_t k, int64_t H, void* dst) {
+                 int64_t T, int64_t k, int64_t H, void* dst, ParallelRunner* runner) {
   const int64_t num_rows = T * k;
   dispatch(dtype, [&](auto tag) {
     using T_ = decltype(tag);
     const T_* in = static_cast<const T_*>(src);
     T_* out = static_cast<T_*>(dst);
-#pragma omp parallel if (T * H > kParallelElems)
-    {
+    parallel_blocks(runner, T, min_rows(H), [&](int64_t begin, int64_t end) {
       std::vector<float> acc(H);
-#pragma omp for schedule(static)
-      for (int64_t t = 0; t < T; ++t) {
+      for (int64_t t = begin; t < end; ++t) {
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t s = 0; s < k; ++s) {  // fixed slot order: the sum is deterministic
           const int32_t row = row_map[t * k + s];
@@ -134,32 +135,33 @@ void gather_rows(const void* src, DType dtype, const int32_t* row_map, const flo
         }
         for (int64_t h = 0; h < H; ++h) out[t * H + h] = Storage<T_>::store(acc[h]);
       }
-    }
+    });
   });
 }
 
 void gather_row_dots(const void* a, const void* rows, DType dtype, const int32_t* row_map,
-                     int64_t T, int64_t k, int64_t H, float* out) {
+                     int64_t T, int64_t k, int64_t H, float* out, ParallelRunner* runner) {
   const int64_t num_rows = T * k;
   dispatch(dtype, [&](auto tag) {
     using T_ = decltype(tag);
     const T_* lhs = static_cast<const T_*>(a);
     const T_* rhs = static_cast<const T_*>(rows);
-#pragma omp parallel for schedule(static) if (num_rows * H > kParallelElems)
-    for (int64_t i = 0; i < num_rows; ++i) {
-      const int32_t row = row_map[i];
-      if (!in_range(row, num_rows)) {
-        out[i] = 0.0f;
-        continue;
+    parallel_blocks(runner, num_rows, min_rows(H), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int32_t row = row_map[i];
+        if (!in_range(row, num_rows)) {
+          out[i] = 0.0f;
+          continue;
+        }
+        const T_* x = lhs + (i / k) * H;
+        const T_* y = rhs + static_cast<int64_t>(row) * H;
+        double dot = 0.0;  // double keeps long rows accurate to float32 rounding
+        for (int64_t h = 0; h < H; ++h) {
+          dot += static_cast<double>(Storage<T_>::load(x[h])) * Storage<T_>::load(y[h]);
+        }
+        out[i] = static_cast<float>(dot);
       }
-      const T_* x = lhs + (i / k) * H;
-      const T_* y = rhs + static_cast<int64_t>(row) * H;
-      double dot = 0.0;  // double keeps long rows accurate to float32 rounding
-      for (int64_t h = 0; h < H; ++h) {
-        dot += static_cast<double>(Storage<T_>::load(x[h])) * Storage<T_>::load(y[h]);
-      }
-      out[i] = static_cast<float>(dot);
-    }
+    });
   });
 }
 

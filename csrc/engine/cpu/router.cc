@@ -3,12 +3,14 @@
 #include <cmath>
 #include <vector>
 
+#include "engine/cpu/parallel.h"
 #include "nodrop/engine.h"
 
 namespace nodrop::cpu {
 namespace {
 
 constexpr double kRenormEps = 1e-20;  // guards a zero sum of selected scores, as the reference
+constexpr int64_t kMinBlockTokens = 256;  // tokens per parallel block
 
 // scores[e] from one token's logits: softmax over the experts, or elementwise sigmoid.
 void token_scores(const float* logits, const RouterConfig& c, double* scores) {
@@ -62,16 +64,14 @@ void allowed_experts(const double* selection, const RouterConfig& c, std::vector
 }  // namespace
 
 Status topk_router(const float* logits, const float* expert_bias, const RouterConfig& c,
-                   float* weights, int32_t* ids) {
+                   float* weights, int32_t* ids, ParallelRunner* runner) {
   Status status = validate_router_config(c);
   if (!status.ok()) return status;
   const int64_t E = c.num_experts, k = c.k;
-#pragma omp parallel if (c.num_tokens * E > (1 << 14))
-  {
+  parallel_blocks(runner, c.num_tokens, kMinBlockTokens, [&](int64_t begin, int64_t end) {
     std::vector<double> scores(E), selection(E);
     std::vector<char> allowed(E);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < c.num_tokens; ++t) {
+    for (int64_t t = begin; t < end; ++t) {
       token_scores(logits + t * E, c, scores.data());
       for (int64_t e = 0; e < E; ++e) {
         selection[e] = scores[e] + (expert_bias ? double(expert_bias[e]) : 0.0);
@@ -88,20 +88,18 @@ Status topk_router(const float* logits, const float* expert_bias, const RouterCo
         weights[t * k + j] = static_cast<float>(scores[ids[t * k + j]] / norm * c.scaling_factor);
       }
     }
-  }
+  });
   return Status::Ok();
 }
 
 Status topk_router_grad(const float* logits, const int32_t* ids, const float* grad_weights,
-                        const RouterConfig& c, float* grad_logits) {
+                        const RouterConfig& c, float* grad_logits, ParallelRunner* runner) {
   Status status = validate_router_config(c);
   if (!status.ok()) return status;
   const int64_t E = c.num_experts, k = c.k;
-#pragma omp parallel if (c.num_tokens * E > (1 << 14))
-  {
+  parallel_blocks(runner, c.num_tokens, kMinBlockTokens, [&](int64_t begin, int64_t end) {
     std::vector<double> scores(E), grad_scores(E);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < c.num_tokens; ++t) {
+    for (int64_t t = begin; t < end; ++t) {
       token_scores(logits + t * E, c, scores.data());
       const int32_t* token_ids = ids + t * k;
       const float* g = grad_weights + t * k;
@@ -135,7 +133,7 @@ Status topk_router_grad(const float* logits, const int32_t* ids, const float* gr
         }
       }
     }
-  }
+  });
   return Status::Ok();
 }
 

@@ -1,5 +1,5 @@
-// Tests of clamp_group_offsets, grouped_matmul and grouped_matmul_contract against naive
-// double-precision loops.
+// Tests of the dtype helpers, clamp_group_offsets, grouped_matmul and grouped_matmul_contract
+// (serial and on a parallel runner) against naive double-precision loops.
 
 #include <gtest/gtest.h>
 
@@ -25,6 +25,7 @@ using nodrop_test::mentions;
 using nodrop_test::random_array;
 using nodrop_test::rel_error;
 using nodrop_test::short_name;
+using nodrop_test::ThreadRunner;
 using nodrop_test::tolerance;
 using Sizes = std::vector<int32_t>;
 
@@ -86,7 +87,7 @@ const std::vector<Shape>& shapes() {
       {"all rows in one group", 40, 16, 24, {0, 40, 0}},
       {"a single group", 23, 9, 5, {23}},
       {"a single row", 1, 5, 3, {0, 1}},
-      {"larger, blocked paths", 300, 130, 70, {100, 37, 0, 150}},
+      {"larger than a kernel tile", 300, 130, 70, {100, 37, 0, 150}},
   };
   return kShapes;
 }
@@ -111,9 +112,20 @@ const std::vector<InvalidSizes>& invalid_sizes() {
 
 Status run_grouped_matmul(const void* lhs, const void* rhs, DType in, const int32_t* sizes,
                           int64_t M, int64_t K, int64_t N, int64_t G, bool transpose_rhs,
-                          Array& out, bool checked) {
+                          Array& out, bool checked, nodrop::ParallelRunner* runner = nullptr) {
   return nodrop::cpu::grouped_matmul(lhs, rhs, in, sizes, M, K, N, G, transpose_rhs, out.data(),
-                                     out.dtype(), checked);
+                                     out.dtype(), checked, runner);
+}
+
+// ---- dtype helpers ---------------------------------------------------------------------------
+
+TEST(DTypeHelpers, SizesAndNamesFollowNumpy) {
+  EXPECT_EQ(nodrop::dtype_size(DType::kFloat32), 4);
+  EXPECT_EQ(nodrop::dtype_size(DType::kFloat16), 2);
+  EXPECT_EQ(nodrop::dtype_size(DType::kBFloat16), 2);
+  EXPECT_STREQ(nodrop::dtype_name(DType::kFloat32), "float32");
+  EXPECT_STREQ(nodrop::dtype_name(DType::kFloat16), "float16");
+  EXPECT_STREQ(nodrop::dtype_name(DType::kBFloat16), "bfloat16");
 }
 
 // ---- clamp_group_offsets -----------------------------------------------------------------------
@@ -335,12 +347,41 @@ TEST(GroupedMatmul, TwoCallsGiveBitwiseIdenticalOutputs) {
   }
 }
 
+TEST(GroupedMatmul, ParallelRunnerMatchesReferenceAndRepeatsBitwise) {
+  // Big enough that the engine cuts the groups into blocks for the runner's workers.
+  const int64_t M = 300, K = 130, N = 70;
+  const Sizes sizes = {100, 37, 0, 150};
+  const int64_t G = sizes.size();
+  std::mt19937 rng(18);
+  for (DType dtype : kAllDtypes) {
+    for (bool transpose : {false, true}) {
+      SCOPED_TRACE(std::string(short_name(dtype)) + (transpose ? " rhsT" : ""));
+      const Array lhs = random_array(dtype, M * K, rng);
+      const Array rhs = random_array(dtype, G * K * N, rng);
+      ThreadRunner runner(4);
+      Array a(dtype, M * N), b(dtype, M * N);
+      ASSERT_TRUE(run_grouped_matmul(lhs.data(), rhs.data(), dtype, sizes.data(), M, K, N, G,
+                                     transpose, a, false, &runner).ok());
+      ASSERT_TRUE(run_grouped_matmul(lhs.data(), rhs.data(), dtype, sizes.data(), M, K, N, G,
+                                     transpose, b, false, &runner).ok());
+      EXPECT_GT(runner.calls(), 0) << "shape too small to exercise the runner";
+      EXPECT_TRUE(a.canaries_intact());
+      const auto got = a.values();
+      EXPECT_LE(rel_error(got, naive_grouped_matmul(lhs, rhs, sizes, M, K, N, transpose)),
+                tolerance(dtype, dtype));
+      EXPECT_EQ(first_nonzero(got, 287 * N, M * N), -1) << "rows past the groups";
+      EXPECT_EQ(a.raw(), b.raw());
+    }
+  }
+}
+
 // ---- grouped_matmul_contract -------------------------------------------------------------------
 
 Status run_contract(const void* lhs, const void* rhs, DType in, const int32_t* sizes, int64_t M,
-                    int64_t K, int64_t N, int64_t G, Array& out, bool checked) {
+                    int64_t K, int64_t N, int64_t G, Array& out, bool checked,
+                    nodrop::ParallelRunner* runner = nullptr) {
   return nodrop::cpu::grouped_matmul_contract(lhs, rhs, in, sizes, M, K, N, G, out.data(),
-                                              out.dtype(), checked);
+                                              out.dtype(), checked, runner);
 }
 
 using ContractParam = std::tuple<DType, DType>;  // in dtype, out dtype
@@ -469,6 +510,31 @@ TEST(GroupedMatmulContract, TwoCallsGiveBitwiseIdenticalOutputs) {
     ASSERT_TRUE(run_contract(lhs.data(), rhs.data(), dtype, sizes.data(), M, K, N, G, a, false).ok());
     ASSERT_TRUE(run_contract(lhs.data(), rhs.data(), dtype, sizes.data(), M, K, N, G, b, false).ok());
     EXPECT_EQ(a.raw(), b.raw()) << short_name(dtype);
+  }
+}
+
+TEST(GroupedMatmulContract, ParallelRunnerMatchesReferenceAndRepeatsBitwise) {
+  // K = 130 rows of output per group: enough for the engine to split each group into blocks.
+  const int64_t M = 300, K = 130, N = 50;
+  const Sizes sizes = {100, 37, 0, 150};
+  const int64_t G = sizes.size();
+  std::mt19937 rng(19);
+  for (DType dtype : kAllDtypes) {
+    SCOPED_TRACE(short_name(dtype));
+    const Array lhs = random_array(dtype, M * K, rng);
+    const Array rhs = random_array(dtype, M * N, rng);
+    ThreadRunner runner(4);
+    Array a(dtype, G * K * N), b(dtype, G * K * N);
+    ASSERT_TRUE(run_contract(lhs.data(), rhs.data(), dtype, sizes.data(), M, K, N, G, a, false,
+                             &runner).ok());
+    ASSERT_TRUE(run_contract(lhs.data(), rhs.data(), dtype, sizes.data(), M, K, N, G, b, false,
+                             &runner).ok());
+    EXPECT_GT(runner.calls(), 0) << "shape too small to exercise the runner";
+    EXPECT_TRUE(a.canaries_intact());
+    const auto got = a.values();
+    EXPECT_LE(rel_error(got, naive_contract(lhs, rhs, sizes, M, K, N)), tolerance(dtype, dtype));
+    EXPECT_EQ(first_nonzero(got, 2 * K * N, 3 * K * N), -1) << "empty group 2";
+    EXPECT_EQ(a.raw(), b.raw());
   }
 }
 

@@ -6,12 +6,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <ostream>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "nodrop/engine.h"
@@ -105,8 +109,9 @@ constexpr unsigned char kCanary = 0xA5;
 template <typename T>
 class Guarded {
  public:
-  Guarded(int64_t n, T fill) : n_(n), storage_(2 * kGuardBytes + n * sizeof(T), kCanary) {
-    std::fill(data(), data() + n, fill);
+  Guarded(int64_t n, T fill)
+      : n_(std::max<int64_t>(n, 0)), storage_(2 * kGuardBytes + n_ * sizeof(T), kCanary) {
+    std::fill_n(data(), n_, fill);
   }
   T* data() { return reinterpret_cast<T*>(storage_.data() + kGuardBytes); }
   const T* data() const { return reinterpret_cast<const T*>(storage_.data() + kGuardBytes); }
@@ -209,6 +214,32 @@ class Fenced {
   int64_t map_bytes_ = 0;
 };
 
+// ---- parallel runner ---------------------------------------------------------------------------
+
+// A ParallelRunner in the way of XLA's intra-op pool: parallel_for hands the indices out to
+// `workers` threads. calls() tells whether the engine used it, i.e. whether a test's shape is big
+// enough to exercise the parallel path at all.
+class ThreadRunner : public nodrop::ParallelRunner {
+ public:
+  explicit ThreadRunner(int64_t workers) : workers_(workers) {}
+  int64_t num_workers() const override { return workers_; }
+  void parallel_for(int64_t n, const std::function<void(int64_t)>& fn) override {
+    ++calls_;
+    std::atomic<int64_t> next{0};
+    std::vector<std::thread> threads;
+    for (int64_t w = 0; w < workers_; ++w)
+      threads.emplace_back([&] {
+        for (int64_t i = next++; i < n; i = next++) fn(i);
+      });
+    for (std::thread& t : threads) t.join();
+  }
+  int64_t calls() const { return calls_; }
+
+ private:
+  int64_t workers_;
+  std::atomic<int64_t> calls_{0};
+};
+
 // ---- data and comparisons -------------------------------------------------------------------
 
 // Uniform values in [lo, hi], rounded to the array's dtype. Fixed seed per call site.
@@ -259,3 +290,8 @@ inline bool mentions(const Status& s, const std::string& word) {
 constexpr DType kAllDtypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
 
 }  // namespace nodrop_test
+
+namespace nodrop {
+// Lets GoogleTest (and so ctest's test names) print a dtype parameter by name.
+inline void PrintTo(DType dtype, std::ostream* os) { *os << nodrop_test::short_name(dtype); }
+}  // namespace nodrop

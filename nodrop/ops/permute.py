@@ -132,7 +132,8 @@ def _scatter_rows_fwd(src, row_map, weights):
 def _scatter_rows_bwd(residuals, grad):
     src, row_map, weights = residuals
     grad = grad.astype(src.dtype)
-    return (_gather_rows(grad, row_map, weights), None, _gather_row_dots(src, grad, row_map, weights.shape[1]))
+    return (_gather_rows(grad, row_map, weights), None,
+            _gather_row_dots(src, grad, row_map, weights.shape[1]))
 
 
 _scatter_rows.defvjp(_scatter_rows_fwd, _scatter_rows_bwd)
@@ -153,8 +154,8 @@ def _gather_row_dots_fwd(a, rows, row_map, k):
 
 def _gather_row_dots_bwd(k, residuals, grad):
     a, rows, row_map = residuals
-    return (_gather_rows(rows, row_map, grad).astype(a.dtype), None,
-            _scatter_rows(a, row_map, grad).astype(rows.dtype))
+    return (_gather_rows(rows, row_map, grad).astype(a.dtype),
+            _scatter_rows(a, row_map, grad).astype(rows.dtype), None)
 
 
 _gather_row_dots.defvjp(_gather_row_dots_fwd, _gather_row_dots_bwd)

@@ -56,19 +56,20 @@ def as_f64(x) -> np.ndarray:
     return np.asarray(x).astype(np.float64)
 
 
-def relative_error(actual, expected) -> float:
-    """max |actual - expected| / max |expected|; the denominator is guarded against zero, so an
-    all-zero reference demands an (essentially) exactly zero result. NaN gives NaN (fails)."""
+def relative_error(actual, expected, floor: float = 1e-300) -> float:
+    """max |actual - expected| / max |expected|. The denominator is at least `floor`: by default
+    an all-zero reference demands an (essentially) exactly zero result; a gradient that is zero
+    up to rounding passes a floor of the scale its terms have. NaN gives NaN (fails)."""
     actual, expected = as_f64(actual), as_f64(expected)
     assert actual.shape == expected.shape, f"shape {actual.shape} != reference {expected.shape}"
     if actual.size == 0:
         return 0.0
-    denom = max(float(np.max(np.abs(expected))), 1e-300)
+    denom = max(float(np.max(np.abs(expected))), floor)
     return float(np.max(np.abs(actual - expected))) / denom
 
 
-def assert_close(actual, expected, tol: float, what: str = "result") -> None:
-    err = relative_error(actual, expected)
+def assert_close(actual, expected, tol: float, what: str = "result", floor: float = 1e-300):
+    err = relative_error(actual, expected, floor)
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol:g}"
 
 
@@ -90,16 +91,18 @@ def f64(x):
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_reference(name: str, static: tuple):
-    return jax.jit(functools.partial(getattr(reference, name), **dict(static)))
+def _jitted_reference(fn, static: tuple):
+    return jax.jit(functools.partial(fn, **dict(static)))
 
 
-def ref64(name: str, *arrays, **static):
-    """Runs reference.<name> (jitted, keyed by its static keyword arguments) on float64 copies of
-    the float arrays; integer arrays are passed unchanged."""
+def ref64(fn, *arrays, **static):
+    """Runs a reference (a function, or the name of one in nodrop.ops.reference), jitted and
+    keyed by its static keyword arguments, on float64 copies of the float arrays; integer
+    arrays are passed unchanged."""
+    fn = getattr(reference, fn) if isinstance(fn, str) else fn
     args = [f64(a) if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating) else jnp.asarray(a)
             for a in arrays]
-    return _jitted_reference(name, tuple(sorted(static.items())))(*args)
+    return _jitted_reference(fn, tuple(sorted(static.items())))(*args)
 
 
 def ref64_vjp(fn, primals, cotangent):
@@ -155,7 +158,8 @@ def moe_layer(ops, x, params, *, k: int):
     """
     router, w_in, w_out = params
     num_experts = router.shape[1]
-    logits = jnp.dot(x, router, precision=jax.lax.Precision.HIGHEST)
+    acc = jnp.promote_types(x.dtype, jnp.float32)  # router logits in float32 (or float64)
+    logits = jnp.dot(x.astype(acc), router.astype(acc), precision=jax.lax.Precision.HIGHEST)
     weights, ids = ops.topk_router(logits, k, renormalize=True)
     rows, group_sizes, row_map = ops.permute(x, ids, num_experts)
     hidden = jnp.tanh(ops.grouped_matmul(rows, w_in, group_sizes))

@@ -1,0 +1,204 @@
+"""Every FFI target nodrop registers is called directly through jax.ffi.ffi_call.
+
+A target whose handler XLA rejects (wrong attribute types, buffer types, or an ABI mismatch with
+the installed jaxlib) fails here by name, independently of the ops built on top of it. Each call
+is checked against a small numpy computation of the engine contract (csrc/include/nodrop/engine.h).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import as_f64, int32, moe_layer, moe_params, random_normal
+
+import nodrop  # noqa: F401  (registers the targets)
+from nodrop import _ffi
+from nodrop.ops import reference
+
+CALLED: set[str] = set()
+
+
+def ffi(target, result_shape_dtypes, *args, **attrs):
+    """jax.ffi.ffi_call of one target, recording that it was called."""
+    CALLED.add(target)
+    return jax.ffi.ffi_call(target, result_shape_dtypes, vmap_method="sequential")(
+        *args, **attrs)
+
+
+def offsets(sizes, rows):
+    return np.minimum(np.concatenate([[0], np.cumsum(np.maximum(sizes, 0))]), rows)
+
+
+def numpy_grouped_matmul(lhs, rhs, sizes):
+    out = np.zeros((lhs.shape[0], rhs.shape[2]))
+    bounds = offsets(sizes, lhs.shape[0])
+    for g in range(rhs.shape[0]):
+        out[bounds[g]:bounds[g + 1]] = lhs[bounds[g]:bounds[g + 1]] @ rhs[g]
+    return out
+
+
+def row_map_of(ids, num_experts):
+    """Stable counting sort of the (token, slot) pairs by expert: row_map[t*k+s], -1 if dropped."""
+    flat = ids.reshape(-1)
+    row_map = -np.ones(flat.size, np.int64)
+    row = 0
+    for e in range(num_experts):
+        for i in np.flatnonzero(flat == e):
+            row_map[i] = row
+            row += 1
+    return row_map
+
+
+def check_grouped_matmul():
+    rng = np.random.default_rng(0)
+    lhs, rhs, sizes = random_normal(rng, (7, 3)), random_normal(rng, (2, 3, 4)), [2, 3]
+    out = ffi("nodrop_grouped_matmul", jax.ShapeDtypeStruct((7, 4), jnp.float32),
+              lhs, rhs, int32(sizes), transpose_rhs=np.bool_(False), checked=np.bool_(False))
+    np.testing.assert_allclose(as_f64(out), numpy_grouped_matmul(as_f64(lhs), as_f64(rhs), sizes),
+                               rtol=1e-5, atol=1e-6)
+    out_t = ffi("nodrop_grouped_matmul", jax.ShapeDtypeStruct((7, 4), jnp.bfloat16),
+                lhs, jnp.swapaxes(rhs, 1, 2), int32(sizes), transpose_rhs=np.bool_(True),
+                checked=np.bool_(True))
+    np.testing.assert_allclose(as_f64(out_t), as_f64(out), rtol=1e-2, atol=1e-2)
+
+
+def check_grouped_matmul_contract():
+    rng = np.random.default_rng(1)
+    lhs, rhs, sizes = random_normal(rng, (7, 3)), random_normal(rng, (7, 4)), [0, 5, 1]
+    out = ffi("nodrop_grouped_matmul_contract", jax.ShapeDtypeStruct((3, 3, 4), jnp.float32),
+              lhs, rhs, int32(sizes), checked=np.bool_(False))
+    bounds = offsets(sizes, 7)
+    lhs64, rhs64 = as_f64(lhs), as_f64(rhs)
+    expected = np.stack([lhs64[bounds[g]:bounds[g + 1]].T @ rhs64[bounds[g]:bounds[g + 1]]
+                         for g in range(3)])
+    np.testing.assert_allclose(as_f64(out), expected, rtol=1e-5, atol=1e-6)
+
+
+def check_permute():
+    x = random_normal(np.random.default_rng(2), (4, 3), jnp.bfloat16)
+    ids = np.asarray([[1, 0], [0, 2], [2, -1], [1, 1]])
+    rows, sizes, row_map = ffi(
+        "nodrop_permute",
+        (jax.ShapeDtypeStruct((8, 3), jnp.bfloat16), jax.ShapeDtypeStruct((3,), jnp.int32),
+         jax.ShapeDtypeStruct((8,), jnp.int32)),
+        x, int32(ids), num_experts=np.int64(3), checked=np.bool_(False))
+    expected_map = row_map_of(ids, 3)
+    np.testing.assert_array_equal(np.asarray(row_map), expected_map)
+    np.testing.assert_array_equal(np.asarray(sizes), [2, 3, 2])
+    expected_rows = np.zeros((8, 3))
+    for slot, row in enumerate(expected_map):
+        if row >= 0:
+            expected_rows[row] = as_f64(x)[slot // 2]
+    np.testing.assert_array_equal(as_f64(rows), expected_rows)
+
+
+PERMUTATION = np.asarray([4, 0, 5, 1, 2, 3])  # row_map of 3 tokens with k=2
+
+
+def check_scatter_rows():
+    rng = np.random.default_rng(3)
+    src, weights = random_normal(rng, (3, 5)), random_normal(rng, (3, 2))
+    out = ffi("nodrop_scatter_rows", jax.ShapeDtypeStruct((6, 5), jnp.float32),
+              src, int32(PERMUTATION), weights)
+    expected = np.zeros((6, 5))
+    for slot, row in enumerate(PERMUTATION):
+        expected[row] = as_f64(weights).reshape(-1)[slot] * as_f64(src)[slot // 2]
+    np.testing.assert_allclose(as_f64(out), expected, rtol=1e-6)
+
+
+def check_gather_rows():
+    rng = np.random.default_rng(4)
+    rows, weights = random_normal(rng, (6, 5)), random_normal(rng, (3, 2))
+    out = ffi("nodrop_gather_rows", jax.ShapeDtypeStruct((3, 5), jnp.float32),
+              rows, int32(PERMUTATION), weights)
+    picked = as_f64(rows)[PERMUTATION].reshape(3, 2, 5)
+    expected = np.einsum("tkh,tk->th", picked, as_f64(weights))
+    np.testing.assert_allclose(as_f64(out), expected, rtol=1e-5, atol=1e-6)
+
+
+def check_gather_row_dots():
+    rng = np.random.default_rng(5)
+    a, rows = random_normal(rng, (3, 5)), random_normal(rng, (6, 5))
+    out = ffi("nodrop_gather_row_dots", jax.ShapeDtypeStruct((3, 2), jnp.float32),
+              a, rows, int32(PERMUTATION))
+    picked = as_f64(rows)[PERMUTATION].reshape(3, 2, 5)
+    expected = np.einsum("tkh,th->tk", picked, as_f64(a))
+    np.testing.assert_allclose(as_f64(out), expected, rtol=1e-5, atol=1e-6)
+
+
+ROUTER_ATTRS = dict(k=np.int64(2), score_function="softmax", num_groups=np.int64(1),
+                    topk_groups=np.int64(1), renormalize=np.bool_(False),
+                    scaling_factor=np.float32(1.0))
+ROUTER_LOGITS = np.asarray([[0.5, 2.0, -1.0, 1.0], [3.0, 0.0, 0.25, 2.5]])
+
+
+def check_topk_router():
+    weights, ids = ffi(
+        "nodrop_topk_router",
+        (jax.ShapeDtypeStruct((2, 2), jnp.float32), jax.ShapeDtypeStruct((2, 2), jnp.int32)),
+        jnp.asarray(ROUTER_LOGITS, jnp.float32), jnp.zeros((4,), jnp.float32), **ROUTER_ATTRS)
+    np.testing.assert_array_equal(np.asarray(ids), [[1, 3], [0, 3]])
+    probs = np.exp(ROUTER_LOGITS) / np.exp(ROUTER_LOGITS).sum(-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(weights),
+                               np.take_along_axis(probs, np.asarray([[1, 3], [0, 3]]), -1),
+                               rtol=1e-6)
+
+
+def check_topk_router_grad():
+    ids = np.asarray([[1, 3], [0, 3]])
+    grad_weights = np.asarray([[1.0, -2.0], [0.5, 3.0]])
+    out = ffi("nodrop_topk_router_grad", jax.ShapeDtypeStruct((2, 4), jnp.float32),
+              jnp.asarray(ROUTER_LOGITS, jnp.float32), int32(ids),
+              jnp.asarray(grad_weights, jnp.float32), **ROUTER_ATTRS)
+    _, vjp = jax.vjp(lambda x: reference.topk_router(x, 2)[0],
+                     jnp.asarray(ROUTER_LOGITS, jnp.float64))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(vjp(jnp.asarray(grad_weights))[0]),
+                               rtol=1e-5, atol=1e-7)
+
+
+CHECKS = {
+    "nodrop_grouped_matmul": check_grouped_matmul,
+    "nodrop_grouped_matmul_contract": check_grouped_matmul_contract,
+    "nodrop_permute": check_permute,
+    "nodrop_scatter_rows": check_scatter_rows,
+    "nodrop_gather_rows": check_gather_rows,
+    "nodrop_gather_row_dots": check_gather_row_dots,
+    "nodrop_topk_router": check_topk_router,
+    "nodrop_topk_router_grad": check_topk_router_grad,
+}
+
+
+@pytest.mark.parametrize("target", sorted(_ffi.CPU_TARGETS))
+def test_registered_target_runs_through_ffi_call(target):
+    assert target in CHECKS, f"no direct call written for the registered target {target}"
+    CALLED.discard(target)
+    CHECKS[target]()
+    assert target in CALLED
+
+
+def test_every_registered_target_is_called():
+    CALLED.clear()
+    for check in CHECKS.values():
+        check()
+    assert CALLED == set(_ffi.CPU_TARGETS)
+
+
+def test_ops_and_their_gradients_lower_to_every_registered_target():
+    """The gradient of a MoE layer (router, permute, grouped matmuls, unpermute) lowers to a
+    custom call of each registered target, and XLA compiles and runs it."""
+    rng = np.random.default_rng(6)
+    x = random_normal(rng, (8, 4))
+    params = tuple(p[0] for p in moe_params(rng, layers=1, hidden=4, ffn=3, experts=4))
+
+    def loss(x, params):
+        return jnp.sum(moe_layer(nodrop, x, params, k=2) ** 2)
+
+    grad_fn = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    lowered = grad_fn.lower(x, params).as_text()
+    assert set(re.findall(r"custom_call @(nodrop_\w+)", lowered)) == set(_ffi.CPU_TARGETS)
+    grads = jax.block_until_ready(grad_fn(x, params))
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))

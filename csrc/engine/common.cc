@@ -41,6 +41,9 @@ Status validate_router_config(const RouterConfig& c) {
   auto fail = [](const std::string& what) { return Status::Error("router config: " + what); };
   if (c.num_tokens < 0) return fail("num_tokens must be >= 0, got " + std::to_string(c.num_tokens));
   if (c.num_experts < 1) return fail("num_experts must be >= 1, got " + std::to_string(c.num_experts));
+  if (c.score_function != ScoreFunction::kSoftmax && c.score_function != ScoreFunction::kSigmoid) {
+    return fail("unknown score_function " + std::to_string(static_cast<int>(c.score_function)));
+  }
   if (c.k < 1 || c.k > c.num_experts) {
     return fail("k must be in [1, " + std::to_string(c.num_experts) + "], got " + std::to_string(c.k));
   }

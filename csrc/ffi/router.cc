@@ -1,7 +1,12 @@
-// FFI handlers of the top-k router, forward and backward.
+// FFI handlers of the top-k router, forward and backward; compiled for the CPU library and, with
+// NODROP_WITH_CUDA, for the CUDA library.
 #include <string_view>
 
 #include "ffi/common.h"
+
+#ifdef NODROP_WITH_CUDA
+#include "nodrop/engine_cuda_moe.h"
+#endif
 
 namespace nodrop::ffi_glue {
 namespace {
@@ -32,34 +37,33 @@ ffi::ErrorOr<RouterConfig> router_config(int64_t num_tokens, int64_t num_experts
 }
 
 // logits [T, E], expert_bias [E] -> weights [T, k], ids [T, k].
-ffi::Error TopkRouterCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::F32> expert_bias,
-                         ffi::Result<ffi::Buffer<ffi::F32>> weights,
-                         ffi::Result<ffi::Buffer<ffi::S32>> ids, int64_t k,
-                         std::string_view score_function, int64_t num_groups, int64_t topk_groups,
-                         bool renormalize, float scaling_factor) {
-  XlaThreadPoolRunner runner(pool);
+ffi::ErrorOr<RouterConfig> decode_router(const ffi::Buffer<ffi::F32>& logits,
+                                         const ffi::Buffer<ffi::F32>& expert_bias,
+                                         const ffi::Buffer<ffi::F32>& weights,
+                                         const ffi::Buffer<ffi::S32>& ids, int64_t k,
+                                         std::string_view score_function, int64_t num_groups,
+                                         int64_t topk_groups, bool renormalize,
+                                         float scaling_factor) {
   NODROP_RETURN_IF_ERROR(require_rank("logits", logits, 2));
   const int64_t T = logits.dimensions()[0], E = logits.dimensions()[1];
   NODROP_RETURN_IF_ERROR(require_rank("expert_bias", expert_bias, 1));
   NODROP_RETURN_IF_ERROR(require_dim("expert_bias", expert_bias, 0, E));
-  NODROP_RETURN_IF_ERROR(require_dim("weights", *weights, 0, T));
-  NODROP_RETURN_IF_ERROR(require_dim("weights", *weights, 1, k));
-  NODROP_RETURN_IF_ERROR(require_dim("ids", *ids, 0, T));
-  NODROP_RETURN_IF_ERROR(require_dim("ids", *ids, 1, k));
-  auto config = router_config(T, E, k, score_function, num_groups, topk_groups, renormalize,
-                              scaling_factor);
-  if (!config) return config.error();
-  return to_ffi_error(cpu::topk_router(logits.typed_data(), expert_bias.typed_data(), *config,
-                                       weights->typed_data(), ids->typed_data(), &runner));
+  NODROP_RETURN_IF_ERROR(require_dim("weights", weights, 0, T));
+  NODROP_RETURN_IF_ERROR(require_dim("weights", weights, 1, k));
+  NODROP_RETURN_IF_ERROR(require_dim("ids", ids, 0, T));
+  NODROP_RETURN_IF_ERROR(require_dim("ids", ids, 1, k));
+  return router_config(T, E, k, score_function, num_groups, topk_groups, renormalize,
+                       scaling_factor);
 }
 
 // logits [T, E], ids [T, k], grad_weights [T, k] -> grad_logits [T, E].
-ffi::Error TopkRouterGradCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::S32> ids,
-                             ffi::Buffer<ffi::F32> grad_weights,
-                             ffi::Result<ffi::Buffer<ffi::F32>> grad_logits, int64_t k,
-                             std::string_view score_function, int64_t num_groups,
-                             int64_t topk_groups, bool renormalize, float scaling_factor) {
-  XlaThreadPoolRunner runner(pool);
+ffi::ErrorOr<RouterConfig> decode_router_grad(const ffi::Buffer<ffi::F32>& logits,
+                                              const ffi::Buffer<ffi::S32>& ids,
+                                              const ffi::Buffer<ffi::F32>& grad_weights,
+                                              const ffi::Buffer<ffi::F32>& grad_logits, int64_t k,
+                                              std::string_view score_function, int64_t num_groups,
+                                              int64_t topk_groups, bool renormalize,
+                                              float scaling_factor) {
   NODROP_RETURN_IF_ERROR(require_rank("logits", logits, 2));
   const int64_t T = logits.dimensions()[0], E = logits.dimensions()[1];
   NODROP_RETURN_IF_ERROR(require_rank("ids", ids, 2));
@@ -68,14 +72,54 @@ ffi::Error TopkRouterGradCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
   NODROP_RETURN_IF_ERROR(require_rank("grad_weights", grad_weights, 2));
   NODROP_RETURN_IF_ERROR(require_dim("grad_weights", grad_weights, 0, T));
   NODROP_RETURN_IF_ERROR(require_dim("grad_weights", grad_weights, 1, k));
-  NODROP_RETURN_IF_ERROR(require_dim("grad_logits", *grad_logits, 0, T));
-  NODROP_RETURN_IF_ERROR(require_dim("grad_logits", *grad_logits, 1, E));
-  auto config = router_config(T, E, k, score_function, num_groups, topk_groups, renormalize,
-                              scaling_factor);
+  NODROP_RETURN_IF_ERROR(require_dim("grad_logits", grad_logits, 0, T));
+  NODROP_RETURN_IF_ERROR(require_dim("grad_logits", grad_logits, 1, E));
+  return router_config(T, E, k, score_function, num_groups, topk_groups, renormalize,
+                       scaling_factor);
+}
+
+#ifndef NODROP_WITH_CUDA
+using Context = ffi::ThreadPool;
+#else
+using Context = cudaStream_t;
+#endif
+
+ffi::Error TopkRouter(Context context, ffi::Buffer<ffi::F32> logits,
+                      ffi::Buffer<ffi::F32> expert_bias, ffi::Result<ffi::Buffer<ffi::F32>> weights,
+                      ffi::Result<ffi::Buffer<ffi::S32>> ids, int64_t k,
+                      std::string_view score_function, int64_t num_groups, int64_t topk_groups,
+                      bool renormalize, float scaling_factor) {
+  auto config = decode_router(logits, expert_bias, *weights, *ids, k, score_function, num_groups,
+                              topk_groups, renormalize, scaling_factor);
   if (!config) return config.error();
+#ifndef NODROP_WITH_CUDA
+  XlaThreadPoolRunner runner(context);
+  return to_ffi_error(cpu::topk_router(logits.typed_data(), expert_bias.typed_data(), *config,
+                                       weights->typed_data(), ids->typed_data(), &runner));
+#else
+  return to_ffi_error(cuda::topk_router(logits.typed_data(), expert_bias.typed_data(), *config,
+                                        weights->typed_data(), ids->typed_data(), context));
+#endif
+}
+
+ffi::Error TopkRouterGrad(Context context, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::S32> ids,
+                          ffi::Buffer<ffi::F32> grad_weights,
+                          ffi::Result<ffi::Buffer<ffi::F32>> grad_logits, int64_t k,
+                          std::string_view score_function, int64_t num_groups,
+                          int64_t topk_groups, bool renormalize, float scaling_factor) {
+  auto config = decode_router_grad(logits, ids, grad_weights, *grad_logits, k, score_function,
+                                   num_groups, topk_groups, renormalize, scaling_factor);
+  if (!config) return config.error();
+#ifndef NODROP_WITH_CUDA
+  XlaThreadPoolRunner runner(context);
   return to_ffi_error(cpu::topk_router_grad(logits.typed_data(), ids.typed_data(),
                                             grad_weights.typed_data(), *config,
                                             grad_logits->typed_data(), &runner));
+#else
+  return to_ffi_error(cuda::topk_router_grad(logits.typed_data(), ids.typed_data(),
+                                             grad_weights.typed_data(), *config,
+                                             grad_logits->typed_data(), context));
+#endif
 }
 
 }  // namespace
@@ -91,7 +135,9 @@ namespace ffi = xla::ffi;
       .Attr<bool>("renormalize")               \
       .Attr<float>("scaling_factor")
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropTopkRouterCpu, nodrop::ffi_glue::TopkRouterCpu,
+#ifndef NODROP_WITH_CUDA
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropTopkRouterCpu, nodrop::ffi_glue::TopkRouter,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -99,10 +145,32 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropTopkRouterCpu, nodrop::ffi_glue::TopkRouterC
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>() NODROP_ROUTER_ATTRS);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropTopkRouterGradCpu, nodrop::ffi_glue::TopkRouterGradCpu,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropTopkRouterGradCpu, nodrop::ffi_glue::TopkRouterGrad,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>() NODROP_ROUTER_ATTRS);
+
+#else
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropTopkRouterCuda, nodrop::ffi_glue::TopkRouter,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>() NODROP_ROUTER_ATTRS,
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropTopkRouterGradCuda, nodrop::ffi_glue::TopkRouterGrad,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>() NODROP_ROUTER_ATTRS,
+                              {ffi::Traits::kCmdBufferCompatible});
+
+#endif

@@ -17,9 +17,9 @@ def info(args: argparse.Namespace) -> int:
           f"devices: {', '.join(str(device) for device in jax.devices())}")
     print("backends: " + ", ".join(f"{name} {'yes' if built else 'no'}"
                                    for name, built in nodrop.backends().items()))
-    print("XLA FFI targets (cpu):")
-    for target, symbol in _ffi.CPU_TARGETS.items():
-        print(f"  {target:32s} {symbol}")
+    print("XLA FFI targets (handler symbols for cpu / CUDA):")
+    for target in _ffi.TARGETS:
+        print(f"  {target:32s} {_ffi.CPU_TARGETS[target]} / {_ffi.CUDA_TARGETS[target]}")
     return 0
 
 

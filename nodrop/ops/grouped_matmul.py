@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from nodrop import _ffi
 from nodrop.ops import _checks
 
 
@@ -94,12 +95,12 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _grouped_matmul(lhs, rhs, group_sizes, transpose_rhs, out_dtype):
     num_cols = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    return jax.ffi.ffi_call(
-        "nodrop_grouped_matmul",
-        jax.ShapeDtypeStruct((lhs.shape[0], num_cols), out_dtype),
-        vmap_method="sequential",
-    )(lhs, rhs, group_sizes, transpose_rhs=_checks.attr_bool(transpose_rhs),
-      checked=_checks.attr_bool(_checks.checks_enabled()))
+    return _ffi.call(
+        "nodrop_grouped_matmul", jax.ShapeDtypeStruct((lhs.shape[0], num_cols), out_dtype),
+        lhs, rhs, group_sizes,
+        cuda_workspace=lambda: _ffi.grouped_matmul_workspace_bytes(rhs.shape[0]),
+        transpose_rhs=_checks.attr_bool(transpose_rhs),
+        checked=_checks.attr_bool(_checks.checks_enabled()))
 
 
 def _grouped_matmul_fwd(lhs, rhs, group_sizes, transpose_rhs, out_dtype):
@@ -123,11 +124,12 @@ _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _grouped_matmul_contract(lhs, rhs, group_sizes, out_dtype):
-    return jax.ffi.ffi_call(
+    return _ffi.call(
         "nodrop_grouped_matmul_contract",
         jax.ShapeDtypeStruct((group_sizes.shape[0], lhs.shape[1], rhs.shape[1]), out_dtype),
-        vmap_method="sequential",
-    )(lhs, rhs, group_sizes, checked=_checks.attr_bool(_checks.checks_enabled()))
+        lhs, rhs, group_sizes,
+        cuda_workspace=lambda: _ffi.grouped_matmul_workspace_bytes(group_sizes.shape[0]),
+        checked=_checks.attr_bool(_checks.checks_enabled()))
 
 
 def _grouped_matmul_contract_fwd(lhs, rhs, group_sizes, out_dtype):

@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from nodrop import _ffi
 from nodrop.ops import _checks
 
 
@@ -70,13 +71,14 @@ def unpermute(rows, row_map, weights):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _permute(x, ids, num_experts):
     num_tokens, k = ids.shape
-    return jax.ffi.ffi_call(
+    return _ffi.call(
         "nodrop_permute",
         (jax.ShapeDtypeStruct((num_tokens * k, x.shape[1]), x.dtype),
          jax.ShapeDtypeStruct((num_experts,), jnp.int32),
          jax.ShapeDtypeStruct((num_tokens * k,), jnp.int32)),
-        vmap_method="sequential",
-    )(x, ids, num_experts=num_experts, checked=_checks.attr_bool(_checks.checks_enabled()))
+        x, ids,
+        cuda_workspace=lambda: _ffi.sort_by_expert_workspace_bytes(num_tokens, k, num_experts),
+        num_experts=num_experts, checked=_checks.attr_bool(_checks.checks_enabled()))
 
 
 def _permute_fwd(x, ids, num_experts):
@@ -96,11 +98,8 @@ _permute.defvjp(_permute_fwd, _permute_bwd)
 
 @jax.custom_vjp
 def _gather_rows(rows, row_map, weights):
-    return jax.ffi.ffi_call(
-        "nodrop_gather_rows",
-        jax.ShapeDtypeStruct((weights.shape[0], rows.shape[1]), rows.dtype),
-        vmap_method="sequential",
-    )(rows, row_map, weights)
+    out_type = jax.ShapeDtypeStruct((weights.shape[0], rows.shape[1]), rows.dtype)
+    return _ffi.call("nodrop_gather_rows", out_type, rows, row_map, weights)
 
 
 def _gather_rows_fwd(rows, row_map, weights):
@@ -118,11 +117,8 @@ _gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 @jax.custom_vjp
 def _scatter_rows(src, row_map, weights):
-    return jax.ffi.ffi_call(
-        "nodrop_scatter_rows",
-        jax.ShapeDtypeStruct((row_map.shape[0], src.shape[1]), src.dtype),
-        vmap_method="sequential",
-    )(src, row_map, weights)
+    out_type = jax.ShapeDtypeStruct((row_map.shape[0], src.shape[1]), src.dtype)
+    return _ffi.call("nodrop_scatter_rows", out_type, src, row_map, weights)
 
 
 def _scatter_rows_fwd(src, row_map, weights):
@@ -141,11 +137,8 @@ _scatter_rows.defvjp(_scatter_rows_fwd, _scatter_rows_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _gather_row_dots(a, rows, row_map, k):
-    return jax.ffi.ffi_call(
-        "nodrop_gather_row_dots",
-        jax.ShapeDtypeStruct((a.shape[0], k), jnp.float32),
-        vmap_method="sequential",
-    )(a, rows, row_map)
+    out_type = jax.ShapeDtypeStruct((a.shape[0], k), jnp.float32)
+    return _ffi.call("nodrop_gather_row_dots", out_type, a, rows, row_map)
 
 
 def _gather_row_dots_fwd(a, rows, row_map, k):

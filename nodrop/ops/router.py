@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nodrop import _ffi
 from nodrop.ops import _checks
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -74,12 +75,11 @@ def _attrs(config):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _topk_router(logits, expert_bias, config):
     num_tokens, k = logits.shape[0], config[0]
-    return jax.ffi.ffi_call(
+    return _ffi.call(
         "nodrop_topk_router",
         (jax.ShapeDtypeStruct((num_tokens, k), jnp.float32),
          jax.ShapeDtypeStruct((num_tokens, k), jnp.int32)),
-        vmap_method="sequential",
-    )(logits, expert_bias, **_attrs(config))
+        logits, expert_bias, **_attrs(config))
 
 
 def _topk_router_fwd(logits, expert_bias, config):
@@ -89,11 +89,9 @@ def _topk_router_fwd(logits, expert_bias, config):
 
 def _topk_router_bwd(config, residuals, grads):
     logits, ids, expert_bias = residuals
-    grad_logits = jax.ffi.ffi_call(
-        "nodrop_topk_router_grad",
-        jax.ShapeDtypeStruct(logits.shape, jnp.float32),
-        vmap_method="sequential",
-    )(logits, ids, grads[0], **_attrs(config))
+    grad_type = jax.ShapeDtypeStruct(logits.shape, jnp.float32)
+    grad_logits = _ffi.call("nodrop_topk_router_grad", grad_type, logits, ids, grads[0],
+                            **_attrs(config))
     return grad_logits, jnp.zeros_like(expert_bias)
 
 

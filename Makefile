@@ -1,5 +1,5 @@
 # Entry points; each one sets up what it needs first (scripts/setup.sh is idempotent).
-.PHONY: setup demo test test-cpp test-python bench clean
+.PHONY: setup demo test test-cpp test-python bench gpu-check clean
 
 setup:
 	bash scripts/setup.sh
@@ -21,3 +21,7 @@ bench: setup
 
 clean:
 	rm -rf build .venv
+
+# On a Hopper GPU machine: GPU tests, sanitizers and benchmarks into OUT (see scripts/gpu-check.sh).
+gpu-check:
+	bash scripts/gpu-check.sh $(OUT) $(BIN)

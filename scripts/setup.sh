@@ -40,15 +40,22 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 stamp=.venv/.nodrop-deps
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
   say "installing pinned Python dependencies"
   .venv/bin/pip install -q --upgrade pip
   # Build requirements first: the package is built without isolation so its build dir is reused.
   .venv/bin/pip install -q "scikit-build-core==1.1.2" "jax==0.11.2" "jaxlib==0.11.2"
+  # CUTLASS/CuTe headers for the CUDA engine; only the headers are used, hence --no-deps.
+  .venv/bin/pip install -q --no-deps "nvidia-cutlass==4.2.0.0"
   touch "$stamp"
 fi
 
-say "building and installing nodrop (C++ engine, FFI handlers, C++ tests)"
+if command -v nvcc >/dev/null 2>&1; then
+  say "building and installing nodrop (CPU and CUDA engines, FFI handlers, C++ tests); the CUDA"
+  say "engine's CUTLASS kernels take about 20 minutes on 2 cores the first time"
+else
+  say "building and installing nodrop (CPU engine, FFI handlers, C++ tests); no nvcc: no CUDA engine"
+fi
 .venv/bin/pip install -q --no-build-isolation \
   -C build-dir=build/wheel -C cmake.define.NODROP_BUILD_TESTS=ON ".[test]" \
   || die "building nodrop failed (see the compiler output above)"

@@ -1,0 +1,315 @@
+// Benchmark of the CUDA grouped matmul: forward, input gradient and weight gradient of an MoE
+// expert layer at real model shapes, against cuBLAS's dense bf16 GEMM of the same FLOPs (the
+// ceiling), printed as a table.
+//
+//   nodrop_cuda_bench [--iters=50] [--warmup=5] [--tiles=auto|all] [--csv=FILE]
+//
+// Each timing is the median of `iters` single calls timed with CUDA events after `warmup` calls;
+// consecutive calls read different copies of the inputs, so they do not start in L2.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "nodrop/engine_cuda.h"
+
+namespace {
+
+using nodrop::DType;
+using nodrop::cuda::GemmTile;
+using Sizes = std::vector<int32_t>;
+using bf16 = __nv_bfloat16;
+
+void check(cudaError_t error, const char* what) {
+  if (error == cudaSuccess) return;
+  std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(error));
+  std::exit(1);
+}
+void check(cublasStatus_t status, const char* what) {
+  if (status == CUBLAS_STATUS_SUCCESS) return;
+  std::fprintf(stderr, "%s: cuBLAS status %d\n", what, static_cast<int>(status));
+  std::exit(1);
+}
+void check(const nodrop::Status& status, const char* what) {
+  if (status.ok()) return;
+  std::fprintf(stderr, "%s: %s\n", what, status.message().c_str());
+  std::exit(1);
+}
+#define CHECK(expr) check((expr), #expr)
+
+struct Shape {
+  const char* name;
+  int64_t M, K, N, G;  // rows (tokens x top-k), hidden, expert width, experts
+};
+
+const Shape kShapes[] = {
+    {"Mixtral-8x7B", 16384, 4096, 14336, 8},
+    {"Qwen3-30B-A3B", 131072, 2048, 768, 128},
+    {"DeepSeek-V2-Lite", 98304, 2048, 1408, 64},
+    {"DeepSeek-V3 EP8 rank", 8192, 7168, 2048, 32},
+};
+
+enum class Mode { kForward, kInputGrad, kWeightGrad };
+const char* mode_name(Mode mode) {
+  switch (mode) {
+    case Mode::kForward: return "forward";
+    case Mode::kInputGrad: return "input grad";
+    case Mode::kWeightGrad: return "weight grad";
+  }
+  return "?";
+}
+
+Sizes uniform_sizes(int64_t M, int64_t G) {
+  Sizes sizes(G, static_cast<int32_t>(M / G));
+  for (int64_t g = 0; g < M % G; ++g) ++sizes[g];
+  return sizes;
+}
+
+// Weights 1 / (g + 1), largest group first, summing to M.
+Sizes zipf_sizes(int64_t M, int64_t G) {
+  double total = 0;
+  for (int64_t g = 0; g < G; ++g) total += 1.0 / (g + 1);
+  Sizes sizes(G);
+  int64_t assigned = 0;
+  for (int64_t g = 0; g < G; ++g) assigned += sizes[g] = static_cast<int32_t>(M / (g + 1) / total);
+  sizes[0] += static_cast<int32_t>(M - assigned);
+  return sizes;
+}
+
+// Hash-based values in [-1, 1): never time zeros.
+__global__ void fill_random(bf16* data, int64_t count, uint32_t seed) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    data[i] = __float2bfloat16(static_cast<float>(h & 0xFFFFFF) / float(1 << 23) - 1.f);
+  }
+}
+
+struct DeviceArray {
+  void* data = nullptr;
+  explicit DeviceArray(size_t bytes) { CHECK(cudaMalloc(&data, std::max<size_t>(bytes, 1))); }
+  ~DeviceArray() { cudaFree(data); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+};
+
+// One copy of the layer's inputs: x [M, K], w [G, K, N], dy [M, N].
+struct InputSet {
+  DeviceArray x, w, dy;
+  InputSet(const Shape& s, uint32_t seed)
+      : x(s.M * s.K * sizeof(bf16)),
+        w(s.G * s.K * s.N * sizeof(bf16)),
+        dy(s.M * s.N * sizeof(bf16)) {
+    fill_random<<<1024, 256>>>(static_cast<bf16*>(x.data), s.M * s.K, seed);
+    fill_random<<<1024, 256>>>(static_cast<bf16*>(w.data), s.G * s.K * s.N, seed + 1);
+    fill_random<<<1024, 256>>>(static_cast<bf16*>(dy.data), s.M * s.N, seed + 2);
+    CHECK(cudaGetLastError());
+  }
+};
+
+struct Options {
+  int iters = 50;
+  int warmup = 5;
+  bool all_tiles = false;
+  std::string csv;
+};
+
+Options parse(int argc, char** argv) {
+  Options options;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&](const char* key) -> const char* {
+      const size_t n = std::strlen(key);
+      return arg.compare(0, n, key) == 0 ? argv[i] + n : nullptr;
+    };
+    if (const char* v = value("--iters=")) {
+      options.iters = std::max(1, std::atoi(v));
+    } else if (const char* v = value("--warmup=")) {
+      options.warmup = std::max(0, std::atoi(v));
+    } else if (const char* v = value("--tiles=")) {
+      options.all_tiles = std::string(v) == "all";
+    } else if (const char* v = value("--csv=")) {
+      options.csv = v;
+    } else {
+      std::fprintf(stderr, "usage: %s [--iters=N] [--warmup=N] [--tiles=auto|all] [--csv=FILE]\n",
+                   argv[0]);
+      std::exit(2);
+    }
+  }
+  return options;
+}
+
+// Median milliseconds of `iters` calls of run(i) (i counts calls, warm-up included).
+template <typename Run>
+double median_ms(const Options& options, cudaStream_t stream, Run run) {
+  for (int i = 0; i < options.warmup; ++i) run(i);
+  std::vector<cudaEvent_t> events(2 * options.iters);
+  for (auto& event : events) CHECK(cudaEventCreate(&event));
+  for (int i = 0; i < options.iters; ++i) {
+    CHECK(cudaEventRecord(events[2 * i], stream));
+    run(options.warmup + i);
+    CHECK(cudaEventRecord(events[2 * i + 1], stream));
+  }
+  CHECK(cudaStreamSynchronize(stream));
+  std::vector<float> ms(options.iters);
+  for (int i = 0; i < options.iters; ++i) {
+    CHECK(cudaEventElapsedTime(&ms[i], events[2 * i], events[2 * i + 1]));
+  }
+  for (auto& event : events) CHECK(cudaEventDestroy(event));
+  std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
+  return ms[ms.size() / 2];
+}
+
+// cuBLAS (column-major) on our row-major tensors: a row-major [r, c] matrix is a column-major
+// [c, r] one, so each product is computed transposed.
+void dense_gemm(cublasHandle_t handle, Mode mode, const Shape& s, const InputSet& in, void* out) {
+  const float one = 1.f, zero = 0.f;
+  const int M = static_cast<int>(s.M), K = static_cast<int>(s.K), N = static_cast<int>(s.N);
+  const auto bf = CUDA_R_16BF;
+  switch (mode) {
+    case Mode::kForward:  // y^T [N, M] = w^T [N, K] x^T [K, M]
+      CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, N, M, K, &one, in.w.data, bf, N,
+                         in.x.data, bf, K, &zero, out, bf, N, CUBLAS_COMPUTE_32F,
+                         CUBLAS_GEMM_DEFAULT));
+      break;
+    case Mode::kInputGrad:  // dx^T [K, M] = w [K, N] dy^T [N, M]
+      CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, K, M, N, &one, in.w.data, bf, N,
+                         in.dy.data, bf, N, &zero, out, bf, K, CUBLAS_COMPUTE_32F,
+                         CUBLAS_GEMM_DEFAULT));
+      break;
+    case Mode::kWeightGrad:  // dw^T [N, K] = dy^T [N, M] x [M, K]
+      CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, N, K, M, &one, in.dy.data, bf, N,
+                         in.x.data, bf, K, &zero, out, bf, N, CUBLAS_COMPUTE_32F,
+                         CUBLAS_GEMM_DEFAULT));
+      break;
+  }
+}
+
+nodrop::Status grouped(Mode mode, const Shape& s, const InputSet& in, const int32_t* sizes,
+                       void* out, const DeviceArray& workspace, size_t workspace_bytes,
+                       cudaStream_t stream, GemmTile tile) {
+  const DType bf = DType::kBFloat16;
+  switch (mode) {
+    case Mode::kForward:  // y [M, N] = x [M, K] @ w[g] [K, N]
+      return nodrop::cuda::grouped_matmul(in.x.data, in.w.data, bf, sizes, s.M, s.K, s.N, s.G,
+                                          false, out, bf, workspace.data, workspace_bytes, stream,
+                                          tile);
+    case Mode::kInputGrad:  // dx [M, K] = dy [M, N] @ w[g]^T: w[g] read as [N', K'] = [K, N]
+      return nodrop::cuda::grouped_matmul(in.dy.data, in.w.data, bf, sizes, s.M, s.N, s.K, s.G,
+                                          true, out, bf, workspace.data, workspace_bytes, stream,
+                                          tile);
+    case Mode::kWeightGrad:  // dw [G, K, N] = x_g^T @ dy_g
+      return nodrop::cuda::grouped_matmul_contract(in.x.data, in.dy.data, bf, sizes, s.M, s.K, s.N,
+                                                   s.G, out, bf, workspace.data, workspace_bytes,
+                                                   stream, tile);
+  }
+  return nodrop::Status::Error("unknown mode");
+}
+
+struct Row {
+  std::string shape, sizes, mode, tile;
+  double ms, tflops, dense_tflops;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options options = parse(argc, argv);
+  cudaDeviceProp props;
+  CHECK(cudaGetDeviceProperties(&props, 0));
+  std::printf("device: %s, %d SMs, L2 %d MB\n", props.name, props.multiProcessorCount,
+              props.l2CacheSize >> 20);
+  cudaStream_t stream;
+  CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cublasHandle_t handle;
+  CHECK(cublasCreate(&handle));
+  CHECK(cublasSetStream(handle, stream));
+
+  const Mode modes[] = {Mode::kForward, Mode::kInputGrad, Mode::kWeightGrad};
+  std::vector<Row> rows;
+  for (const Shape& s : kShapes) {
+    // Enough input copies that the ones a call reads were evicted from L2 by the others.
+    const size_t set_bytes = (s.M * s.K + s.G * s.K * s.N + s.M * s.N) * sizeof(bf16);
+    const size_t copies = std::clamp<size_t>(4 * props.l2CacheSize / set_bytes + 1, 2, 8);
+    std::vector<std::unique_ptr<InputSet>> sets;
+    for (size_t i = 0; i < copies; ++i) {
+      sets.push_back(std::make_unique<InputSet>(s, static_cast<uint32_t>(17 * i)));
+    }
+    DeviceArray out(std::max(s.M * std::max(s.K, s.N), s.G * s.K * s.N) * sizeof(bf16));
+    const size_t workspace_bytes = nodrop::cuda::grouped_matmul_workspace_bytes(s.G);
+    DeviceArray workspace(workspace_bytes);
+    DeviceArray sizes_buffer(s.G * sizeof(int32_t));
+    CHECK(cudaDeviceSynchronize());  // the fills ran on the legacy stream; `stream` does not wait
+    const double flop = 2.0 * s.M * s.K * s.N;
+
+    for (Mode mode : modes) {
+      const double dense_ms = median_ms(options, stream, [&](int i) {
+        dense_gemm(handle, mode, s, *sets[i % copies], out.data);
+      });
+      const std::pair<const char*, Sizes> distributions[] = {{"uniform", uniform_sizes(s.M, s.G)},
+                                                             {"zipf(1)", zipf_sizes(s.M, s.G)}};
+      for (const auto& [dist, sizes] : distributions) {
+        CHECK(cudaMemcpyAsync(sizes_buffer.data, sizes.data(), sizes.size() * sizeof(int32_t),
+                              cudaMemcpyHostToDevice, stream));
+        const auto* d_sizes = static_cast<const int32_t*>(sizes_buffer.data);
+        const GemmTile auto_tile = nodrop::cuda::grouped_matmul_tile(
+            s.M, mode == Mode::kInputGrad ? s.N : s.K, mode == Mode::kInputGrad ? s.K : s.N, s.G,
+            mode == Mode::kWeightGrad);
+        std::vector<GemmTile> tiles = {auto_tile};
+        if (options.all_tiles) {
+          tiles = {GemmTile::kCooperative128x256x64, GemmTile::kPingpong64x128x128};
+        }
+        for (GemmTile tile : tiles) {
+          CHECK(grouped(mode, s, *sets[0], d_sizes, out.data, workspace, workspace_bytes, stream,
+                        tile));
+          const double ms = median_ms(options, stream, [&](int i) {
+            grouped(mode, s, *sets[i % copies], d_sizes, out.data, workspace, workspace_bytes,
+                    stream, tile);
+          });
+          rows.push_back({s.name, dist, mode_name(mode),
+                          std::string(nodrop::cuda::gemm_tile_name(tile)) +
+                              (tile == auto_tile ? " (auto)" : ""),
+                          ms, flop / ms * 1e-9, flop / dense_ms * 1e-9});
+          std::fprintf(stderr, "  %s %s %s: %.3f ms\n", s.name, dist, mode_name(mode), ms);
+        }
+      }
+    }
+  }
+  CHECK(cudaGetLastError());
+
+  std::printf(
+      "\n| shape | group sizes | mode | kernel | ms | TFLOP/s | cuBLAS dense TFLOP/s | ratio |\n");
+  std::printf("| --- | --- | --- | --- | ---: | ---: | ---: | ---: |\n");
+  for (const Row& r : rows) {
+    std::printf("| %s | %s | %s | %s | %.3f | %.0f | %.0f | %.2f |\n", r.shape.c_str(),
+                r.sizes.c_str(), r.mode.c_str(), r.tile.c_str(), r.ms, r.tflops, r.dense_tflops,
+                r.tflops / r.dense_tflops);
+  }
+  if (!options.csv.empty()) {
+    FILE* file = std::fopen(options.csv.c_str(), "w");
+    if (file == nullptr) {
+      std::fprintf(stderr, "cannot write %s\n", options.csv.c_str());
+      return 1;
+    }
+    std::fprintf(file, "shape,group_sizes,mode,kernel,ms,tflops,dense_tflops\n");
+    for (const Row& r : rows) {
+      std::fprintf(file, "%s,%s,%s,%s,%.4f,%.1f,%.1f\n", r.shape.c_str(), r.sizes.c_str(),
+                   r.mode.c_str(), r.tile.c_str(), r.ms, r.tflops, r.dense_tflops);
+    }
+    std::fclose(file);
+  }
+  cublasDestroy(handle);
+  cudaStreamDestroy(stream);
+  return 0;
+}

@@ -1,0 +1,194 @@
+// The CUTLASS 3.x sm90 pointer-array grouped GEMM behind run_grouped_gemm (see grouped_gemm.h).
+//
+// Problem shapes live only on the device (host shapes nullptr): the kernel is persistent, each
+// CTA walks the groups' tiles itself and patches its TMA descriptors in shared memory whenever
+// the group changes, with the pointers and strides of the GroupTable. Include this header only
+// from a file under instantiations/.
+#pragma once
+
+#include <atomic>
+#include <string>
+#include <type_traits>
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/operations.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+
+#include "engine/cuda/grouped_gemm.h"
+
+namespace nodrop::cuda::detail {
+
+template <DType D>
+struct CutlassElement;
+template <>
+struct CutlassElement<DType::kBFloat16> {
+  using type = cutlass::bfloat16_t;
+};
+template <>
+struct CutlassElement<DType::kFloat16> {
+  using type = cutlass::half_t;
+};
+template <>
+struct CutlassElement<DType::kFloat32> {
+  using type = float;
+};
+
+// CUTLASS layout tags of A (M x K) and B (K x N): RowMajor A and ColumnMajor B are K-major.
+template <GemmForm F>
+struct FormLayouts;
+template <>
+struct FormLayouts<GemmForm::kRows> {
+  using A = cutlass::layout::RowMajor;
+  using B = cutlass::layout::RowMajor;
+};
+template <>
+struct FormLayouts<GemmForm::kRowsTransposed> {
+  using A = cutlass::layout::RowMajor;
+  using B = cutlass::layout::ColumnMajor;
+};
+template <>
+struct FormLayouts<GemmForm::kContract> {
+  using A = cutlass::layout::ColumnMajor;
+  using B = cutlass::layout::RowMajor;
+};
+
+template <GemmTile T>
+struct TileConfig;
+template <>
+struct TileConfig<GemmTile::kCooperative128x256x64> {
+  using Shape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+template <>
+struct TileConfig<GemmTile::kPingpong64x128x128> {
+  using Shape = cute::Shape<cute::_64, cute::_128, cute::_128>;
+  using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+// Two CTAs along M share each B tile through TMA multicast.
+using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+
+template <GemmForm F, DType In, DType Out, GemmTile T>
+struct GroupedGemm {
+  using ElementIn = typename CutlassElement<In>::type;
+  using ElementOut = typename CutlassElement<Out>::type;
+  using ElementAccumulator = float;
+  using LayoutA = typename FormLayouts<F>::A;
+  using LayoutB = typename FormLayouts<F>::B;
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlignmentIn = 16 / sizeof(ElementIn);  // TMA moves 16-byte units
+  static constexpr int kAlignmentOut = 16 / sizeof(ElementOut);
+  using Tile = TileConfig<T>;
+  using ProblemShape = cutlass::gemm::GroupProblemShape<GroupShape>;
+
+  // D = acc: no C operand (void), alpha 1 and beta 0 by default.
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Tile::Shape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementAccumulator, void,
+      LayoutD*, kAlignmentOut, ElementOut, LayoutD*, kAlignmentOut, typename Tile::EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<ElementOut, ElementAccumulator>>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn, LayoutA*, kAlignmentIn,
+      ElementIn, LayoutB*, kAlignmentIn, ElementAccumulator, typename Tile::Shape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Tile::MainloopSchedule>::CollectiveOp;
+
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  // The setup kernel writes FormStrides<F>; CUTLASS must read the same types.
+  static_assert(std::is_same_v<typename Kernel::InternalStrideA, typename FormStrides<F>::A>);
+  static_assert(std::is_same_v<typename Kernel::InternalStrideB, typename FormStrides<F>::B>);
+  static_assert(std::is_same_v<typename Kernel::InternalStrideD, typename FormStrides<F>::D>);
+};
+
+// How many 2-CTA clusters of this kernel fit on the device at once, asked once per device: a
+// persistent grid larger than that would leave some clusters waiting for a second wave.
+// Zero (the query failed) makes CUTLASS fall back to its own estimate.
+template <class Kernel>
+int max_active_clusters(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];  // zero-initialized: not asked yet
+  if (device < kMaxDevices) {
+    const int cached = cache[device].load(std::memory_order_relaxed);
+    if (cached > 0) return cached;
+  }
+  const void* kernel = reinterpret_cast<const void*>(cutlass::device_kernel<Kernel>);
+  const int smem_bytes = Kernel::SharedStorageSize;
+  int clusters = 0;
+  cudaLaunchAttribute cluster_dims = {};
+  cluster_dims.id = cudaLaunchAttributeClusterDimension;
+  cluster_dims.val.clusterDim.x = cute::size<0>(ClusterShape{});
+  cluster_dims.val.clusterDim.y = cute::size<1>(ClusterShape{});
+  cluster_dims.val.clusterDim.z = cute::size<2>(ClusterShape{});
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(cute::size(ClusterShape{}), 1, 1);
+  config.blockDim = dim3(Kernel::MaxThreadsPerBlock, 1, 1);
+  config.dynamicSmemBytes = smem_bytes;
+  config.attrs = &cluster_dims;
+  config.numAttrs = 1;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) !=
+          cudaSuccess ||
+      cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+    cudaGetLastError();  // the failed query must not surface as a later launch's error
+    return 0;
+  }
+  if (device < kMaxDevices) cache[device].store(clusters, std::memory_order_relaxed);
+  return clusters;
+}
+
+template <GemmForm F, DType In, DType Out, GemmTile T>
+Status run_grouped_gemm(const GroupTable& table, cudaStream_t stream) {
+  using Config = GroupedGemm<F, In, Out, T>;
+  using Gemm = typename Config::Gemm;
+  using Kernel = typename Config::Kernel;
+  using ElementIn = typename Config::ElementIn;
+  using ElementOut = typename Config::ElementOut;
+
+  typename Gemm::Arguments args;
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {table.num_groups, table.shapes, /*host_problem_shapes=*/nullptr};
+  args.mainloop.ptr_A = reinterpret_cast<const ElementIn**>(table.ptr_a);
+  args.mainloop.dA = static_cast<typename Kernel::InternalStrideA*>(table.stride_a);
+  args.mainloop.ptr_B = reinterpret_cast<const ElementIn**>(table.ptr_b);
+  args.mainloop.dB = static_cast<typename Kernel::InternalStrideB*>(table.stride_b);
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = nullptr;
+  args.epilogue.ptr_D = reinterpret_cast<ElementOut**>(table.ptr_d);
+  args.epilogue.dD = static_cast<typename Kernel::InternalStrideD*>(table.stride_d);
+  args.hw_info.device_id = table.device;
+  args.hw_info.sm_count = table.sm_count;
+  args.hw_info.max_active_clusters = max_active_clusters<Kernel>(table.device);
+
+  auto fail = [](const char* step, cutlass::Status status) {
+    return Status::Error(std::string("grouped GEMM: CUTLASS ") + step + " failed: " +
+                         cutlass::cutlassGetStatusString(status));
+  };
+  cutlass::Status status = Gemm::can_implement(args);
+  if (status != cutlass::Status::kSuccess) return fail("can_implement", status);
+  if (Gemm::get_workspace_size(args) > table.gemm_workspace_bytes) {
+    return Status::Error("grouped GEMM: CUTLASS needs " +
+                         std::to_string(Gemm::get_workspace_size(args)) +
+                         " workspace bytes, more than the " +
+                         std::to_string(table.gemm_workspace_bytes) + " reserved");
+  }
+  Gemm gemm;
+  status = gemm.initialize(args, table.gemm_workspace, stream);
+  if (status != cutlass::Status::kSuccess) return fail("initialize", status);
+  status = gemm.run(stream);
+  if (status != cutlass::Status::kSuccess) return fail("launch", status);
+  return Status::Ok();
+}
+
+}  // namespace nodrop::cuda::detail

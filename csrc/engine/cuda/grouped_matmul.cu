@@ -1,0 +1,305 @@
+// CUDA grouped matmul: argument checks, workspace layout, and the three launches of a call
+// (group table, zero fill, CUTLASS grouped GEMM), all on the caller's stream.
+#include <climits>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <utility>
+
+#include "engine/cuda/group_table.cuh"
+#include "engine/cuda/grouped_gemm.h"
+#include "engine/cuda/setup_kernels.cuh"
+#include "nodrop/engine_cuda.h"
+
+namespace nodrop::cuda {
+namespace {
+
+using detail::GemmForm;
+using detail::GroupShape;
+using detail::GroupTable;
+
+constexpr size_t kAlignment = 128;  // of every workspace array; TMA descriptors need 64
+constexpr int kMaxSmCount = 256;    // the GEMM workspace is sized for this many SMs
+// Per SM, CUTLASS keeps its own copy of each TMA descriptor it patches per group: A and B for
+// the mainloop, D for each of the two consumer warpgroups' epilogues.
+constexpr size_t kTensorMapBytes = 128;
+constexpr size_t kTensorMapsPerSm = 4;
+constexpr size_t kGemmWorkspaceBytes = kMaxSmCount * kTensorMapsPerSm * kTensorMapBytes;
+
+// The CUDA engine does not link csrc/engine/common.cc: it lives in the CPU engine's library,
+// which would bring oneDNN along.
+int64_t element_bytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
+const char* name_of(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return "float32";
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+  }
+  return "unknown";
+}
+
+size_t round_up(size_t value, size_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
+
+// Byte offsets of the workspace arrays from the aligned workspace start.
+struct WorkspaceLayout {
+  size_t offsets, shapes, ptr_a, ptr_b, ptr_d, stride_a, stride_b, stride_d, gemm;
+  size_t bytes;  // including the slack for aligning an unaligned workspace pointer
+};
+
+WorkspaceLayout workspace_layout(int64_t G) {
+  const size_t groups = G > 0 ? static_cast<size_t>(G) : 0;
+  size_t end = 0;
+  auto take = [&end](size_t bytes) {
+    const size_t start = end;
+    end = round_up(end + bytes, kAlignment);
+    return start;
+  };
+  WorkspaceLayout layout;
+  layout.offsets = take((groups + 1) * sizeof(int64_t));
+  layout.shapes = take(groups * sizeof(GroupShape));
+  layout.ptr_a = take(groups * sizeof(void*));
+  layout.ptr_b = take(groups * sizeof(void*));
+  layout.ptr_d = take(groups * sizeof(void*));
+  layout.stride_a = take(groups * sizeof(detail::StrideKMajor));
+  layout.stride_b = take(groups * sizeof(detail::StrideKMajor));
+  layout.stride_d = take(groups * sizeof(detail::StrideKMajor));
+  layout.gemm = take(kGemmWorkspaceBytes);
+  layout.bytes = end + kAlignment;
+  return layout;
+}
+static_assert(sizeof(detail::StrideKMajor) == sizeof(detail::StrideMNMajor));
+
+GroupTable make_table(void* workspace, int64_t G, int device, int sm_count) {
+  const WorkspaceLayout layout = workspace_layout(G);
+  char* base =
+      reinterpret_cast<char*>(round_up(reinterpret_cast<uintptr_t>(workspace), kAlignment));
+  GroupTable table;
+  table.num_groups = static_cast<int32_t>(G);
+  table.offsets = reinterpret_cast<int64_t*>(base + layout.offsets);
+  table.shapes = reinterpret_cast<GroupShape*>(base + layout.shapes);
+  table.ptr_a = reinterpret_cast<const void**>(base + layout.ptr_a);
+  table.ptr_b = reinterpret_cast<const void**>(base + layout.ptr_b);
+  table.ptr_d = reinterpret_cast<void**>(base + layout.ptr_d);
+  table.stride_a = base + layout.stride_a;
+  table.stride_b = base + layout.stride_b;
+  table.stride_d = base + layout.stride_d;
+  table.gemm_workspace = base + layout.gemm;
+  table.gemm_workspace_bytes = kGemmWorkspaceBytes;
+  table.device = device;
+  table.sm_count = sm_count < kMaxSmCount ? sm_count : kMaxSmCount;
+  return table;
+}
+
+// Elements of a [dims...] tensor, or -1 past 2^60, so that byte counts cannot overflow either.
+int64_t elements(std::initializer_list<int64_t> dims) {
+  constexpr int64_t kLimit = int64_t{1} << 60;
+  int64_t count = 1;
+  for (int64_t dim : dims) {
+    if (__builtin_mul_overflow(count, dim, &count) || count > kLimit) return -1;
+  }
+  return count;
+}
+
+// A device buffer argument: its name, pointer and element count.
+struct Buffer {
+  const char* name;
+  const void* data;
+  int64_t elements;
+};
+
+// An error of entry point `fn`.
+Status fail(const char* fn, const std::string& what) {
+  return Status::Error(std::string(fn) + ": " + what);
+}
+
+// The checks of dtypes and dims that both entry points share; they run before check_buffers,
+// whose element counts are products of the dims.
+Status check_arguments(const char* fn, DType in_dtype, DType out_dtype, int64_t M, int64_t K,
+                       int64_t N, int64_t G) {
+  if (in_dtype != DType::kBFloat16 && in_dtype != DType::kFloat16) {
+    return fail(fn, std::string("in_dtype ") + name_of(in_dtype) +
+                        " is not supported by the CUDA engine (bfloat16 or float16)");
+  }
+  if (out_dtype != in_dtype && out_dtype != DType::kFloat32) {
+    return fail(fn, std::string("out_dtype ") + name_of(out_dtype) + " must be the input dtype (" +
+                        name_of(in_dtype) + ") or float32");
+  }
+  const std::pair<const char*, int64_t> dims[] = {{"M", M}, {"K", K}, {"N", N}, {"G", G}};
+  for (const auto& [name, value] : dims) {
+    if (value < 0 || value > INT32_MAX) {  // CUTLASS's problem shapes are int
+      return fail(fn, std::string(name) + " = " + std::to_string(value) + " is outside [0, 2^31)");
+    }
+  }
+  for (const auto& [name, value] : {dims[1], dims[2]}) {
+    if (value % 8 != 0) {
+      return fail(fn, std::string(name) + " = " + std::to_string(value) +
+                          " must be a multiple of 8 (TMA moves 16-byte rows): pad it");
+    }
+  }
+  return Status::Ok();
+}
+
+Status check_buffers(const char* fn, std::initializer_list<Buffer> buffers,
+                     const int32_t* group_sizes, int64_t G, const void* workspace,
+                     size_t workspace_bytes) {
+  for (const Buffer& buffer : buffers) {
+    if (buffer.elements < 0) return fail(fn, std::string(buffer.name) + " has over 2^60 elements");
+    if (buffer.elements == 0) continue;
+    if (buffer.data == nullptr) return fail(fn, std::string(buffer.name) + " is null");
+    if (reinterpret_cast<uintptr_t>(buffer.data) % 16 != 0) {
+      return fail(fn, std::string(buffer.name) + " must be 16-byte aligned for TMA");
+    }
+  }
+  if (G > 0 && group_sizes == nullptr) return fail(fn, "group_sizes is null");
+  const size_t needed = grouped_matmul_workspace_bytes(G);
+  if (workspace == nullptr || workspace_bytes < needed) {
+    return fail(fn, "workspace has " + std::to_string(workspace_bytes) + " bytes, needs " +
+                        std::to_string(needed) + " (grouped_matmul_workspace_bytes)");
+  }
+  return Status::Ok();
+}
+
+Status cuda_status(const char* fn, const char* step, cudaError_t error) {
+  if (error == cudaSuccess) return Status::Ok();
+  return fail(fn, std::string(step) + ": " + cudaGetErrorString(error));
+}
+
+// The current device and its SM count (host queries; nothing waits on the GPU).
+Status current_device(const char* fn, int* device, int* sm_count) {
+  Status status = cuda_status(fn, "cudaGetDevice", cudaGetDevice(device));
+  if (!status.ok()) return status;
+  return cuda_status(fn, "cudaDeviceGetAttribute",
+                     cudaDeviceGetAttribute(sm_count, cudaDevAttrMultiProcessorCount, *device));
+}
+
+// ---- dispatch to the explicit instantiations ---------------------------------------------------
+
+template <GemmForm F, DType In, DType Out>
+Status run_tile(GemmTile tile, const GroupTable& table, cudaStream_t stream) {
+  if (tile == GemmTile::kPingpong64x128x128) {
+    return detail::run_grouped_gemm<F, In, Out, GemmTile::kPingpong64x128x128>(table, stream);
+  }
+  return detail::run_grouped_gemm<F, In, Out, GemmTile::kCooperative128x256x64>(table, stream);
+}
+
+template <GemmForm F, DType In>
+Status run_output(DType out_dtype, GemmTile tile, const GroupTable& table, cudaStream_t stream) {
+  if (out_dtype == DType::kFloat32) return run_tile<F, In, DType::kFloat32>(tile, table, stream);
+  return run_tile<F, In, In>(tile, table, stream);
+}
+
+template <GemmForm F>
+Status run_input(DType in_dtype, DType out_dtype, GemmTile tile, const GroupTable& table,
+                 cudaStream_t stream) {
+  if (in_dtype == DType::kFloat16) {
+    return run_output<F, DType::kFloat16>(out_dtype, tile, table, stream);
+  }
+  return run_output<F, DType::kBFloat16>(out_dtype, tile, table, stream);
+}
+
+Status run_gemm(GemmForm form, DType in_dtype, DType out_dtype, GemmTile tile,
+                const GroupTable& table, cudaStream_t stream) {
+  switch (form) {
+    case GemmForm::kRows:
+      return run_input<GemmForm::kRows>(in_dtype, out_dtype, tile, table, stream);
+    case GemmForm::kRowsTransposed:
+      return run_input<GemmForm::kRowsTransposed>(in_dtype, out_dtype, tile, table, stream);
+    case GemmForm::kContract:
+      return run_input<GemmForm::kContract>(in_dtype, out_dtype, tile, table, stream);
+  }
+  return Status::Error("grouped GEMM: unknown form");
+}
+
+}  // namespace
+
+const char* gemm_tile_name(GemmTile tile) {
+  switch (tile) {
+    case GemmTile::kAuto: return "auto";
+    case GemmTile::kCooperative128x256x64: return "cooperative 128x256x64";
+    case GemmTile::kPingpong64x128x128: return "pingpong 64x128x128";
+  }
+  return "unknown";
+}
+
+// PyTorch's rule for the same kernels: ping-pong's 64x128 tiles when the average group GEMM
+// has at most 128 rows or columns, where a 128x256 tile would be mostly padding.
+GemmTile grouped_matmul_tile(int64_t M, int64_t K, int64_t N, int64_t G, bool contract) {
+  const int64_t rows = contract ? K : M / (G > 0 ? G : 1);
+  return rows <= 128 || N <= 128 ? GemmTile::kPingpong64x128x128 : GemmTile::kCooperative128x256x64;
+}
+
+size_t grouped_matmul_workspace_bytes(int64_t G) { return workspace_layout(G).bytes; }
+
+Status grouped_matmul(const void* lhs, const void* rhs, DType in_dtype, const int32_t* group_sizes,
+                      int64_t M, int64_t K, int64_t N, int64_t G, bool transpose_rhs, void* out,
+                      DType out_dtype, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                      GemmTile tile) {
+  constexpr const char* fn = "grouped_matmul";
+  Status status = check_arguments(fn, in_dtype, out_dtype, M, K, N, G);
+  if (!status.ok()) return status;
+  status = check_buffers(fn,
+                         {{"lhs", lhs, elements({M, K})},
+                          {"rhs", rhs, elements({G, K, N})},
+                          {"out", out, elements({M, N})}},
+                         group_sizes, G, workspace, workspace_bytes);
+  if (!status.ok()) return status;
+  const int64_t row_bytes = N * element_bytes(out_dtype);
+  if (M == 0 || N == 0) return Status::Ok();
+  if (K == 0 || G == 0) {  // nothing to contract, or no group owns a row
+    return cuda_status(fn, "cudaMemsetAsync", cudaMemsetAsync(out, 0, M * row_bytes, stream));
+  }
+  int device = 0, sm_count = 0;
+  status = current_device(fn, &device, &sm_count);
+  if (!status.ok()) return status;
+  const GroupTable table = make_table(workspace, G, device, sm_count);
+  const GemmForm form = transpose_rhs ? GemmForm::kRowsTransposed : GemmForm::kRows;
+  const detail::Operands ops{lhs, rhs, out, element_bytes(in_dtype), element_bytes(out_dtype)};
+  status =
+      cuda_status(fn, "group table",
+                  detail::launch_build_group_table(form, group_sizes, M, K, N, ops, table, stream));
+  if (!status.ok()) return status;
+  status = cuda_status(fn, "zero tail rows",
+                       detail::launch_zero_tail_rows(table, M, row_bytes, out, stream));
+  if (!status.ok()) return status;
+  if (tile == GemmTile::kAuto) tile = grouped_matmul_tile(M, K, N, G, /*contract=*/false);
+  return run_gemm(form, in_dtype, out_dtype, tile, table, stream);
+}
+
+Status grouped_matmul_contract(const void* lhs, const void* rhs, DType in_dtype,
+                               const int32_t* group_sizes, int64_t M, int64_t K, int64_t N,
+                               int64_t G, void* out, DType out_dtype, void* workspace,
+                               size_t workspace_bytes, cudaStream_t stream, GemmTile tile) {
+  constexpr const char* fn = "grouped_matmul_contract";
+  Status status = check_arguments(fn, in_dtype, out_dtype, M, K, N, G);
+  if (!status.ok()) return status;
+  status = check_buffers(fn,
+                         {{"lhs", lhs, elements({M, K})},
+                          {"rhs", rhs, elements({M, N})},
+                          {"out", out, elements({G, K, N})}},
+                         group_sizes, G, workspace, workspace_bytes);
+  if (!status.ok()) return status;
+  const int64_t group_bytes = K * N * element_bytes(out_dtype);
+  if (G == 0 || group_bytes == 0) return Status::Ok();
+  if (M == 0) {  // every group is empty
+    return cuda_status(fn, "cudaMemsetAsync", cudaMemsetAsync(out, 0, G * group_bytes, stream));
+  }
+  int device = 0, sm_count = 0;
+  status = current_device(fn, &device, &sm_count);
+  if (!status.ok()) return status;
+  const GroupTable table = make_table(workspace, G, device, sm_count);
+  const detail::Operands ops{lhs, rhs, out, element_bytes(in_dtype), element_bytes(out_dtype)};
+  status = cuda_status(fn, "group table",
+                       detail::launch_build_group_table(GemmForm::kContract, group_sizes, M, K, N,
+                                                        ops, table, stream));
+  if (!status.ok()) return status;
+  status = cuda_status(fn, "zero empty groups",
+                       detail::launch_zero_empty_groups(table, group_bytes, out, stream));
+  if (!status.ok()) return status;
+  if (tile == GemmTile::kAuto) tile = grouped_matmul_tile(M, K, N, G, /*contract=*/true);
+  return run_gemm(GemmForm::kContract, in_dtype, out_dtype, tile, table, stream);
+}
+
+}  // namespace nodrop::cuda

@@ -1,0 +1,59 @@
+// nodrop CUDA engine (Hopper, sm_90a): the engine functions of engine.h on device pointers.
+//
+// Same contracts as the nodrop::cpu functions of the same names, with these differences:
+//   - Every pointer is device memory; all work is queued on `stream` and nothing waits for it.
+//     Group sizes are read only on the device: no copy to the host, no stream sync, no
+//     allocation, so a call can be captured into a CUDA graph and replayed with new group sizes.
+//   - Invalid group sizes are always clamped as clamp_group_offsets says (negative counts as
+//     zero, the running total stops at M); there is no checked mode, which would need a host read.
+//   - The caller passes a device workspace of at least grouped_matmul_workspace_bytes(G) bytes
+//     (any alignment); it is scratch for one call and may be reused once the call has run.
+//   - Inputs are bfloat16 or float16 (lhs and rhs alike); the output is the input dtype or
+//     float32; accumulation is float32. K and N must be multiples of 8 and lhs, rhs and out
+//     16-byte aligned (TMA moves 16-byte rows); anything else is an error Status.
+//   - Deterministic: each output element is computed by one thread block, in a fixed order.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "nodrop/engine.h"
+
+namespace nodrop::cuda {
+
+// The CUTLASS grouped-GEMM kernel a call runs. kAuto picks from the static shapes
+// (grouped_matmul_tile); the others exist so that tests and benchmarks can pin one.
+enum class GemmTile : int32_t {
+  kAuto = 0,
+  kCooperative128x256x64 = 1,  // two warpgroups share one 128x256 tile: large groups
+  kPingpong64x128x128 = 2,     // warpgroups alternate 64x128 tiles: small groups, narrow outputs
+};
+
+const char* gemm_tile_name(GemmTile tile);
+
+// The tile kAuto resolves to. The GEMM of each group is (rows x cols), rows being the group's
+// rows for grouped_matmul (on average M / G) and K for grouped_matmul_contract, cols being N.
+GemmTile grouped_matmul_tile(int64_t M, int64_t K, int64_t N, int64_t G, bool contract);
+
+// Device workspace bytes that one call of either function below needs for G groups.
+size_t grouped_matmul_workspace_bytes(int64_t G);
+
+// out[M, N] = for each group g: lhs[rows_g] @ rhs[g]   (rhs [G, K, N])
+//   or, with transpose_rhs:      lhs[rows_g] @ rhs[g]^T (rhs [G, N, K]).
+// Rows past the last group are zero.
+Status grouped_matmul(const void* lhs, const void* rhs, DType in_dtype, const int32_t* group_sizes,
+                      int64_t M, int64_t K, int64_t N, int64_t G, bool transpose_rhs, void* out,
+                      DType out_dtype, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                      GemmTile tile = GemmTile::kAuto);
+
+// Ragged contraction (the weight gradient): out[g] = lhs[rows_g]^T @ rhs[rows_g] -> [G, K, N],
+// with lhs [M, K] and rhs [M, N]; an empty group gives zeros.
+Status grouped_matmul_contract(const void* lhs, const void* rhs, DType in_dtype,
+                               const int32_t* group_sizes, int64_t M, int64_t K, int64_t N,
+                               int64_t G, void* out, DType out_dtype, void* workspace,
+                               size_t workspace_bytes, cudaStream_t stream,
+                               GemmTile tile = GemmTile::kAuto);
+
+}  // namespace nodrop::cuda

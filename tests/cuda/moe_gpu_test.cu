@@ -1,0 +1,763 @@
+// GPU tests of the CUDA routing and permutation kernels (engine_cuda_moe.h) against the CPU
+// engine (nodrop::cpu) on the same inputs. Needs a Hopper GPU, so it is run by hand, not by
+// ctest:  ./nodrop_cuda_moe_tests  [--gtest_filter=...]
+//
+// Every output is poisoned with 0xFF bytes before each call and fenced by poisoned guard bytes,
+// so an unwritten element or a write out of bounds fails; every call runs twice and must give the
+// same bytes. The sort, the row copies and the float32 row sums must equal the CPU's bit for bit;
+// the row dot products and the router (float64 on the CPU) must agree to float32 rounding.
+#include <gtest/gtest.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <initializer_list>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "nodrop/engine.h"
+#include "nodrop/engine_cuda_moe.h"
+
+namespace {
+
+using nodrop::DType;
+using nodrop::RouterConfig;
+using nodrop::ScoreFunction;
+using nodrop::Status;
+using Bytes = std::vector<uint8_t>;
+using Floats = std::vector<float>;
+using Ints = std::vector<int32_t>;
+
+void check_cuda(cudaError_t error, const char* what) {
+  if (error != cudaSuccess) {
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(error));
+  }
+}
+#define CUDA_CHECK(expr) check_cuda((expr), #expr)
+
+const char* dtype_short(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return "f32";
+    case DType::kFloat16: return "f16";
+    case DType::kBFloat16: return "bf16";
+  }
+  return "?";
+}
+
+size_t bytes_of(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
+// The stream of every call and every copy: a non-blocking one, which the default stream does not
+// order, so a kernel launched on another stream than the one passed races with the copies.
+cudaStream_t stream() {
+  static cudaStream_t s = [] {
+    cudaStream_t created;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking));
+    return created;
+  }();
+  return s;
+}
+
+// ---- device memory ---------------------------------------------------------------------------
+
+// A device allocation whose usable part starts `shift` bytes past a 256-byte boundary, with
+// poisoned guard bytes on both sides; it holds a copy of `host` when given, else poison.
+class DeviceBuffer {
+ public:
+  static constexpr size_t kGuard = 256;
+  explicit DeviceBuffer(size_t bytes, size_t shift = 0, const void* host = nullptr)
+      : bytes_(bytes), shift_(shift) {
+    CUDA_CHECK(cudaMalloc(&base_, total()));
+    fill(base_, total());
+    if (host != nullptr && bytes > 0) upload(host);
+  }
+  ~DeviceBuffer() { cudaFree(base_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void* get() const { return static_cast<char*>(base_) + kGuard + shift_; }
+  template <typename T>
+  T* as() const { return static_cast<T*>(get()); }
+  void poison() const { fill(get(), bytes_); }
+  void upload(const void* host) const {
+    CUDA_CHECK(cudaMemcpyAsync(get(), host, bytes_, cudaMemcpyHostToDevice, stream()));
+    CUDA_CHECK(cudaStreamSynchronize(stream()));
+  }
+  Bytes download() const {
+    Bytes host(bytes_);
+    CUDA_CHECK(cudaMemcpyAsync(host.data(), get(), bytes_, cudaMemcpyDeviceToHost, stream()));
+    CUDA_CHECK(cudaStreamSynchronize(stream()));
+    return host;
+  }
+  bool guards_intact() const {
+    Bytes host(total());
+    CUDA_CHECK(cudaMemcpyAsync(host.data(), base_, host.size(), cudaMemcpyDeviceToHost, stream()));
+    CUDA_CHECK(cudaStreamSynchronize(stream()));
+    auto poisoned = [](auto begin, auto end) {
+      return std::all_of(begin, end, [](uint8_t b) { return b == 0xFF; });
+    };
+    return poisoned(host.begin(), host.begin() + kGuard + shift_) &&
+           poisoned(host.end() - kGuard, host.end());
+  }
+
+ private:
+  size_t total() const { return bytes_ + shift_ + 2 * kGuard; }
+  static void fill(void* p, size_t bytes) {
+    CUDA_CHECK(cudaMemsetAsync(p, 0xFF, bytes, stream()));
+    CUDA_CHECK(cudaStreamSynchronize(stream()));
+  }
+  void* base_ = nullptr;
+  size_t bytes_, shift_;
+};
+
+template <typename T>
+std::vector<T> as_vector(const Bytes& bytes) {
+  std::vector<T> v(bytes.size() / sizeof(T));
+  if (!v.empty()) std::memcpy(v.data(), bytes.data(), bytes.size());
+  return v;
+}
+
+template <typename T>
+std::vector<T> download(const DeviceBuffer& buffer) {
+  return as_vector<T>(buffer.download());
+}
+
+// Runs `call` twice, each time on freshly poisoned outputs; both runs must write the same bytes
+// and leave every guard intact. The outputs then hold the second run's result.
+void run_twice(const std::function<Status()>& call,
+               std::initializer_list<const DeviceBuffer*> outputs) {
+  std::vector<Bytes> first;
+  for (int run = 0; run < 2; ++run) {
+    for (const DeviceBuffer* out : outputs) out->poison();
+    const Status status = call();
+    ASSERT_TRUE(status.ok()) << status.message();
+    CUDA_CHECK(cudaStreamSynchronize(stream()));
+    CUDA_CHECK(cudaGetLastError());
+    int i = 0;
+    for (const DeviceBuffer* out : outputs) {
+      EXPECT_TRUE(out->guards_intact()) << "output " << i << " was written out of bounds";
+      if (run == 0) {
+        first.push_back(out->download());
+      } else {
+        EXPECT_TRUE(out->download() == first[i]) << "output " << i << " differs between runs";
+      }
+      ++i;
+    }
+  }
+}
+
+// "" when equal, else the first difference and the number of differences.
+template <typename T>
+std::string mismatch(const std::vector<T>& got, const std::vector<T>& want) {
+  if (got.size() != want.size()) {
+    return "size " + std::to_string(got.size()) + ", want " + std::to_string(want.size());
+  }
+  int64_t count = 0, first = -1;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0) {
+      if (first < 0) first = static_cast<int64_t>(i);
+      ++count;
+    }
+  }
+  if (count == 0) return "";
+  return std::to_string(count) + " elements differ, first at " + std::to_string(first) + ": got " +
+         std::to_string(+got[first]) + ", want " + std::to_string(+want[first]);
+}
+
+// Bytes of `dtype` elements compared element by element, as their bit patterns.
+std::string mismatch_bits(const Bytes& got, const Bytes& want, DType dtype) {
+  if (dtype == DType::kFloat32) {
+    return mismatch(as_vector<uint32_t>(got), as_vector<uint32_t>(want));
+  }
+  return mismatch(as_vector<uint16_t>(got), as_vector<uint16_t>(want));
+}
+
+// max |got - want| / max |want|; infinite when got has a NaN (an unwritten, poisoned value).
+double rel_error(const Floats& got, const Floats& want) {
+  if (got.size() != want.size()) return INFINITY;
+  double err = 0, ref = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    err = std::max(err, std::abs(double(got[i]) - want[i]));
+    ref = std::max(ref, std::abs(double(want[i])));
+  }
+  return ref > 0 ? err / ref : err;
+}
+
+// ---- inputs ------------------------------------------------------------------------------------
+
+enum class IdKind {
+  kUniform,      // uniform over the experts
+  kZipf,         // expert of popularity rank r drawn with weight 1 / (r + 1)^1.2
+  kFewExperts,   // only the first quarter of the experts: the rest are empty
+  kOneExpert,    // every slot to one expert
+  kPermutation,  // k distinct experts per token, as a router gives (k = E: all of them)
+  kOutOfRange,   // uniform, with every seventh id outside [0, E)
+};
+
+Ints make_ids(IdKind kind, int64_t T, int64_t k, int64_t E, uint32_t seed) {
+  std::mt19937 rng(seed);
+  Ints ids(T * k);
+  std::uniform_int_distribution<int32_t> uniform(0, static_cast<int32_t>(E) - 1);
+  switch (kind) {
+    case IdKind::kUniform:
+      for (auto& id : ids) id = uniform(rng);
+      break;
+    case IdKind::kZipf: {
+      Ints expert_of_rank(E);
+      std::iota(expert_of_rank.begin(), expert_of_rank.end(), 0);
+      std::shuffle(expert_of_rank.begin(), expert_of_rank.end(), rng);
+      std::vector<double> weights(E);
+      for (int64_t r = 0; r < E; ++r) weights[r] = std::pow(r + 1.0, -1.2);
+      std::discrete_distribution<int32_t> zipf(weights.begin(), weights.end());
+      for (auto& id : ids) id = expert_of_rank[zipf(rng)];
+      break;
+    }
+    case IdKind::kFewExperts: {
+      std::uniform_int_distribution<int32_t> few(
+          0, static_cast<int32_t>(std::max<int64_t>(1, E / 4) - 1));
+      for (auto& id : ids) id = few(rng);
+      break;
+    }
+    case IdKind::kOneExpert:
+      std::fill(ids.begin(), ids.end(), static_cast<int32_t>(E / 2));
+      break;
+    case IdKind::kPermutation: {
+      Ints experts(E);
+      std::iota(experts.begin(), experts.end(), 0);
+      for (int64_t t = 0; t < T; ++t) {
+        std::shuffle(experts.begin(), experts.end(), rng);
+        std::copy(experts.begin(), experts.begin() + k, ids.begin() + t * k);
+      }
+      break;
+    }
+    case IdKind::kOutOfRange: {
+      const int32_t e = static_cast<int32_t>(E);
+      const Ints bad = {-1, e, INT32_MIN, INT32_MAX, e + 1000};
+      for (size_t i = 0; i < ids.size(); ++i) {
+        ids[i] = i % 7 == 3 ? bad[i % bad.size()] : uniform(rng);
+      }
+      break;
+    }
+  }
+  return ids;
+}
+
+// Row map and group sizes from the CPU sort (unchecked: out-of-range ids are dropped).
+struct Sorted {
+  Ints row_map, group_sizes;
+};
+Sorted cpu_sort(const Ints& ids, int64_t T, int64_t k, int64_t E) {
+  Sorted s{Ints(T * k), Ints(E)};
+  const Status status = nodrop::cpu::sort_by_expert(ids.data(), T, k, E, /*checked=*/false,
+                                                    s.row_map.data(), s.group_sizes.data());
+  if (!status.ok()) throw std::runtime_error(status.message());
+  return s;
+}
+
+// n random values in [-1, 1], stored as `dtype`.
+Bytes random_values(DType dtype, int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  Bytes bytes(n * bytes_of(dtype));
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = uniform(rng);
+    switch (dtype) {
+      case DType::kFloat32: reinterpret_cast<float*>(bytes.data())[i] = v; break;
+      case DType::kFloat16: reinterpret_cast<__half*>(bytes.data())[i] = __float2half_rn(v); break;
+      case DType::kBFloat16:
+        reinterpret_cast<__nv_bfloat16*>(bytes.data())[i] = __float2bfloat16_rn(v);
+        break;
+    }
+  }
+  return bytes;
+}
+
+Floats random_floats(int64_t n, uint32_t seed, float lo, float hi) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> uniform(lo, hi);
+  Floats v(n);
+  for (auto& x : v) x = uniform(rng);
+  return v;
+}
+
+DeviceBuffer to_device(const Bytes& host, size_t shift = 0) {
+  return DeviceBuffer(host.size(), shift, host.data());
+}
+template <typename T>
+DeviceBuffer to_device(const std::vector<T>& host) {
+  return DeviceBuffer(host.size() * sizeof(T), 0, host.data());
+}
+
+// ---- sort_by_expert ----------------------------------------------------------------------------
+
+struct SortCase {
+  const char* name;
+  int64_t T, k, E;
+  IdKind ids;
+};
+
+const SortCase kSortCases[] = {
+    {"uniform", 1000, 8, 64, IdKind::kUniform},
+    {"zipf", 4096, 8, 256, IdKind::kZipf},
+    {"empty_experts", 3000, 2, 128, IdKind::kFewExperts},
+    {"all_to_one_expert", 4096, 4, 32, IdKind::kOneExpert},
+    {"one_expert", 3000, 1, 1, IdKind::kUniform},
+    {"one_token_k_equals_E", 1, 64, 64, IdKind::kPermutation},
+    {"out_of_range_ids", 2000, 4, 16, IdKind::kOutOfRange},
+    {"one_slot_past_a_tile", 2049, 1, 3, IdKind::kUniform},
+    {"E_not_a_power_of_two", 777, 3, 1000, IdKind::kPermutation},
+    {"max_experts_zipf", 20000, 8, 1024, IdKind::kZipf},
+    {"millions_of_slots", 400000, 8, 256, IdKind::kUniform},
+    {"millions_of_slots_zipf", 300000, 8, 128, IdKind::kZipf},
+    {"millions_of_slots_out_of_range", 250000, 8, 64, IdKind::kOutOfRange},
+    {"no_tokens", 0, 4, 8, IdKind::kUniform},
+};
+
+class SortByExpert : public testing::TestWithParam<SortCase> {};
+
+TEST_P(SortByExpert, EqualsCpuSort) {
+  const SortCase& c = GetParam();
+  const Ints ids = make_ids(c.ids, c.T, c.k, c.E, 1);
+  const Sorted want = cpu_sort(ids, c.T, c.k, c.E);
+  const DeviceBuffer d_ids = to_device(ids);
+  const DeviceBuffer row_map(c.T * c.k * sizeof(int32_t)), sizes(c.E * sizeof(int32_t));
+  const size_t workspace_bytes = nodrop::cuda::sort_by_expert_workspace_bytes(c.T, c.k, c.E);
+  const DeviceBuffer workspace(workspace_bytes, /*shift=*/1);  // any alignment must do
+  run_twice(
+      [&] {
+        return nodrop::cuda::sort_by_expert(d_ids.as<int32_t>(), c.T, c.k, c.E,
+                                            row_map.as<int32_t>(), sizes.as<int32_t>(),
+                                            workspace.get(), workspace_bytes, stream());
+      },
+      {&row_map, &sizes});
+  EXPECT_EQ(mismatch(download<int32_t>(row_map), want.row_map), "");
+  EXPECT_EQ(mismatch(download<int32_t>(sizes), want.group_sizes), "");
+  EXPECT_TRUE(workspace.guards_intact());
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, SortByExpert, testing::ValuesIn(kSortCases),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+TEST(SortByExpertArgs, NoExpertsDropsEverySlot) {
+  const Ints ids = {0, 1, -1, 3};
+  const DeviceBuffer d_ids = to_device(ids), row_map(ids.size() * sizeof(int32_t));
+  run_twice(
+      [&] {
+        return nodrop::cuda::sort_by_expert(d_ids.as<int32_t>(), 2, 2, 0, row_map.as<int32_t>(),
+                                            nullptr, nullptr, 0, stream());
+      },
+      {&row_map});
+  EXPECT_EQ(download<int32_t>(row_map), Ints(4, -1));
+}
+
+TEST(SortByExpertArgs, RejectsBadArguments) {
+  const DeviceBuffer ids(64 * sizeof(int32_t)), row_map(64 * sizeof(int32_t)), sizes(4096);
+  const size_t needed = nodrop::cuda::sort_by_expert_workspace_bytes(32, 2, 8);
+  const DeviceBuffer workspace(needed);
+  auto sort = [&](int64_t T, int64_t E, size_t workspace_bytes) {
+    return nodrop::cuda::sort_by_expert(ids.as<int32_t>(), T, 2, E, row_map.as<int32_t>(),
+                                        sizes.as<int32_t>(), workspace.get(), workspace_bytes,
+                                        stream());
+  };
+  EXPECT_FALSE(sort(32, 8, needed - 1).ok());
+  EXPECT_FALSE(sort(32, nodrop::cuda::kMaxExperts + 1, needed).ok());
+  EXPECT_FALSE(sort(-1, 8, needed).ok());
+  EXPECT_FALSE(sort(int64_t(1) << 31, 8, needed).ok());
+  EXPECT_TRUE(sort(32, 8, needed).ok());
+  CUDA_CHECK(cudaStreamSynchronize(stream()));
+}
+
+// ---- row movers --------------------------------------------------------------------------------
+
+struct RowCase {
+  const char* name;
+  int64_t T, k, E, H;
+  IdKind ids;
+};
+
+const RowCase kRowCases[] = {
+    {"odd_H", 37, 3, 8, 13, IdKind::kUniform},
+    {"H_1", 20, 2, 4, 1, IdKind::kUniform},
+    {"one_chunk_rows", 50, 2, 4, 8, IdKind::kZipf},
+    {"vector_rows", 300, 4, 16, 256, IdKind::kPermutation},
+    {"wide_rows", 128, 8, 32, 4096, IdKind::kZipf},
+    {"odd_wide_rows", 64, 2, 8, 4095, IdKind::kUniform},
+    {"one_token_k_equals_E", 1, 8, 8, 64, IdKind::kPermutation},
+    {"one_expert", 64, 1, 1, 40, IdKind::kUniform},
+    {"all_to_one_expert", 100, 4, 16, 24, IdKind::kOneExpert},
+    {"empty_experts", 200, 2, 64, 32, IdKind::kFewExperts},
+    {"out_of_range_ids", 100, 4, 8, 24, IdKind::kOutOfRange},
+    {"many_tokens", 4096, 6, 64, 128, IdKind::kZipf},
+    {"no_tokens", 0, 2, 4, 16, IdKind::kUniform},
+};
+
+class RowMovers : public testing::TestWithParam<std::tuple<DType, RowCase>> {
+ protected:
+  DType dtype() const { return std::get<0>(GetParam()); }
+  const RowCase& shape() const { return std::get<1>(GetParam()); }
+  int64_t slots() const { return shape().T * shape().k; }
+  // Element shifts of the data pointers to run: 0 (16-byte accesses where the rows allow) and
+  // one element (misaligned, so element accesses), which must give the same bytes.
+  static constexpr size_t kShifts[] = {0, 1};
+};
+
+TEST_P(RowMovers, ScatterEqualsCpu) {
+  const RowCase& c = shape();
+  const Sorted sorted = cpu_sort(make_ids(c.ids, c.T, c.k, c.E, 2), c.T, c.k, c.E);
+  const Bytes src = random_values(dtype(), c.T * c.H, 3);
+  const Floats weights = random_floats(slots(), 4, -2.0f, 2.0f);
+  const DeviceBuffer d_row_map = to_device(sorted.row_map), d_weights = to_device(weights);
+  for (bool weighted : {false, true}) {
+    Bytes want(slots() * c.H * bytes_of(dtype()));
+    nodrop::cpu::scatter_rows(src.data(), dtype(), sorted.row_map.data(),
+                              weighted ? weights.data() : nullptr, c.T, c.k, c.H, want.data());
+    for (size_t shift : kShifts) {
+      SCOPED_TRACE(std::string(weighted ? "weighted" : "unweighted") + ", shift " +
+                   std::to_string(shift));
+      const DeviceBuffer d_src = to_device(src, shift * bytes_of(dtype()));
+      const DeviceBuffer dst(want.size(), shift * bytes_of(dtype()));
+      run_twice(
+          [&] {
+            return nodrop::cuda::scatter_rows(d_src.get(), dtype(), d_row_map.as<int32_t>(),
+                                              weighted ? d_weights.as<float>() : nullptr, c.T,
+                                              c.k, c.H, dst.get(), stream());
+          },
+          {&dst});
+      EXPECT_EQ(mismatch_bits(dst.download(), want, dtype()), "");
+    }
+  }
+}
+
+TEST_P(RowMovers, GatherEqualsCpu) {
+  const RowCase& c = shape();
+  const Sorted sorted = cpu_sort(make_ids(c.ids, c.T, c.k, c.E, 5), c.T, c.k, c.E);
+  const Bytes src = random_values(dtype(), slots() * c.H, 6);
+  const Floats weights = random_floats(slots(), 7, -2.0f, 2.0f);
+  const DeviceBuffer d_row_map = to_device(sorted.row_map), d_weights = to_device(weights);
+  for (bool weighted : {false, true}) {
+    Bytes want(c.T * c.H * bytes_of(dtype()));
+    nodrop::cpu::gather_rows(src.data(), dtype(), sorted.row_map.data(),
+                             weighted ? weights.data() : nullptr, c.T, c.k, c.H, want.data());
+    for (size_t shift : kShifts) {
+      SCOPED_TRACE(std::string(weighted ? "weighted" : "unweighted") + ", shift " +
+                   std::to_string(shift));
+      const DeviceBuffer d_src = to_device(src, shift * bytes_of(dtype()));
+      const DeviceBuffer dst(want.size(), shift * bytes_of(dtype()));
+      run_twice(
+          [&] {
+            return nodrop::cuda::gather_rows(d_src.get(), dtype(), d_row_map.as<int32_t>(),
+                                             weighted ? d_weights.as<float>() : nullptr, c.T, c.k,
+                                             c.H, dst.get(), stream());
+          },
+          {&dst});
+      EXPECT_EQ(mismatch_bits(dst.download(), want, dtype()), "");
+    }
+  }
+}
+
+TEST_P(RowMovers, RowDotsMatchCpu) {
+  const RowCase& c = shape();
+  const Sorted sorted = cpu_sort(make_ids(c.ids, c.T, c.k, c.E, 8), c.T, c.k, c.E);
+  const Bytes a = random_values(dtype(), c.T * c.H, 9);
+  const Bytes rows = random_values(dtype(), slots() * c.H, 10);
+  Floats want(slots());
+  nodrop::cpu::gather_row_dots(a.data(), rows.data(), dtype(), sorted.row_map.data(), c.T, c.k,
+                               c.H, want.data());
+  const DeviceBuffer d_row_map = to_device(sorted.row_map), out(slots() * sizeof(float));
+  for (size_t shift : kShifts) {
+    SCOPED_TRACE("shift " + std::to_string(shift));
+    const DeviceBuffer d_a = to_device(a, shift * bytes_of(dtype()));
+    const DeviceBuffer d_rows = to_device(rows, shift * bytes_of(dtype()));
+    run_twice(
+        [&] {
+          return nodrop::cuda::gather_row_dots(d_a.get(), d_rows.get(), dtype(),
+                                               d_row_map.as<int32_t>(), c.T, c.k, c.H,
+                                               out.as<float>(), stream());
+        },
+        {&out});
+    // Both sum in float64, in different orders: the float32 results differ by a rounding at most.
+    const Floats got = download<float>(out);
+    for (int64_t i = 0; i < slots(); ++i) {
+      ASSERT_NEAR(got[i], want[i], 2e-7 * std::abs(want[i]) + 1e-12) << "slot " << i;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, RowMovers,
+    testing::Combine(testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
+                     testing::ValuesIn(kRowCases)),
+    [](const auto& info) {
+      return std::string(dtype_short(std::get<0>(info.param))) + "_" + std::get<1>(info.param).name;
+    });
+
+// A row map that sort_by_expert cannot make (duplicates, gaps, entries out of range): every
+// access stays in bounds, gather and row dots still equal the CPU's, and scatter writes each row
+// that one slot maps to as the CPU does and zeroes the unmapped rows at or past n, the number of
+// in-range entries.
+TEST(RowMoversArbitraryRowMap, StayInBoundsAndKeepTheirContracts) {
+  const int64_t T = 50, k = 3, H = 24, slots = T * k;
+  const DType dtype = DType::kBFloat16;
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int32_t> any_row(-4, static_cast<int32_t>(slots) + 4);
+  Ints row_map(slots);
+  for (auto& r : row_map) r = any_row(rng);
+  const Bytes x = random_values(dtype, T * H, 12), rows = random_values(dtype, slots * H, 13);
+  const Floats weights = random_floats(slots, 14, -2.0f, 2.0f);
+  const DeviceBuffer d_row_map = to_device(row_map), d_weights = to_device(weights);
+  const DeviceBuffer d_x = to_device(x), d_rows = to_device(rows);
+
+  Bytes want_gather(T * H * 2);
+  nodrop::cpu::gather_rows(rows.data(), dtype, row_map.data(), weights.data(), T, k, H,
+                           want_gather.data());
+  const DeviceBuffer gathered(want_gather.size());
+  run_twice(
+      [&] {
+        return nodrop::cuda::gather_rows(d_rows.get(), dtype, d_row_map.as<int32_t>(),
+                                         d_weights.as<float>(), T, k, H, gathered.get(), stream());
+      },
+      {&gathered});
+  EXPECT_EQ(mismatch_bits(gathered.download(), want_gather, dtype), "");
+
+  Floats want_dots(slots);
+  nodrop::cpu::gather_row_dots(x.data(), rows.data(), dtype, row_map.data(), T, k, H,
+                               want_dots.data());
+  const DeviceBuffer dots(slots * sizeof(float));
+  run_twice(
+      [&] {
+        return nodrop::cuda::gather_row_dots(d_x.get(), d_rows.get(), dtype,
+                                             d_row_map.as<int32_t>(), T, k, H, dots.as<float>(),
+                                             stream());
+      },
+      {&dots});
+  EXPECT_LT(rel_error(download<float>(dots), want_dots), 1e-6);
+
+  // Duplicates make scatter's result order-dependent, so it runs once here.
+  Bytes want_scatter(slots * H * 2);
+  nodrop::cpu::scatter_rows(x.data(), dtype, row_map.data(), weights.data(), T, k, H,
+                            want_scatter.data());
+  const DeviceBuffer scattered(want_scatter.size());
+  scattered.poison();
+  const Status status = nodrop::cuda::scatter_rows(d_x.get(), dtype, d_row_map.as<int32_t>(),
+                                                   d_weights.as<float>(), T, k, H,
+                                                   scattered.get(), stream());
+  ASSERT_TRUE(status.ok()) << status.message();
+  CUDA_CHECK(cudaStreamSynchronize(stream()));
+  EXPECT_TRUE(scattered.guards_intact());
+  Ints writers(slots, 0);
+  int64_t mapped = 0;
+  for (int32_t r : row_map) {
+    if (r >= 0 && r < slots) ++writers[r], ++mapped;
+  }
+  const Bytes got = scattered.download();
+  for (int64_t r = 0; r < slots; ++r) {
+    const size_t begin = r * H * 2, end = begin + H * 2;
+    const bool checked = writers[r] == 1 || (writers[r] == 0 && r >= mapped);
+    if (checked) {
+      EXPECT_TRUE(std::equal(got.begin() + begin, got.begin() + end, want_scatter.begin() + begin))
+          << "row " << r << " (" << writers[r] << " writers, " << mapped << " in-range entries)";
+    }
+  }
+}
+
+TEST(RowMoversArgs, RejectBadShapes) {
+  const DeviceBuffer buffer(4096);
+  const int32_t* row_map = buffer.as<int32_t>();
+  EXPECT_FALSE(nodrop::cuda::scatter_rows(buffer.get(), DType::kFloat32, row_map, nullptr, 2, 2,
+                                          -1, buffer.get(), stream()).ok());
+  EXPECT_FALSE(nodrop::cuda::gather_rows(buffer.get(), DType::kFloat32, row_map, nullptr,
+                                         int64_t(1) << 31, 1, 4, buffer.get(), stream()).ok());
+  EXPECT_FALSE(nodrop::cuda::gather_row_dots(buffer.get(), buffer.get(), static_cast<DType>(7),
+                                             row_map, 2, 2, 4, buffer.as<float>(), stream()).ok());
+}
+
+// ---- router ------------------------------------------------------------------------------------
+
+// Logits that make every selection either an exact tie or a clear win, so that float32 (GPU)
+// and float64 (CPU) arithmetic must choose the same experts.
+enum class Logits {
+  kQuantized,     // multiples of 1/16 in [-2, 2]: many exact ties, the rest 6% apart
+  kRankedGroups,  // 0.5 * (a random rank of the expert's group) + a multiple of 1/32 below 0.25:
+                  // groups, and so their sums of best scores, are clearly apart
+  kEqual,         // all zero: every choice is a tie, decided by the lower index
+};
+
+struct RouterCase {
+  const char* name;
+  int64_t T, E, k;
+  ScoreFunction fn;
+  int64_t num_groups, topk_groups;
+  bool renormalize;
+  float scaling_factor;
+  bool bias;  // integers in {-1, 0, 1}: never within float32 rounding of a score difference
+  Logits logits;
+
+  RouterConfig config() const {
+    RouterConfig c;
+    c.num_tokens = T;
+    c.num_experts = E;
+    c.k = k;
+    c.score_function = fn;
+    c.num_groups = num_groups;
+    c.topk_groups = topk_groups;
+    c.renormalize = renormalize;
+    c.scaling_factor = scaling_factor;
+    return c;
+  }
+};
+
+constexpr ScoreFunction kSoftmax = ScoreFunction::kSoftmax;
+constexpr ScoreFunction kSigmoid = ScoreFunction::kSigmoid;
+
+const RouterCase kRouterCases[] = {
+    {"softmax_E8_k2", 1000, 8, 2, kSoftmax, 1, 1, false, 1.0f, false, Logits::kQuantized},
+    {"softmax_E64_k6_renormalized", 777, 64, 6, kSoftmax, 1, 1, true, 1.0f, false,
+     Logits::kQuantized},
+    {"softmax_E128_k8_bias", 4096, 128, 8, kSoftmax, 1, 1, false, 1.0f, true, Logits::kQuantized},
+    {"sigmoid_E96_k3_bias", 1000, 96, 3, kSigmoid, 1, 1, true, 1.0f, true, Logits::kQuantized},
+    {"deepseek_v3_E256_k8_groups8_top4", 2048, 256, 8, kSigmoid, 8, 4, true, 2.5f, false,
+     Logits::kRankedGroups},
+    {"deepseek_v2_E160_k6_groups8_top3", 1500, 160, 6, kSoftmax, 8, 3, false, 16.0f, false,
+     Logits::kRankedGroups},
+    {"groups_best_one_bias", 1000, 64, 4, kSigmoid, 8, 4, true, 1.0f, true, Logits::kQuantized},
+    {"E1000_k40_groups10_top3", 300, 1000, 40, kSigmoid, 10, 3, true, 1.0f, false,
+     Logits::kRankedGroups},
+    {"E1024_k8_bias", 200, 1024, 8, kSoftmax, 1, 1, true, 1.0f, true, Logits::kQuantized},
+    {"one_expert", 100, 1, 1, kSoftmax, 1, 1, false, 1.0f, false, Logits::kQuantized},
+    {"k_equals_E", 500, 32, 32, kSoftmax, 1, 1, true, 1.0f, false, Logits::kQuantized},
+    {"all_logits_equal", 64, 16, 4, kSoftmax, 1, 1, false, 1.0f, false, Logits::kEqual},
+    {"no_tokens", 0, 8, 2, kSoftmax, 1, 1, false, 1.0f, false, Logits::kQuantized},
+};
+
+Floats make_logits(const RouterCase& c, uint32_t seed) {
+  std::mt19937 rng(seed);
+  Floats logits(c.T * c.E, 0.0f);
+  if (c.logits == Logits::kQuantized) {
+    std::uniform_int_distribution<int> level(-32, 32);
+    for (auto& x : logits) x = level(rng) / 16.0f;
+  } else if (c.logits == Logits::kRankedGroups) {
+    const int64_t per_group = c.E / c.num_groups;
+    std::uniform_int_distribution<int> noise(0, 7);
+    Ints rank(c.num_groups);
+    std::iota(rank.begin(), rank.end(), 0);
+    for (int64_t t = 0; t < c.T; ++t) {
+      std::shuffle(rank.begin(), rank.end(), rng);
+      for (int64_t e = 0; e < c.E; ++e) {
+        logits[t * c.E + e] = 0.5f * rank[e / per_group] + noise(rng) / 32.0f;
+      }
+    }
+  }
+  return logits;
+}
+
+class Router : public testing::TestWithParam<RouterCase> {};
+
+TEST_P(Router, ForwardMatchesCpu) {
+  const RouterCase& c = GetParam();
+  const RouterConfig config = c.config();
+  const Floats logits = make_logits(c, 20);
+  Floats bias(c.E);
+  std::mt19937 rng(21);
+  for (auto& b : bias) b = static_cast<float>(std::uniform_int_distribution<int>(-1, 1)(rng));
+  const float* host_bias = c.bias ? bias.data() : nullptr;
+
+  Floats want_weights(c.T * c.k);
+  Ints want_ids(c.T * c.k);
+  const Status cpu = nodrop::cpu::topk_router(logits.data(), host_bias, config,
+                                              want_weights.data(), want_ids.data());
+  ASSERT_TRUE(cpu.ok()) << cpu.message();
+
+  const DeviceBuffer d_logits = to_device(logits), d_bias = to_device(bias);
+  const DeviceBuffer weights(c.T * c.k * sizeof(float)), ids(c.T * c.k * sizeof(int32_t));
+  run_twice(
+      [&] {
+        return nodrop::cuda::topk_router(d_logits.as<float>(),
+                                         c.bias ? d_bias.as<float>() : nullptr, config,
+                                         weights.as<float>(), ids.as<int32_t>(), stream());
+      },
+      {&weights, &ids});
+  EXPECT_EQ(mismatch(download<int32_t>(ids), want_ids), "");
+  EXPECT_LT(rel_error(download<float>(weights), want_weights), 1e-5);
+}
+
+TEST_P(Router, GradMatchesCpu) {
+  const RouterCase& c = GetParam();
+  const RouterConfig config = c.config();
+  const Floats logits = make_logits(c, 22);
+  Floats unused_weights(c.T * c.k);
+  Ints ids(c.T * c.k);
+  ASSERT_TRUE(nodrop::cpu::topk_router(logits.data(), nullptr, config, unused_weights.data(),
+                                       ids.data()).ok());
+  const Floats grad_weights = random_floats(c.T * c.k, 23, -1.0f, 1.0f);
+  Floats want(c.T * c.E);
+  ASSERT_TRUE(nodrop::cpu::topk_router_grad(logits.data(), ids.data(), grad_weights.data(), config,
+                                            want.data()).ok());
+
+  const DeviceBuffer d_logits = to_device(logits), d_ids = to_device(ids);
+  const DeviceBuffer d_grad_weights = to_device(grad_weights), grad(c.T * c.E * sizeof(float));
+  run_twice(
+      [&] {
+        return nodrop::cuda::topk_router_grad(d_logits.as<float>(), d_ids.as<int32_t>(),
+                                              d_grad_weights.as<float>(), config,
+                                              grad.as<float>(), stream());
+      },
+      {&grad});
+  EXPECT_LT(rel_error(download<float>(grad), want), 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, Router, testing::ValuesIn(kRouterCases),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+TEST(RouterGrad, SkipsOutOfRangeIdsAndRepeatsAsCpu) {
+  RouterCase c{"", 64, 16, 4, kSoftmax, 1, 1, true, 1.5f, false, Logits::kQuantized};
+  const RouterConfig config = c.config();
+  const Floats logits = make_logits(c, 30);
+  Ints ids = make_ids(IdKind::kOutOfRange, c.T, c.k, c.E, 31);
+  ids[5] = ids[4];  // one expert twice in a token: its gradients add up
+  const Floats grad_weights = random_floats(c.T * c.k, 32, -1.0f, 1.0f);
+  Floats want(c.T * c.E);
+  ASSERT_TRUE(nodrop::cpu::topk_router_grad(logits.data(), ids.data(), grad_weights.data(), config,
+                                            want.data()).ok());
+  const DeviceBuffer d_logits = to_device(logits), d_ids = to_device(ids);
+  const DeviceBuffer d_grad_weights = to_device(grad_weights), grad(c.T * c.E * sizeof(float));
+  run_twice(
+      [&] {
+        return nodrop::cuda::topk_router_grad(d_logits.as<float>(), d_ids.as<int32_t>(),
+                                              d_grad_weights.as<float>(), config,
+                                              grad.as<float>(), stream());
+      },
+      {&grad});
+  EXPECT_LT(rel_error(download<float>(grad), want), 1e-5);
+}
+
+TEST(RouterArgs, RejectsBadConfigs) {
+  const DeviceBuffer buffer(1 << 16);
+  auto route = [&](int64_t E, int64_t k, int64_t groups, int64_t topk_groups) {
+    RouterConfig c;
+    c.num_tokens = 4;
+    c.num_experts = E;
+    c.k = k;
+    c.num_groups = groups;
+    c.topk_groups = topk_groups;
+    return nodrop::cuda::topk_router(buffer.as<float>(), nullptr, c, buffer.as<float>(),
+                                     buffer.as<int32_t>(), stream());
+  };
+  EXPECT_FALSE(route(nodrop::cuda::kMaxExperts + 1, 2, 1, 1).ok());
+  EXPECT_FALSE(route(8, 9, 1, 1).ok());
+  EXPECT_FALSE(route(8, 2, 3, 1).ok());
+  EXPECT_FALSE(route(8, 5, 4, 2).ok());  // only 4 experts in the 2 chosen groups
+  EXPECT_TRUE(route(8, 4, 4, 2).ok());
+  CUDA_CHECK(cudaStreamSynchronize(stream()));
+}
+
+}  // namespace

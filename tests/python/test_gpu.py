@@ -1,0 +1,201 @@
+"""Every op on the GPU (the CUDA engine) against its pure-JAX reference, run on the same GPU.
+
+Skipped unless JAX sees a GPU and nodrop was built with its CUDA engine. `make gpu-check` runs
+this file with XLA's command buffers (CUDA graphs) on for custom calls, so the jitted cases also
+check that a captured call reads new group sizes on every replay.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nodrop
+from nodrop.ops import reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (nodrop.backends()["cuda"] and jax.default_backend() == "gpu"),
+                       reason="needs an NVIDIA GPU and nodrop's CUDA engine"),
+]
+
+TOLERANCE = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3, jnp.float32: 2e-5}
+
+
+def rel_error(actual, expected):
+    actual = np.asarray(jnp.asarray(actual, jnp.float32))
+    expected = np.asarray(jnp.asarray(expected, jnp.float32))
+    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
+
+
+def group_sizes(kind, rows, groups, rng):
+    """int32 [groups]: the group-size patterns the issue names (some sum to less than rows)."""
+    if kind == "uniform":
+        sizes = np.full(groups, rows // groups)
+    elif kind == "zipf":
+        share = 1.0 / np.arange(1, groups + 1)
+        sizes = np.floor(rows * share / share.sum())
+    elif kind == "empty_groups":  # every group but each third one is empty
+        sizes = np.zeros(groups)
+        sizes[::3] = rows // len(sizes[::3])
+    elif kind == "all_in_one":
+        sizes = np.zeros(groups)
+        sizes[groups // 2] = rows
+    elif kind == "random_short":  # sums to less than rows: the tail rows must come out zero
+        sizes = rng.multinomial(rows - 37, np.ones(groups) / groups)
+    else:
+        raise ValueError(kind)
+    return jnp.asarray(sizes, jnp.int32)
+
+
+SIZE_KINDS = ["uniform", "zipf", "empty_groups", "all_in_one", "random_short"]
+# (M rows, K, N, G): rows not a multiple of any tile; K and N multiples of 8 (TMA alignment).
+GEMM_SHAPES = [(1000, 64, 136, 8), (777, 256, 64, 1), (2048, 512, 384, 33)]
+
+
+def inputs(shape, dtype, seed=0):
+    """lhs [M, K], rhs [G, K, N] and an output-shaped grad [M, N]."""
+    m, k, n, g = shape
+    keys = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(keys[0], (m, k), dtype), jax.random.normal(keys[1], (g, k, n), dtype),
+            jax.random.normal(keys[2], (m, n), dtype))
+
+
+@pytest.mark.parametrize("shape", GEMM_SHAPES)
+@pytest.mark.parametrize("kind", SIZE_KINDS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("out_dtype", [None, jnp.float32])
+def test_grouped_matmul_modes_match_reference(shape, kind, dtype, out_dtype):
+    lhs, rhs, grad = inputs(shape, dtype)
+    sizes = group_sizes(kind, shape[0], shape[3], np.random.default_rng(0))
+    tol = TOLERANCE[out_dtype or dtype]
+    cases = [
+        (nodrop.grouped_matmul(lhs, rhs, sizes, out_dtype=out_dtype),
+         reference.grouped_matmul(lhs, rhs, sizes, out_dtype=out_dtype)),
+        (nodrop.grouped_matmul(grad, rhs, sizes, transpose_rhs=True, out_dtype=out_dtype),
+         reference.grouped_matmul(grad, rhs, sizes, transpose_rhs=True, out_dtype=out_dtype)),
+        (nodrop.grouped_matmul_contract(lhs, grad, sizes, out_dtype=out_dtype),
+         reference.grouped_matmul_contract(lhs, grad, sizes, out_dtype=out_dtype)),
+    ]
+    for got, want in cases:
+        assert got.dtype == want.dtype
+        assert rel_error(got, want) <= tol
+    used = int(jnp.clip(sizes, 0).sum())
+    assert not np.asarray(cases[0][0][used:]).any(), "rows past the groups must be zero"
+
+
+def test_grouped_matmul_gradients_match_reference():
+    lhs, rhs, grad = inputs(GEMM_SHAPES[0], jnp.bfloat16, seed=1)
+    sizes = group_sizes("zipf", lhs.shape[0], rhs.shape[0], None)
+
+    def vjp(fn):
+        out, pullback = jax.vjp(lambda a, b: fn(a, b, sizes), lhs, rhs)
+        return (out, *pullback(grad))
+
+    for got, want in zip(jax.jit(lambda: vjp(nodrop.ragged_dot))(),
+                         jax.jit(lambda: vjp(reference.ragged_dot))()):
+        assert rel_error(got, want) <= TOLERANCE[jnp.bfloat16]
+
+
+def test_jitted_call_reads_new_group_sizes_on_every_replay():
+    lhs, rhs, _ = inputs(GEMM_SHAPES[2], jnp.bfloat16, seed=2)
+    step = jax.jit(lambda sizes: nodrop.ragged_dot(lhs, rhs, sizes))
+    rng = np.random.default_rng(3)
+    for kind in ["uniform", "all_in_one", "random_short", "zipf", "empty_groups"]:
+        sizes = group_sizes(kind, lhs.shape[0], rhs.shape[0], rng)
+        assert rel_error(step(sizes), reference.ragged_dot(lhs, rhs, sizes)) <= 2e-2, kind
+
+
+def test_invalid_group_sizes_are_clamped_on_the_device():
+    lhs, rhs, _ = inputs(GEMM_SHAPES[0], jnp.bfloat16, seed=4)
+    for sizes in ([-5, 300, 2000, 7, -1, 0, 10**9, 3], [2**31 - 1] * 8):
+        sizes = jnp.asarray(sizes, jnp.int32)
+        assert rel_error(nodrop.ragged_dot(lhs, rhs, sizes),
+                         reference.ragged_dot(lhs, rhs, sizes)) <= 2e-2
+
+
+def test_results_are_bitwise_deterministic():
+    lhs, rhs, grad = inputs(GEMM_SHAPES[2], jnp.bfloat16, seed=5)
+    sizes = group_sizes("zipf", lhs.shape[0], rhs.shape[0], None)
+    logits = jax.random.normal(jax.random.key(6), (lhs.shape[0], 32), jnp.float32)
+
+    @jax.jit
+    def layer(lhs, rhs, grad, logits):
+        weights, ids = nodrop.topk_router(logits, 4)
+        rows, routed_sizes, row_map = nodrop.permute(lhs, ids, 32)
+        out = nodrop.unpermute(rows * 2, row_map, weights)
+        return (nodrop.ragged_dot(lhs, rhs, sizes), nodrop.grouped_matmul_contract(lhs, grad, sizes),
+                out, routed_sizes)
+
+    first, second = layer(lhs, rhs, grad, logits), layer(lhs, rhs, grad, logits)
+    for a, b in zip(first, second):
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def distinct_logits(tokens, experts, seed):
+    """Logits whose scores are far from ties, so float32 GPU and reference pick the same ids."""
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(np.stack([rng.permutation(experts) for _ in range(tokens)]) * 0.25,
+                       jnp.float32)
+
+
+@pytest.mark.parametrize("config", [
+    dict(k=2),
+    dict(k=8, renormalize=True),
+    dict(k=8, score_function="sigmoid", num_groups=8, topk_groups=4, renormalize=True,
+         scaling_factor=2.5),
+])
+@pytest.mark.parametrize("experts", [8, 64, 256])
+def test_router_matches_reference_with_gradients(config, experts):
+    groups = config.get("num_groups", 1)
+    if config["k"] > config.get("topk_groups", 1) * experts // groups:
+        pytest.skip("config does not fit the experts")
+    logits = distinct_logits(300, experts, seed=experts)
+    bias = jnp.linspace(-0.01, 0.01, experts, dtype=jnp.float32)
+    config = dict(config, expert_bias=bias) if "num_groups" in config else config
+    weights, ids = nodrop.topk_router(logits, **config)
+    ref_weights, ref_ids = reference.topk_router(logits, **config)
+    assert np.array_equal(np.asarray(ids), np.asarray(ref_ids))
+    assert rel_error(weights, ref_weights) <= 1e-5
+    probe = jnp.arange(config["k"], dtype=jnp.float32) + 1
+    grad = jax.grad(lambda l: (nodrop.topk_router(l, **config)[0] * probe).sum())(logits)
+    ref_grad = jax.grad(lambda l: (reference.topk_router(l, **config)[0] * probe).sum())(logits)
+    assert float(jnp.abs(grad - ref_grad).max()) <= 1e-5 * max(float(jnp.abs(ref_grad).max()), 1)
+
+
+@pytest.mark.parametrize("ids_kind", ["uniform", "zipf", "one_expert", "all_to_one", "k_equals_e",
+                                      "dropped"])
+@pytest.mark.parametrize("hidden", [4096, 100])  # 100: rows not a multiple of 16 bytes
+def test_permute_unpermute_match_reference(ids_kind, hidden):
+    tokens, experts, k = 513, 16, 2
+    rng = np.random.default_rng(7)
+    if ids_kind == "uniform":
+        ids = rng.integers(0, experts, (tokens, k))
+    elif ids_kind == "zipf":
+        ids = np.minimum(rng.zipf(1.5, (tokens, k)) - 1, experts - 1)
+    elif ids_kind == "one_expert":
+        experts, ids = 1, np.zeros((tokens, k))
+    elif ids_kind == "all_to_one":
+        ids = np.full((tokens, k), 5)
+    elif ids_kind == "k_equals_e":
+        k, ids = experts, np.tile(rng.permutation(experts), (tokens, 1))
+    else:  # out-of-range ids drop their slot
+        ids = rng.integers(-2, experts + 2, (tokens, k))
+    ids = jnp.asarray(ids, jnp.int32)
+    x = jax.random.normal(jax.random.key(8), (tokens, hidden), jnp.bfloat16)
+    weights = jax.random.uniform(jax.random.key(9), (tokens, k), jnp.float32)
+    got, want = nodrop.permute(x, ids, experts), reference.permute(x, ids, experts)
+    for a, b in zip(got, want):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    rows, _, row_map = got
+    assert rel_error(nodrop.unpermute(rows, row_map, weights),
+                     reference.unpermute(rows, row_map, weights)) <= 1e-2
+
+    def loss(op_module, x, weights):
+        rows, _, row_map = op_module.permute(x, ids, experts)
+        return (op_module.unpermute(rows * 3, row_map, weights).astype(jnp.float32) ** 2).sum()
+
+    grads = jax.grad(lambda x, w: loss(nodrop, x, w), argnums=(0, 1))(x, weights)
+    ref_grads = jax.grad(lambda x, w: loss(reference, x, w), argnums=(0, 1))(x, weights)
+    for a, b in zip(grads, ref_grads):
+        assert rel_error(a, b) <= 2e-2

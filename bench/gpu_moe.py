@@ -1,0 +1,704 @@
+"""GPU benchmark: nodrop against its peers, grouped matmul and a whole MoE expert layer.
+
+    PYTHONPATH=. python3 bench/gpu_moe.py --out DIR [--iters 10] [--only gemm|layer|all]
+                                          [--shapes Mixtral-8x7B,Qwen3-30B-A3B]
+
+Everything runs in this one process: bf16 inputs, float32 accumulation, jitted.
+
+1. Grouped matmul at four MoE shapes, uniform and Zipf(1) group sizes, forward and
+   forward+backward (the output and the gradients of both inputs: 3 GEMMs): nodrop.ragged_dot,
+   jax.lax.ragged_dot, the token-dropping batched einsum at capacity factors 1.0 and 1.25 (useful
+   FLOPs only, with the fraction of token slots it would drop), torch._grouped_mm where torch
+   imports, and a dense jnp.dot of the same FLOPs (the ceiling).
+2. An MoE expert layer (top-k softmax router, SwiGLU experts, combine), forward+backward:
+   nodrop's ops against the same layer written the token-dropping way (capacity 1.0 and 1.25).
+
+Writes DIR/gpu-moe.json (every number), DIR/gpu-moe.md (the tables) and DIR/gpu-moe.png
+(forward+backward TFLOP/s). Exit status 1 if a target (see below) fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import importlib.metadata
+import json
+import math
+import os
+import pathlib
+import platform
+import statistics
+import time
+import types
+
+# JAX takes 75% of the GPU when it starts; leave half of it to torch._grouped_mm in this process.
+os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.5"
+
+import jax  # noqa: E402  (the line above must run before jax is imported)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import nodrop  # noqa: E402
+from nodrop import demo  # noqa: E402
+from nodrop.bench import PASSES, positive_int, relative_difference  # noqa: E402
+from nodrop.ops import reference  # noqa: E402
+
+GEMM_SHAPES = {  # name: (rows M, K, N, groups G)
+    "Mixtral-8x7B": (16384, 4096, 14336, 8),
+    "Qwen3-30B-A3B": (131072, 2048, 768, 128),
+    "DeepSeek-V2-Lite": (98304, 2048, 1408, 64),
+    "DeepSeek-V3-EP8": (8192, 7168, 2048, 32),  # one rank of 8-way expert parallelism
+}
+LAYER_SHAPES = {  # name: (tokens T, hidden H, expert FFN F, experts E, experts per token k)
+    "Mixtral-8x7B": (8192, 4096, 14336, 8, 2),
+    "Qwen3-30B-A3B": (16384, 2048, 768, 128, 8),
+    "DeepSeek-V2-Lite": (16384, 2048, 1408, 64, 6),
+}
+GROUP_SIZE_KINDS = ("uniform", "zipf")
+CAPACITY_FACTORS = (1.0, 1.25)
+BASELINE_CAPACITY = "capacity_1.0"  # the token-dropping peer of the ratios and the layer target
+DTYPE = jnp.bfloat16
+
+# Timing: WARMUP calls (the first compiles), then the median over REPEATS of the mean time of
+# --iters calls queued back to back. Every case is compute-bound and its operands together
+# exceed the H200's 60 MB L2, so inputs are not rotated.
+WARMUP, REPEATS, DEFAULT_ITERS = 3, 3, 10
+CASE_BUDGET_S = 3.0  # a slow case (jax.lax.ragged_dot) gets fewer timed calls, to stay near this
+RAGGED_DOT_MAX_FORWARD_S = 2.0  # a slower jax.lax.ragged_dot forward skips its forward+backward
+CHECK_TOLERANCE = 1e-2  # nodrop's bf16 output vs a float32 jnp.dot, relative to max |dot|
+
+# Targets, forward+backward, as minimum ratios nodrop TFLOP/s / peer TFLOP/s.
+MIN_VS_TORCH = 1.0  # every shape and group sizes
+MIN_VS_DENSE = {"Mixtral-8x7B": 0.85}
+MIN_VS_RAGGED_DOT = {"Mixtral-8x7B": 5.0, "Qwen3-30B-A3B": 50.0}
+MIN_LAYER_SPEEDUP = 1.0  # capacity-1.0 layer ms / nodrop layer ms
+
+IMPL_LABELS = {
+    "nodrop": "nodrop", "torch": "torch._grouped_mm", "ragged_dot": "jax.lax.ragged_dot",
+    **{f"capacity_{cf}": f"capacity {cf}" for cf in CAPACITY_FACTORS}, "dense": "dense jnp.dot",
+}
+PLOTTED_IMPLS = ("nodrop", "torch", "ragged_dot", BASELINE_CAPACITY, "dense")
+PASS_LABELS = {"forward": "fwd", "forward+backward": "fwd+bwd"}
+NOT_RUN = dict(status="not run", ms=None, tflops=None, iters=0, detail="")
+START = time.perf_counter()
+
+
+# --- timing -----------------------------------------------------------------------------------
+
+
+def seconds_per_call(run, sync, iters: int) -> tuple[float, int]:
+    """(median seconds per call, calls per repeat) of run(); sync(result) waits for the device.
+
+    Calls are queued back to back and synchronized once per repeat, as in a training step, so
+    host launch gaps are hidden.
+    """
+    for _ in range(WARMUP):
+        start = time.perf_counter()
+        sync(run())
+        call_s = time.perf_counter() - start
+    iters = max(1, min(iters, int(CASE_BUDGET_S / (REPEATS * call_s))))
+    samples = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        for _ in range(iters):
+            result = run()
+        sync(result)
+        samples.append((time.perf_counter() - start) / iters)
+    return statistics.median(samples), iters
+
+
+def measure(run, sync, iters: int, flops: float) -> dict:
+    """Times run(); a failure (out of memory, say) is recorded instead of raised."""
+    try:
+        seconds, iters = seconds_per_call(run, sync, iters)
+    except Exception as error:  # XlaRuntimeError, torch.OutOfMemoryError, ...
+        text = str(error)
+        oom = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+        return dict(status="OOM" if oom else "error", ms=None, tflops=None, iters=0,
+                    detail=f"{type(error).__name__}: {text[:500]}")
+    return dict(status="ok", ms=1e3 * seconds, tflops=flops / seconds / 1e12, iters=iters,
+                detail="")
+
+
+def log(case: dict) -> None:
+    if case["status"] == "ok":
+        result = f"{case['ms']:9.3f} ms {case['tflops']:7.1f} TFLOP/s"
+    else:
+        result = f"{case['status']} {case['detail'][:160]}"
+    print(f"[{time.perf_counter() - START:6.1f} s] {case['section']} {case['shape']} "
+          f"{case['group_sizes']} {PASS_LABELS[case['passes']]} {IMPL_LABELS[case['impl']]}: "
+          f"{result}{dropped_text(case.get('dropped'))}", flush=True)
+
+
+def dropped_text(dropped) -> str:
+    """', dropped 1.2%' (layer), ', dropped uniform 0.0%, zipf 31.6%' (GEMM) or ''."""
+    if dropped is None:
+        return ""
+    if isinstance(dropped, dict):
+        return ", dropped " + ", ".join(f"{kind} {share:.1%}" for kind, share in dropped.items())
+    return f", dropped {dropped:.1%}"
+
+
+def add_case(cases: list, **case) -> None:
+    log(case)
+    cases.append(case)
+
+
+# --- grouped matmul ---------------------------------------------------------------------------
+
+
+def group_sizes(kind: str, rows: int, groups: int) -> np.ndarray:
+    """[groups] int32 summing to rows: equal, or Zipf(1) (group g gets a share 1/(g+1))."""
+    share = np.ones(groups) if kind == "uniform" else 1.0 / np.arange(1, groups + 1)
+    sizes = np.floor(rows * share / share.sum()).astype(np.int32)
+    sizes[0] += rows - sizes.sum()
+    return sizes
+
+
+def capacity_rows(slots: int, groups: int, capacity_factor: float) -> int:
+    """C = ceil(cf * slots / groups): the rows of each group's buffer when dropping tokens."""
+    return math.ceil(capacity_factor * slots / groups)
+
+
+def dropped_fraction(sizes, capacity: int) -> float:
+    """The fraction of the slots past their group's C rows: those a capacity factor drops."""
+    sizes = np.asarray(sizes)
+    return float(np.maximum(sizes - capacity, 0).sum() / sizes.sum())
+
+
+def capacity_einsum(tokens, rhs, group_sizes):
+    """Tokens already dispatched into [G, C, K] buffers times [G, K, N]: the dropping way."""
+    del group_sizes  # every group has C rows
+    return jnp.einsum("gck,gkn->gcn", tokens, rhs)
+
+
+def dense_dot(lhs, rhs, group_sizes):
+    """[M, K] @ [K, N]: the same FLOPs as the grouped matmul, with no groups."""
+    del group_sizes
+    return jnp.dot(lhs, rhs)
+
+
+GROUPED_MATMULS = {"nodrop": nodrop.ragged_dot, "ragged_dot": jax.lax.ragged_dot}
+
+
+def check_nodrop(forward, operands, sizes) -> float:
+    """nodrop's forward on its first, middle and last groups vs jnp.dot in float32:
+    max |difference| / max |dot|. Catches rows written wrongly, or not at all."""
+    lhs, rhs = operands[:2]
+    out = forward(*operands)
+    ends = np.cumsum(sizes)
+    worst = 0.0
+    for group in sorted({0, len(sizes) // 2, len(sizes) - 1}):
+        start, end = int(ends[group] - sizes[group]), int(ends[group])
+        expected = jnp.dot(lhs[start:end], rhs[group], preferred_element_type=jnp.float32)
+        worst = max(worst, relative_difference(out[start:end], expected))
+    return worst
+
+
+def jax_gemm_cases(name: str, dims, iters: int) -> list[dict]:
+    """nodrop.ragged_dot and jax.lax.ragged_dot per group sizes, then dense and capacity."""
+    rows, k, n, groups = dims
+    keys = jax.random.split(jax.random.key(0), 3)
+    lhs = jax.random.normal(keys[0], (rows, k), DTYPE)
+    rhs = jax.random.normal(keys[1], (groups, k, n), DTYPE)
+    grad_out = jax.random.normal(keys[2], (rows, n), DTYPE)
+    flops = 2 * rows * k * n
+    # Jitted once per shape: group sizes are a run-time argument, so both kinds share a compile.
+    steps = {(impl, passes): jax.jit(make_step(matmul))
+             for impl, matmul in GROUPED_MATMULS.items()
+             for passes, (make_step, _) in PASSES.items()}
+    common = dict(section="gemm", shape=name, dims=list(dims))
+    cases = []
+    for kind in GROUP_SIZE_KINDS:
+        sizes = group_sizes(kind, rows, groups)
+        operands = (lhs, rhs, jnp.asarray(sizes), grad_out)
+        try:
+            check = check_nodrop(steps["nodrop", "forward"], operands, sizes)
+        except Exception as error:  # recorded as a failed check; the timing says more
+            print(f"nodrop output check failed: {type(error).__name__}: {error}", flush=True)
+            check = None
+        ragged_forward_ms = 0.0
+        for passes, (_, gemms) in PASSES.items():
+            for impl in GROUPED_MATMULS:
+                if impl == "ragged_dot" and ragged_forward_ms > 1e3 * RAGGED_DOT_MAX_FORWARD_S:
+                    result = dict(NOT_RUN, status="skipped",
+                                  detail=f"forward took {ragged_forward_ms:.0f} ms per call")
+                else:
+                    result = measure(functools.partial(steps[impl, passes], *operands),
+                                     jax.block_until_ready, iters, gemms * flops)
+                if (impl, passes) == ("ragged_dot", "forward") and result["status"] == "ok":
+                    ragged_forward_ms = result["ms"]
+                extra = dict(sizes=sizes.tolist(), check=check) if impl == "nodrop" else {}
+                add_case(cases, **common, group_sizes=kind, passes=passes, impl=impl, **result,
+                         **extra)
+    return cases + padded_gemm_cases(common, lhs, rhs, grad_out, iters)
+
+
+def padded_gemm_cases(common: dict, lhs, rhs, grad_out, iters: int) -> list[dict]:
+    """Dense and capacity-factor GEMMs: their time does not depend on the group sizes."""
+    rows, k, n, groups = common["dims"]
+    flops = 2 * rows * k * n
+    dense_rhs = rhs[0]
+    cases = []
+    for passes, (make_step, gemms) in PASSES.items():
+        result = measure(functools.partial(jax.jit(make_step(dense_dot)), lhs, dense_rhs, None,
+                                           grad_out), jax.block_until_ready, iters, gemms * flops)
+        add_case(cases, **common, group_sizes="any", passes=passes, impl="dense", **result)
+    for cf in CAPACITY_FACTORS:
+        capacity = capacity_rows(rows, groups, cf)
+        keys = jax.random.split(jax.random.key(1), 2)
+        tokens = jax.random.normal(keys[0], (groups, capacity, k), DTYPE)
+        grad_buffers = jax.random.normal(keys[1], (groups, capacity, n), DTYPE)
+        dropped = {kind: dropped_fraction(group_sizes(kind, rows, groups), capacity)
+                   for kind in GROUP_SIZE_KINDS}
+        for passes, (make_step, gemms) in PASSES.items():
+            result = measure(
+                functools.partial(jax.jit(make_step(capacity_einsum)), tokens, rhs, None,
+                                  grad_buffers), jax.block_until_ready, iters, gemms * flops)
+            add_case(cases, **common, group_sizes="any", passes=passes, impl=f"capacity_{cf}",
+                     **result, capacity=capacity, dropped=dropped)
+    return cases
+
+
+def load_torch():
+    """(torch, "") when it imports, sees a GPU and has _grouped_mm; else (None, why not)."""
+    try:
+        import torch
+    except (ImportError, OSError) as error:
+        return None, f"torch does not import: {error}"
+    if not torch.cuda.is_available():
+        return None, "torch sees no GPU"
+    if not hasattr(torch, "_grouped_mm"):
+        return None, f"torch {torch.__version__} has no _grouped_mm"
+    return torch, ""
+
+
+def torch_gemm_cases(torch, name: str, dims, iters: int) -> list[dict]:
+    """torch._grouped_mm, lhs [M, K] and rhs [G, K, N] bf16, offs the cumulative group sizes.
+
+    Its tensors live only in this call; the caller empties torch's cache afterwards.
+    """
+    rows, k, n, groups = dims
+    options = dict(dtype=torch.bfloat16, device="cuda")
+    lhs = torch.randn(rows, k, **options, requires_grad=True)
+    rhs = torch.randn(groups, k, n, **options, requires_grad=True)
+    grad_out = torch.randn(rows, n, **options)
+
+    @torch.no_grad()
+    def forward(offs):
+        return torch._grouped_mm(lhs, rhs, offs=offs)
+
+    def forward_backward(offs):
+        out = torch._grouped_mm(lhs, rhs, offs=offs)
+        return out, torch.autograd.grad(out, (lhs, rhs), grad_outputs=grad_out)
+
+    def sync(_):
+        torch.cuda.synchronize()
+
+    cases = []
+    for kind in GROUP_SIZE_KINDS:
+        offs = torch.tensor(np.cumsum(group_sizes(kind, rows, groups)), dtype=torch.int32,
+                            device="cuda")
+        for passes, (step, gemms) in {"forward": (forward, 1),
+                                      "forward+backward": (forward_backward, 3)}.items():
+            result = measure(functools.partial(step, offs), sync, iters, gemms * 2 * rows * k * n)
+            add_case(cases, section="gemm", shape=name, dims=list(dims), group_sizes=kind,
+                     passes=passes, impl="torch", **result)
+    return cases
+
+
+# --- MoE expert layer -------------------------------------------------------------------------
+
+
+def dispatch(x, ids, num_experts: int, *, capacity_factor: float):
+    """Copies each token into its experts' buffers of C rows; copies past C are dropped.
+
+    Returns rows [E*C, H] (zero where a buffer is not full), None (no group sizes: every expert
+    has C rows) and row_map [T*k]: the buffer row of token t's slot s at t*k + s, past E*C for a
+    dropped copy. A scatter, not a one-hot einsum: that costs 2*T*E*C*H ~ 2*T*T*k*H FLOPs,
+    quadratic in T and several times the experts' FLOPs at the Qwen3 and DeepSeek shapes.
+    """
+    tokens, k = ids.shape
+    capacity = capacity_rows(tokens * k, num_experts, capacity_factor)
+    # Slot-major: every token's first choice gets a place before any second choice (GShard).
+    expert = ids.T.reshape(-1)
+    one_hot = jax.nn.one_hot(expert, num_experts, dtype=jnp.int32)  # [k*T, E]
+    position = jnp.sum(jnp.cumsum(one_hot, axis=0) * one_hot, axis=1) - 1
+    # Each dropped copy gets its own index past the buffers: with unique indices the scatter
+    # and gather need no atomics, and each one's gradient is the other.
+    past_end = num_experts * capacity + jnp.arange(expert.shape[0])
+    row = jnp.where(position < capacity, expert * capacity + position, past_end)
+    row_map = row.reshape(k, tokens).T.reshape(-1)
+    rows = jnp.zeros((num_experts * capacity, x.shape[1]), x.dtype).at[row_map].set(
+        jnp.repeat(x, k, axis=0), mode="drop", unique_indices=True)
+    return rows, None, row_map
+
+
+def expert_einsum(rows, weights, group_sizes):
+    """[E*C, K] rows, [E, K, N] weights -> [E*C, N]: one batched matmul over the buffers."""
+    del group_sizes
+    num_experts = weights.shape[0]
+    buffers = rows.reshape(num_experts, -1, rows.shape[1])
+    return jnp.einsum("eck,ekn->ecn", buffers, weights).reshape(rows.shape[0], -1)
+
+
+def combine(rows, row_map, weights):
+    """out[t] = sum over slots s of weights[t, s] * rows[row_map[t*k + s]] (dropped: 0)."""
+    tokens, k = weights.shape
+    picked = rows.at[row_map].get(mode="fill", fill_value=0, unique_indices=True)
+    out = (picked.reshape(tokens, k, -1).astype(jnp.float32) * weights[..., None]).sum(axis=1)
+    return out.astype(rows.dtype)
+
+
+def capacity_ops(capacity_factor: float) -> types.SimpleNamespace:
+    """The ops of demo.moe_layer written the token-dropping way."""
+    return types.SimpleNamespace(
+        topk_router=reference.topk_router,  # softmax, then jax.lax.top_k
+        permute=functools.partial(dispatch, capacity_factor=capacity_factor),
+        grouped_matmul=expert_einsum, unpermute=combine)
+
+
+def expert_counts(params, x, k: int, experts: int) -> np.ndarray:
+    """Token copies the layer's router sends to each expert (the same for every variant)."""
+    logits = jnp.dot(x, params["router"], preferred_element_type=jnp.float32)
+    _, ids = reference.topk_router(logits, k)
+    return np.bincount(np.asarray(ids).ravel(), minlength=experts)
+
+
+def layer_cases(name: str, dims, iters: int) -> list[dict]:
+    """demo.moe_layer's loss and gradients, on nodrop's ops and the capacity-factor ops."""
+    tokens, hidden, ffn, experts, k = dims
+    params, x, target = demo.init(jax.random.key(2), tokens, hidden, ffn, experts, DTYPE)
+    counts = expert_counts(params, x, k, experts)
+    flops = 3 * 6 * tokens * k * hidden * ffn  # 3 GEMMs of 2*T*k*H*F forward, twice that backward
+    variants = {"nodrop": (nodrop, {})}
+    for cf in CAPACITY_FACTORS:
+        capacity = capacity_rows(tokens * k, experts, cf)
+        variants[f"capacity_{cf}"] = (capacity_ops(cf), dict(
+            capacity=capacity, dropped=dropped_fraction(counts, capacity)))
+    cases = []
+    for impl, (ops, extra) in variants.items():
+        step = jax.jit(demo.loss_and_grads(ops, k))
+        result = measure(functools.partial(step, params, x, target), jax.block_until_ready,
+                         iters, flops)
+        add_case(cases, section="layer", shape=name, dims=list(dims), group_sizes="router",
+                 passes="forward+backward", impl=impl, **result, **extra)
+    return cases
+
+
+# --- summary and targets ----------------------------------------------------------------------
+
+
+def ratio(case: dict, peer: dict) -> float | None:
+    """nodrop TFLOP/s / peer TFLOP/s, where both ran."""
+    if case["status"] != "ok" or peer["status"] != "ok":
+        return None
+    return case["tflops"] / peer["tflops"]
+
+
+def verdict(value: float | None, minimum: float, nodrop_case: dict, peer: str,
+            peer_case: dict) -> str:
+    if nodrop_case["status"] != "ok":
+        return f"FAIL (nodrop {nodrop_case['status']})"
+    if value is not None:
+        return "PASS" if value >= minimum else "FAIL"
+    if peer == "ragged_dot" and peer_case["status"] in ("OOM", "skipped"):
+        return f"PASS (ragged_dot {peer_case['status']})"  # nodrop ran, ragged_dot could not
+    return f"n/a ({IMPL_LABELS[peer]} {peer_case['status']})"
+
+
+def gemm_summary(cases: list[dict]) -> list[dict]:
+    """One row per (shape, group sizes, pass): each implementation, nodrop's ratios, targets."""
+    index = {(c["shape"], c["group_sizes"], c["passes"], c["impl"]): c for c in cases}
+    rows = []
+    for case in (c for c in cases if c["impl"] == "nodrop"):
+        shape, kind, passes = case["shape"], case["group_sizes"], case["passes"]
+        impls = {impl: index.get((shape, kind, passes, impl))
+                 or index.get((shape, "any", passes, impl)) or NOT_RUN for impl in IMPL_LABELS}
+        ratios = {peer: ratio(case, impls[peer])
+                  for peer in ("torch", "dense", "ragged_dot", BASELINE_CAPACITY)}
+        minimums = {"torch": MIN_VS_TORCH, "dense": MIN_VS_DENSE.get(shape),
+                    "ragged_dot": MIN_VS_RAGGED_DOT.get(shape)}
+        targets = {}
+        if passes == "forward+backward":
+            targets = {peer: dict(minimum=minimum, verdict=verdict(
+                ratios[peer], minimum, case, peer, impls[peer]))
+                for peer, minimum in minimums.items() if minimum is not None}
+        else:
+            passed = case["check"] is not None and case["check"] <= CHECK_TOLERANCE
+            targets["check"] = dict(minimum=None, verdict="PASS" if passed else "FAIL")
+        rows.append(dict(
+            shape=shape, dims=case["dims"], group_sizes=kind, passes=passes, check=case["check"],
+            results={impl: {key: c[key] for key in ("status", "ms", "tflops")}
+                     for impl, c in impls.items()},
+            ratios=ratios, targets=targets,
+            dropped={impl: c["dropped"][kind] for impl, c in impls.items()
+                     if isinstance(c.get("dropped"), dict)}))
+    return rows
+
+
+def layer_summary(cases: list[dict]) -> list[dict]:
+    """One row per shape: ms, TFLOP/s and dropped fraction of each variant, the speed-up target."""
+    rows = {}
+    for case in cases:
+        row = rows.setdefault(case["shape"], dict(shape=case["shape"], dims=case["dims"],
+                                                  results={}))
+        row["results"][case["impl"]] = {key: case.get(key) for key in (
+            "status", "ms", "tflops", "capacity", "dropped")}
+    for row in rows.values():
+        nodrop_case, baseline = row["results"]["nodrop"], row["results"][BASELINE_CAPACITY]
+        speedup = None
+        if nodrop_case["status"] == "ok" and baseline["status"] == "ok":
+            speedup = baseline["ms"] / nodrop_case["ms"]
+        row["speedup"] = speedup
+        row["targets"] = {BASELINE_CAPACITY: dict(minimum=MIN_LAYER_SPEEDUP, verdict=verdict(
+            speedup, MIN_LAYER_SPEEDUP, nodrop_case, BASELINE_CAPACITY, baseline))}
+    return list(rows.values())
+
+
+def target_lines(gemm_rows: list[dict], layer_rows: list[dict]) -> list[str]:
+    """One line per target: what, the measured ratio, the verdict."""
+    lines = []
+    for row in gemm_rows:
+        where = f"{row['shape']} {row['group_sizes']} {PASS_LABELS[row['passes']]}"
+        for peer, target in row["targets"].items():
+            if peer == "check":
+                measured = "error" if row["check"] is None else f"{row['check']:.1e}"
+                lines.append(f"{where}: nodrop output vs jnp.dot <= {CHECK_TOLERANCE:g}: "
+                             f"{measured} {target['verdict']}")
+                continue
+            lines.append(f"{where}: nodrop / {IMPL_LABELS[peer]} >= {target['minimum']:g}x: "
+                         f"{ratio_text(row['ratios'][peer], target)}")
+    for row in layer_rows:
+        target = row["targets"][BASELINE_CAPACITY]
+        lines.append(f"layer {row['shape']}: {IMPL_LABELS[BASELINE_CAPACITY]} ms / nodrop ms >= "
+                     f"{target['minimum']:g}x: {ratio_text(row['speedup'], target)}")
+    return lines
+
+
+# --- output -----------------------------------------------------------------------------------
+
+
+def tflops_cell(result: dict) -> str:
+    return f"{result['tflops']:.1f}" if result["status"] == "ok" else result["status"]
+
+
+def ratio_text(value: float | None, target: dict | None) -> str:
+    """'1.05x', '1.05x PASS', 'PASS (ragged_dot OOM)' or '-'."""
+    parts = [f"{value:.2f}x"] if value is not None else []
+    if target is not None:
+        parts.append(target["verdict"])
+    return " ".join(parts) or "-"
+
+
+def gemm_table(rows: list[dict]) -> list[str]:
+    impls = ("nodrop", "torch", "ragged_dot", *(f"capacity_{cf}" for cf in CAPACITY_FACTORS),
+             "dense")
+    peers = ("torch", "dense", "ragged_dot", BASELINE_CAPACITY)
+    lines = [
+        "| shape | group sizes | pass | " + " | ".join(IMPL_LABELS[i] for i in impls)
+        + " | " + " | ".join(f"nodrop / {IMPL_LABELS[p]}" for p in peers)
+        + " | dropped at capacity " + " / ".join(f"{cf}" for cf in CAPACITY_FACTORS)
+        + " | nodrop check |",
+        "| --- | --- | --- | " + "---: | " * len(impls) + "--- | " * len(peers) + "--- | --- |",
+    ]
+    for row in rows:
+        dropped = " / ".join(f"{fraction:.1%}" for fraction in row["dropped"].values())
+        check = ""
+        if "check" in row["targets"]:
+            check = "error" if row["check"] is None else f"{row['check']:.0e}"
+            check += f" {row['targets']['check']['verdict']}"
+        lines.append(
+            f"| {row['shape']} | {row['group_sizes']} | {PASS_LABELS[row['passes']]} | "
+            + " | ".join(tflops_cell(row["results"][i]) for i in impls) + " | "
+            + " | ".join(ratio_text(row["ratios"][p], row["targets"].get(p)) for p in peers)
+            + f" | {dropped} | {check} |")
+    return lines
+
+
+def layer_table(rows: list[dict]) -> list[str]:
+    variants = ("nodrop", *(f"capacity_{cf}" for cf in CAPACITY_FACTORS))
+
+    def cell(result):
+        if result["status"] != "ok":
+            return result["status"]
+        dropped = f", {result['dropped']:.1%} dropped" if result["dropped"] is not None else ""
+        return f"{result['ms']:.2f} ms ({result['tflops']:.0f} TFLOP/s{dropped})"
+
+    lines = ["| shape (T, H, F, E, k) | " + " | ".join(IMPL_LABELS[v] for v in variants)
+             + f" | {IMPL_LABELS[BASELINE_CAPACITY]} ms / nodrop ms |",
+             "| --- | " + "--- | " * len(variants) + "--- |"]
+    for row in rows:
+        speedup = ratio_text(row["speedup"], row["targets"][BASELINE_CAPACITY])
+        lines.append(f"| {row['shape']} {tuple(row['dims'])} | "
+                     + " | ".join(cell(row["results"][v]) for v in variants) + f" | {speedup} |")
+    return lines
+
+
+def markdown(meta: dict, gemm_rows: list[dict], layer_rows: list[dict]) -> str:
+    versions = ", ".join(f"{name} {version}" for name, version in meta["versions"].items()
+                         if version)
+    timing = meta["timing"]
+    lines = [
+        f"# nodrop on {meta['device']['jax']}: grouped matmul and MoE layer, {meta['date']}",
+        "",
+        f"Device: {meta['device']['jax']} (torch: {meta['device']['torch'] or meta['torch']}). "
+        f"{versions}.",
+        f"bf16 inputs, float32 accumulation, jitted; median over {timing['repeats']} repeats of "
+        f"the mean of {timing['iters']} back-to-back calls (fewer where those would take over "
+        f"{CASE_BUDGET_S:g} s), after {timing['warmup']} warm-up calls.",
+    ]
+    if gemm_rows:
+        shapes = "; ".join(f"{name} {tuple(dims)}" for name, dims in dict(
+            (row["shape"], row["dims"]) for row in gemm_rows).items())
+        lines += [
+            "", "## Grouped matmul, TFLOP/s", "",
+            f"Shapes (M, K, N, G): {shapes}. Forward+backward counts 3 GEMMs (output, lhs "
+            "gradient, rhs gradient). Capacity counts useful FLOPs only (2*M*K*N per GEMM); its "
+            "time does not depend on the group sizes, which only set the share of token slots "
+            "it drops. Dense: [M, K] @ [K, N] of the same FLOPs. The check compares nodrop's "
+            "first, middle and last group with jnp.dot in float32 (max |difference| / max "
+            f"|dot|, tolerance {CHECK_TOLERANCE:g}).",
+            "", *gemm_table(gemm_rows)]
+    if layer_rows:
+        lines += [
+            "", "## MoE expert layer, forward+backward", "",
+            "Top-k softmax router, SwiGLU experts (3 grouped GEMMs), combine, MSE plus "
+            "load-balancing loss; gradients of every weight and the tokens. nodrop: "
+            "topk_router, permute, grouped_matmul x3, unpermute. Capacity: top_k, slot positions "
+            "by a cumsum over a one-hot mask, scatter into [E, C, H] buffers, batched einsums, "
+            "gather back. TFLOP/s counts the useful 18*T*k*H*F FLOPs.",
+            "", *layer_table(layer_rows)]
+    targets = target_lines(gemm_rows, layer_rows)
+    failed = [line for line in targets if "FAIL" in line]
+    lines += ["", "## Targets", "",
+              f"{len(targets) - len(failed)} of {len(targets)} pass or do not apply.", ""]
+    lines += [f"- {line}" for line in targets]
+    return "\n".join(lines) + "\n"
+
+
+def plot(meta: dict, gemm_rows: list[dict], path: pathlib.Path) -> None:
+    """Grouped bars: forward+backward TFLOP/s per shape and group sizes; failures labelled."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [row for row in gemm_rows if row["passes"] == "forward+backward"]
+    width = 0.8 / len(PLOTTED_IMPLS)
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.5 * len(rows)), 5.0))
+    for i, impl in enumerate(PLOTTED_IMPLS):
+        xs = [j + (i - (len(PLOTTED_IMPLS) - 1) / 2) * width for j in range(len(rows))]
+        results = [row["results"][impl] for row in rows]
+        ax.bar(xs, [r["tflops"] or 0.0 for r in results], width, label=IMPL_LABELS[impl])
+        for x, result in zip(xs, results, strict=True):
+            if result["status"] != "ok":
+                ax.text(x, 0.01, result["status"], rotation=90, ha="center", va="bottom",
+                        fontsize=7, transform=ax.get_xaxis_transform())
+    ax.set_xticks(range(len(rows)), [f"{row['shape']}\n{row['group_sizes']}" for row in rows],
+                  fontsize=8)
+    ax.set_ylabel("TFLOP/s (useful FLOPs)")
+    ax.set_title(f"Grouped matmul forward+backward, bf16, {meta['device']['jax']}, "
+                 f"{meta['date']}")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def metadata(torch, torch_status: str, iters: int) -> dict:
+    def version(package):
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return dict(
+        date=datetime.date.today().isoformat(),
+        time=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        device=dict(jax=jax.devices()[0].device_kind,
+                    torch=torch.cuda.get_device_name(0) if torch else None),
+        torch=torch_status or "torch._grouped_mm available",
+        versions=dict(python=platform.python_version(), jax=jax.__version__,
+                      jaxlib=version("jaxlib"), nodrop=nodrop.__version__,
+                      numpy=np.__version__, torch=torch.__version__ if torch else None),
+        nodrop_engines=nodrop.backends(),
+        xla_mem_fraction=os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"],
+        timing=dict(warmup=WARMUP, repeats=REPEATS, iters=iters, case_budget_s=CASE_BUDGET_S,
+                    ragged_dot_max_forward_s=RAGGED_DOT_MAX_FORWARD_S),
+        targets=dict(min_vs_torch=MIN_VS_TORCH, min_vs_dense=MIN_VS_DENSE,
+                     min_vs_ragged_dot=MIN_VS_RAGGED_DOT, min_layer_speedup=MIN_LAYER_SPEEDUP,
+                     check_tolerance=CHECK_TOLERANCE))
+
+
+# --- command line -----------------------------------------------------------------------------
+
+
+def shape_names(text: str) -> list[str]:
+    """argparse type: a comma list of shape names, in any case."""
+    known = {name.lower(): name for name in (*GEMM_SHAPES, *LAYER_SHAPES)}
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in names if name.lower() not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown shape {', '.join(unknown)}; known: {', '.join(known.values())}")
+    return [known[name.lower()] for name in names]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, required=True,
+                        help="folder for gpu-moe.json, gpu-moe.md and gpu-moe.png")
+    parser.add_argument("--iters", type=positive_int, default=DEFAULT_ITERS,
+                        help=f"timed calls per repeat (default: {DEFAULT_ITERS})")
+    parser.add_argument("--only", choices=("gemm", "layer", "all"), default="all",
+                        help="run the grouped-matmul cases, the layer cases or both (default)")
+    parser.add_argument("--shapes", type=shape_names, default=None,
+                        help="comma list of shape names to run (default: all of "
+                             f"{', '.join(GEMM_SHAPES)})")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if jax.default_backend() == "gpu" and not nodrop.backends()["cuda"]:
+        raise SystemExit("nodrop has no CUDA engine (nodrop/libnodrop_ffi_cuda.so): build it")
+    torch, torch_status = load_torch()
+    meta = metadata(torch, torch_status, args.iters)
+    print(f"{meta['device']['jax']}; {meta['torch']}; "
+          + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v), flush=True)
+
+    def chosen(shapes):
+        return {name: dims for name, dims in shapes.items()
+                if args.shapes is None or name in args.shapes}
+
+    gemm_cases, layer_results = [], []
+    if args.only in ("gemm", "all"):
+        for name, dims in chosen(GEMM_SHAPES).items():
+            gemm_cases += jax_gemm_cases(name, dims, args.iters)
+            if torch is not None:  # after this shape's JAX cases, whose arrays are freed now
+                gemm_cases += torch_gemm_cases(torch, name, dims, args.iters)
+                torch.cuda.empty_cache()
+    if args.only in ("layer", "all"):
+        for name, dims in chosen(LAYER_SHAPES).items():
+            layer_results += layer_cases(name, dims, args.iters)
+
+    gemm_rows, layer_rows = gemm_summary(gemm_cases), layer_summary(layer_results)
+    table = markdown(meta, gemm_rows, layer_rows)
+    print("\n" + table, flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu-moe.json").write_text(json.dumps(dict(
+        meta, gemm=dict(summary=gemm_rows, cases=gemm_cases),
+        layer=dict(summary=layer_rows, cases=layer_results)), indent=2) + "\n")
+    (args.out / "gpu-moe.md").write_text(table)
+    written = ["gpu-moe.json", "gpu-moe.md"]
+    if gemm_rows:
+        plot(meta, gemm_rows, args.out / "gpu-moe.png")
+        written.append("gpu-moe.png")
+    print(f"wrote {', '.join(str(args.out / name) for name in written)}", flush=True)
+    return 1 if any("FAIL" in line for line in target_lines(gemm_rows, layer_rows)) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -56,7 +56,7 @@ if command -v nvcc >/dev/null 2>&1; then
 else
   say "building and installing nodrop (CPU engine, FFI handlers, C++ tests); no nvcc: no CUDA engine"
 fi
-.venv/bin/pip install -q --no-build-isolation \
+.venv/bin/pip install -v --no-build-isolation \
   -C build-dir=build/wheel -C cmake.define.NODROP_BUILD_TESTS=ON ".[test]" \
   || die "building nodrop failed (see the compiler output above)"
 say "ready"

@@ -26,19 +26,6 @@ constexpr size_t kTensorMapBytes = 128;
 constexpr size_t kTensorMapsPerSm = 4;
 constexpr size_t kGemmWorkspaceBytes = kMaxSmCount * kTensorMapsPerSm * kTensorMapBytes;
 
-// The CUDA engine does not link csrc/engine/common.cc: it lives in the CPU engine's library,
-// which would bring oneDNN along.
-int64_t element_bytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
-
-const char* name_of(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: return "float32";
-    case DType::kFloat16: return "float16";
-    case DType::kBFloat16: return "bfloat16";
-  }
-  return "unknown";
-}
-
 size_t round_up(size_t value, size_t multiple) {
   return (value + multiple - 1) / multiple * multiple;
 }
@@ -120,12 +107,12 @@ Status fail(const char* fn, const std::string& what) {
 Status check_arguments(const char* fn, DType in_dtype, DType out_dtype, int64_t M, int64_t K,
                        int64_t N, int64_t G) {
   if (in_dtype != DType::kBFloat16 && in_dtype != DType::kFloat16) {
-    return fail(fn, std::string("in_dtype ") + name_of(in_dtype) +
+    return fail(fn, std::string("in_dtype ") + dtype_name(in_dtype) +
                         " is not supported by the CUDA engine (bfloat16 or float16)");
   }
   if (out_dtype != in_dtype && out_dtype != DType::kFloat32) {
-    return fail(fn, std::string("out_dtype ") + name_of(out_dtype) + " must be the input dtype (" +
-                        name_of(in_dtype) + ") or float32");
+    return fail(fn, std::string("out_dtype ") + dtype_name(out_dtype) + " must be the input dtype (" +
+                        dtype_name(in_dtype) + ") or float32");
   }
   const std::pair<const char*, int64_t> dims[] = {{"M", M}, {"K", K}, {"N", N}, {"G", G}};
   for (const auto& [name, value] : dims) {
@@ -246,7 +233,7 @@ Status grouped_matmul(const void* lhs, const void* rhs, DType in_dtype, const in
                           {"out", out, elements({M, N})}},
                          group_sizes, G, workspace, workspace_bytes);
   if (!status.ok()) return status;
-  const int64_t row_bytes = N * element_bytes(out_dtype);
+  const int64_t row_bytes = N * dtype_size(out_dtype);
   if (M == 0 || N == 0) return Status::Ok();
   if (K == 0 || G == 0) {  // nothing to contract, or no group owns a row
     return cuda_status(fn, "cudaMemsetAsync", cudaMemsetAsync(out, 0, M * row_bytes, stream));
@@ -256,7 +243,7 @@ Status grouped_matmul(const void* lhs, const void* rhs, DType in_dtype, const in
   if (!status.ok()) return status;
   const GroupTable table = make_table(workspace, G, device, sm_count);
   const GemmForm form = transpose_rhs ? GemmForm::kRowsTransposed : GemmForm::kRows;
-  const detail::Operands ops{lhs, rhs, out, element_bytes(in_dtype), element_bytes(out_dtype)};
+  const detail::Operands ops{lhs, rhs, out, dtype_size(in_dtype), dtype_size(out_dtype)};
   status =
       cuda_status(fn, "group table",
                   detail::launch_build_group_table(form, group_sizes, M, K, N, ops, table, stream));
@@ -281,7 +268,7 @@ Status grouped_matmul_contract(const void* lhs, const void* rhs, DType in_dtype,
                           {"out", out, elements({G, K, N})}},
                          group_sizes, G, workspace, workspace_bytes);
   if (!status.ok()) return status;
-  const int64_t group_bytes = K * N * element_bytes(out_dtype);
+  const int64_t group_bytes = K * N * dtype_size(out_dtype);
   if (G == 0 || group_bytes == 0) return Status::Ok();
   if (M == 0) {  // every group is empty
     return cuda_status(fn, "cudaMemsetAsync", cudaMemsetAsync(out, 0, G * group_bytes, stream));
@@ -290,7 +277,7 @@ Status grouped_matmul_contract(const void* lhs, const void* rhs, DType in_dtype,
   status = current_device(fn, &device, &sm_count);
   if (!status.ok()) return status;
   const GroupTable table = make_table(workspace, G, device, sm_count);
-  const detail::Operands ops{lhs, rhs, out, element_bytes(in_dtype), element_bytes(out_dtype)};
+  const detail::Operands ops{lhs, rhs, out, dtype_size(in_dtype), dtype_size(out_dtype)};
   status = cuda_status(fn, "group table",
                        detail::launch_build_group_table(GemmForm::kContract, group_sizes, M, K, N,
                                                         ops, table, stream));

@@ -1,0 +1,242 @@
+"""The MoE block (Flax NNX): router -> permute -> SwiGLU experts -> un-permute, on nodrop's ops.
+
+Dropless by default: every (token, slot) pair reaches its expert, so a token's output depends on
+that token alone. With `capacity_factor` set, the block instead drops tokens the way most JAX
+training runs do today, with dense dispatch/combine einsums over [E, C, H] buffers; it is kept as
+the baseline to compare against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nodrop.moe.losses import load_balancing_loss, router_z_loss, tokens_per_expert
+from nodrop.ops import grouped_matmul, permute, topk_router, unpermute
+from nodrop.ops._checks import FLOAT_DTYPES
+from nodrop.ops.router import SCORE_FUNCTIONS
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """One MoE block.
+
+    num_experts: E. k: experts per token. hidden: H. ffn: F, each expert's SwiGLU width.
+    score_function, num_groups, topk_groups, renormalize, scaling_factor: the router, as in
+      `nodrop.topk_router` (softmax top-k: Mixtral, Qwen; sigmoid with group-limited top-k:
+      DeepSeek-V3).
+    shared_ffn: width of a dense SwiGLU applied to every token and added (0: none).
+    capacity_factor: None for dropless; else each expert takes C = ceil(cf * T * k / E) slots
+      and drops the rest.
+    dtype: compute dtype (bfloat16 is the GPU setting). param_dtype: master weights.
+    """
+
+    num_experts: int
+    k: int
+    hidden: int
+    ffn: int
+    score_function: str = "softmax"
+    num_groups: int = 1
+    topk_groups: int = 1
+    renormalize: bool = False
+    scaling_factor: float = 1.0
+    shared_ffn: int = 0
+    capacity_factor: float | None = None
+    dtype: Any = jnp.bfloat16
+    param_dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        def require(ok: bool, field: str, expected: str):
+            if not ok:
+                raise ValueError(
+                    f"MoEConfig.{field} must be {expected}, got {getattr(self, field)!r}")
+
+        def is_int(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        for field in ("num_experts", "hidden", "ffn"):
+            require(is_int(getattr(self, field)) and getattr(self, field) >= 1, field,
+                    "a positive int")
+        require(is_int(self.k) and 1 <= self.k <= self.num_experts, "k",
+                f"an int in [1, num_experts={self.num_experts}]")
+        require(self.score_function in SCORE_FUNCTIONS, "score_function",
+                f"one of {SCORE_FUNCTIONS}")
+        require(is_int(self.num_groups) and self.num_groups >= 1
+                and self.num_experts % self.num_groups == 0, "num_groups",
+                f"a positive int dividing num_experts={self.num_experts}")
+        require(is_int(self.topk_groups) and 1 <= self.topk_groups <= self.num_groups,
+                "topk_groups", f"an int in [1, num_groups={self.num_groups}]")
+        selectable = self.topk_groups * (self.num_experts // self.num_groups)
+        require(self.k <= selectable, "k",
+                f"at most the {selectable} experts of the topk_groups={self.topk_groups} "
+                "groups that may be chosen")
+        require(isinstance(self.renormalize, bool), "renormalize", "a bool")
+        require(isinstance(self.scaling_factor, (int, float)) and self.scaling_factor > 0
+                and math.isfinite(self.scaling_factor), "scaling_factor",
+                "a positive finite number")
+        require(is_int(self.shared_ffn) and self.shared_ffn >= 0, "shared_ffn",
+                "an int >= 0 (0: no shared experts)")
+        require(self.capacity_factor is None or (
+            isinstance(self.capacity_factor, (int, float)) and self.capacity_factor > 0
+            and math.isfinite(self.capacity_factor)), "capacity_factor",
+            "None (dropless) or a positive finite number")
+        for field in ("dtype", "param_dtype"):
+            try:
+                dtype = jnp.dtype(getattr(self, field))
+            except TypeError:
+                dtype = None
+            require(dtype in FLOAT_DTYPES, field, "float32, float16 or bfloat16")
+            object.__setattr__(self, field, dtype)  # canonical, so configs compare equal
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MoEAux:
+    """What one block call reports besides its output.
+
+    load_balancing_loss: Switch/GShard loss over every token of the call (1 when balanced).
+    z_loss: ST-MoE router z-loss.
+    tokens_per_expert: [E] int32, the (token, slot) pairs the router sent to each expert, before
+      any drop.
+    dropped_fraction: the fraction of the T*k slots that reached no expert (0 when dropless).
+    max_over_mean: the busiest expert's load over the mean load (1 when balanced).
+    """
+
+    load_balancing_loss: jax.Array
+    z_loss: jax.Array
+    tokens_per_expert: jax.Array
+    dropped_fraction: jax.Array
+    max_over_mean: jax.Array
+
+
+class ExpertBias(nnx.Variable):
+    """The aux-loss-free balancing bias [E] (DeepSeek-V3): added to the router scores for
+    selection only. Not a Param, so optimizers and `nnx.grad` leave it alone; the trainer sets it
+    after each step with `updated_expert_bias`."""
+
+
+def updated_expert_bias(bias, tokens_per_expert, rate: float):
+    """Aux-loss-free balancing step: bias + rate * sign(mean load - load).
+
+    Underloaded experts' bias rises, overloaded ones' falls. Call it after the optimizer step and
+    store the result: `block.expert_bias[...] = updated_expert_bias(block.expert_bias[...],
+    aux.tokens_per_expert, rate)`. Pass the global batch's counts: under data parallelism where
+    each call sees one shard (shard_map, pmap), psum tokens_per_expert over the data axis first.
+    """
+    load = tokens_per_expert.astype(jnp.float32)
+    return bias + rate * jnp.sign(load.mean() - load)
+
+
+class MoEBlock(nnx.Module):
+    """x [B, S, H] or [T, H] -> (y of x's shape in config.dtype, MoEAux).
+
+    Parameters (float32 masters by default, cast to config.dtype at use): router [H, E]; gate_up
+    [E, H, 2F] with each expert's gate in [..., :F] and up in [..., F:] (one grouped matmul
+    instead of two); down [E, F, H]; with shared experts shared_gate_up [H, 2Fs], shared_down
+    [Fs, H]. Plus the non-trainable expert_bias [E] (ExpertBias), zero unless the trainer moves it.
+
+    The losses and counts cover every token of the call: a [B, S] batch is flattened, so the
+    balance is that of the whole batch, not of each sequence. Under jit with the batch sharded
+    across devices that is the global batch. Where each call sees only its shard (shard_map,
+    pmap) they are the shard's statistics and the caller must aggregate them: psum
+    tokens_per_expert over the data axis before `updated_expert_bias` and the load metrics;
+    the load-balancing loss is then the shard's (micro-batch) loss, not the global one.
+    """
+
+    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        num_experts, hidden, ffn = config.num_experts, config.hidden, config.ffn
+        dense_init = nnx.initializers.lecun_normal()
+        expert_init = nnx.initializers.lecun_normal(batch_axis=0)  # fan-in per expert
+
+        def param(init, shape):
+            return nnx.Param(init(rngs.params(), shape, config.param_dtype))
+
+        self.router = param(dense_init, (hidden, num_experts))
+        self.expert_bias = ExpertBias(jnp.zeros((num_experts,), jnp.float32))
+        self.gate_up = param(expert_init, (num_experts, hidden, 2 * ffn))
+        self.down = param(expert_init, (num_experts, ffn, hidden))
+        shared = config.shared_ffn
+        self.shared_gate_up = param(dense_init, (hidden, 2 * shared)) if shared else None
+        self.shared_down = param(dense_init, (shared, hidden)) if shared else None
+
+    def __call__(self, x):
+        cfg = self.config
+        if x.ndim not in (2, 3) or x.shape[-1] != cfg.hidden:
+            raise ValueError(f"x must be [B, S, H] or [T, H] with H = hidden = {cfg.hidden}, "
+                             f"got shape {tuple(x.shape)}")
+        flat = x.reshape(-1, cfg.hidden)
+        tokens = flat.astype(cfg.dtype)
+        num_slots = tokens.shape[0] * cfg.k
+        # The router runs in float32 whatever the compute dtype: rounding its inputs or logits
+        # to bf16 would flip near-tied expert choices.
+        logits = jnp.dot(flat.astype(jnp.float32), self.router[...].astype(jnp.float32),
+                         precision=jax.lax.Precision.HIGHEST)
+        weights, ids = topk_router(
+            logits, cfg.k, score_function=cfg.score_function,
+            expert_bias=self.expert_bias[...], num_groups=cfg.num_groups,
+            topk_groups=cfg.topk_groups, renormalize=cfg.renormalize,
+            scaling_factor=cfg.scaling_factor)
+        gate_up = self.gate_up[...].astype(cfg.dtype)
+        down = self.down[...].astype(cfg.dtype)
+
+        if cfg.capacity_factor is None:
+            rows, group_sizes, row_map = permute(tokens, ids, cfg.num_experts)
+            out_rows = _swiglu(lambda a, w: grouped_matmul(a, w, group_sizes), rows, gate_up,
+                               down)
+            y = unpermute(out_rows, row_map, weights)
+            load = processed = group_sizes  # measured, not assumed: what the experts received
+        else:
+            capacity = math.ceil(cfg.capacity_factor * num_slots / cfg.num_experts)
+            y = _capacity_experts(tokens, weights, ids, gate_up, down, capacity)
+            load = tokens_per_expert(ids, cfg.num_experts)
+            processed = jnp.minimum(load, capacity)
+
+        if cfg.shared_ffn:
+            y = y + _swiglu(jnp.dot, tokens, self.shared_gate_up[...].astype(cfg.dtype),
+                            self.shared_down[...].astype(cfg.dtype))
+
+        if cfg.score_function == "softmax":
+            probs = jax.nn.softmax(logits, axis=-1)
+        else:  # normalised sigmoid scores, as DeepSeek-V3's balance loss uses
+            scores = jax.nn.sigmoid(logits)
+            probs = scores / scores.sum(axis=-1, keepdims=True)
+        aux = MoEAux(
+            load_balancing_loss=load_balancing_loss(probs, ids),
+            z_loss=router_z_loss(logits),
+            tokens_per_expert=load,
+            dropped_fraction=(num_slots - processed.sum()).astype(jnp.float32) / num_slots,
+            max_over_mean=load.max().astype(jnp.float32) * cfg.num_experts / num_slots)
+        return y.astype(cfg.dtype).reshape(x.shape), aux
+
+
+def _swiglu(matmul, x, gate_up, down):
+    """down(silu(gate) * up), with gate and up computed by one matmul against [..., 2F]."""
+    gate, up = jnp.split(matmul(x, gate_up), 2, axis=-1)
+    return matmul(jax.nn.silu(gate) * up, down)
+
+
+def _capacity_experts(tokens, weights, ids, gate_up, down, capacity: int):
+    """The token-dropping experts: each expert takes its first `capacity` slots, the rest count 0.
+
+    Dense dispatch and combine tensors [T, E, C] move tokens into [E, C, H] buffers and back by
+    einsum (GShard/Switch); they cost O(T * E * C * H), quadratic in T.
+    """
+    num_tokens, k = ids.shape
+    num_experts = gate_up.shape[0]
+    # Slot-major queue (GShard): every token's first choice is placed before any second choice.
+    chosen = jax.nn.one_hot(ids.T, num_experts, dtype=jnp.int32)  # [k, T, E]
+    queue = jnp.cumsum(chosen.reshape(k * num_tokens, num_experts), axis=0).reshape(chosen.shape)
+    position = jnp.where(chosen == 1, queue - 1, -1)
+    # one_hot of a position outside [0, C) is all zeros: the slot is dropped.
+    slots = jax.nn.one_hot(position, capacity, dtype=jnp.float32)  # [k, T, E, C]
+    dispatch = slots.sum(axis=0)
+    combine = jnp.einsum("stec,ts->tec", slots, weights)
+    buffers = jnp.einsum("tec,th->ech", dispatch.astype(tokens.dtype), tokens)
+    out = _swiglu(lambda a, w: jnp.einsum("ech,ehf->ecf", a, w), buffers, gate_up, down)
+    return jnp.einsum("tec,ech->th", combine, out.astype(jnp.float32))

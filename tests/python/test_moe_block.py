@@ -1,0 +1,310 @@
+"""The MoE block (nodrop.moe.MoEBlock): against a pure-JAX reference built from
+nodrop.ops.reference, batch invariance (dropless) against the token-dropping baseline, its
+reported statistics, aux-loss-free balancing, config checks, and jit / nnx.jit / remat."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import F32_TOL, assert_close, f64, random_normal
+from flax import nnx
+
+from nodrop.moe import (MoEBlock, MoEConfig, load_balancing_loss, router_z_loss,
+                        updated_expert_bias)
+from nodrop.ops import reference
+
+SOFTMAX_TOP2 = MoEConfig(num_experts=8, k=2, hidden=16, ffn=32, renormalize=True,
+                         dtype=jnp.float32)
+DEEPSEEK = MoEConfig(num_experts=8, k=3, hidden=16, ffn=32, score_function="sigmoid",
+                     num_groups=4, topk_groups=2, renormalize=True, scaling_factor=2.5,
+                     shared_ffn=24, dtype=jnp.float32)
+CAPACITY = dataclasses.replace(SOFTMAX_TOP2, capacity_factor=1.0)
+CONFIGS = {"softmax_top2": SOFTMAX_TOP2, "sigmoid_groups_shared": DEEPSEEK, "capacity": CAPACITY}
+
+
+def make_block(config, expert_bias=None):
+    block = MoEBlock(config, rngs=nnx.Rngs(0))
+    if expert_bias is not None:
+        block.expert_bias[...] = jnp.asarray(expert_bias, jnp.float32)
+    return block
+
+
+def skewed_tokens(rng, num_tokens, hidden, offset=4.0):
+    """Tokens sharing a constant feature 0; with `skew_router` every token prefers expert 0."""
+    return random_normal(rng, (num_tokens, hidden)).at[:, 0].set(offset)
+
+
+def skew_router(block, strength=2.0):
+    block.router[...] = block.router[...].at[0, 0].set(strength)
+
+
+# --- the reference -----------------------------------------------------------------------------
+
+
+def reference_block(config, params, expert_bias, x):
+    """The block on nodrop.ops.reference, in the dtype of `params` (float64 here), with gate and
+    up as two separate grouped matmuls. Returns (y, load-balancing loss, z-loss)."""
+    ffn, shared = config.ffn, config.shared_ffn
+    tokens = x.reshape(-1, config.hidden)
+    logits = tokens @ params["router"]
+    weights, ids = reference.topk_router(
+        logits, config.k, score_function=config.score_function, expert_bias=expert_bias,
+        num_groups=config.num_groups, topk_groups=config.topk_groups,
+        renormalize=config.renormalize, scaling_factor=config.scaling_factor)
+    rows, group_sizes, row_map = reference.permute(tokens, ids, config.num_experts)
+    gate = reference.grouped_matmul(rows, params["gate_up"][..., :ffn], group_sizes)
+    up = reference.grouped_matmul(rows, params["gate_up"][..., ffn:], group_sizes)
+    out = reference.grouped_matmul(jax.nn.silu(gate) * up, params["down"], group_sizes)
+    y = reference.unpermute(out, row_map, weights)
+    if shared:
+        w = params["shared_gate_up"]
+        y = y + (jax.nn.silu(tokens @ w[:, :shared]) * (tokens @ w[:, shared:])) \
+            @ params["shared_down"]
+    if config.score_function == "softmax":
+        probs = jax.nn.softmax(logits)
+    else:
+        probs = jax.nn.sigmoid(logits) / jax.nn.sigmoid(logits).sum(-1, keepdims=True)
+    return y.reshape(x.shape), load_balancing_loss(probs, ids), router_z_loss(logits)
+
+
+def scalar_loss(y, lb_loss, z_loss, cotangent):
+    """Touches the output and both auxiliary losses, so every gradient path is exercised."""
+    return jnp.sum(y * cotangent) + 0.1 * lb_loss + 0.01 * z_loss
+
+
+@pytest.mark.parametrize("config", [SOFTMAX_TOP2, DEEPSEEK], ids=["softmax_top2",
+                                                                  "sigmoid_groups_shared"])
+def test_block_matches_reference_forward_and_gradients(config):
+    rng = np.random.default_rng(0)
+    bias = random_normal(rng, (config.num_experts,), scale=0.1)  # moves the selection
+    block = make_block(config, expert_bias=bias)
+    x = random_normal(rng, (2, 12, config.hidden))
+    cotangent = random_normal(rng, x.shape)
+    graphdef, params, rest = nnx.split(block, nnx.Param, ...)
+
+    def loss(params, x):
+        y, aux = nnx.merge(graphdef, params, rest)(x)
+        return scalar_loss(y, aux.load_balancing_loss, aux.z_loss, cotangent), (y, aux)
+
+    (_, (y, aux)), (grad_params, grad_x) = jax.jit(jax.value_and_grad(
+        loss, argnums=(0, 1), has_aux=True))(params, x)
+
+    def ref_loss(params, x):
+        y, lb_loss, z_loss = reference_block(config, params, f64(bias), x)
+        return scalar_loss(y, lb_loss, z_loss, f64(cotangent)), (y, lb_loss, z_loss)
+
+    params64 = {name: f64(value) for name, value in nnx.to_pure_dict(params).items()}
+    (_, (ref_y, ref_lb, ref_z)), (ref_grad_params, ref_grad_x) = jax.jit(jax.value_and_grad(
+        ref_loss, argnums=(0, 1), has_aux=True))(params64, f64(x))
+
+    assert y.shape == x.shape and y.dtype == jnp.float32
+    assert_close(y, ref_y, F32_TOL, "output")
+    assert_close(aux.load_balancing_loss, ref_lb, F32_TOL, "load-balancing loss")
+    assert_close(aux.z_loss, ref_z, F32_TOL, "z-loss")
+    assert_close(grad_x, ref_grad_x, F32_TOL, "grad x")
+    grads = nnx.to_pure_dict(grad_params)
+    assert sorted(grads) == sorted(ref_grad_params)
+    for name, grad in grads.items():
+        assert grad.dtype == jnp.float32
+        assert_close(grad, ref_grad_params[name], F32_TOL, f"grad {name}")
+
+
+def test_bfloat16_compute_keeps_float32_params():
+    config = dataclasses.replace(SOFTMAX_TOP2, dtype=jnp.bfloat16)
+    assert MoEConfig(num_experts=8, k=2, hidden=16, ffn=32).dtype == jnp.bfloat16  # the default
+    x = random_normal(np.random.default_rng(1), (24, config.hidden))
+    y16, _ = make_block(config)(x)
+    y32, _ = make_block(SOFTMAX_TOP2)(x)
+    assert y16.dtype == jnp.bfloat16
+    assert_close(y16, y32, 3e-2, "bf16 vs f32 output")
+    grads = nnx.grad(lambda block: jnp.sum(block(x)[0].astype(jnp.float32)))(make_block(config))
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+
+
+# --- batch invariance and dropping -------------------------------------------------------------
+
+
+def outputs_in_two_batches(config):
+    """One token's output when it is first in a batch and when it is last in a batch of other
+    tokens, with a router that sends every token to expert 0 first. Returns (the first batch's
+    output, the token's two outputs, the first batch's aux)."""
+    rng = np.random.default_rng(2)
+    block = make_block(config)
+    skew_router(block)
+    batch_a = skewed_tokens(rng, 32, config.hidden)
+    batch_b = skewed_tokens(rng, 32, config.hidden).at[-1].set(batch_a[0])
+    (y_a, aux_a), (y_b, _) = block(batch_a), block(batch_b)
+    return y_a, y_a[0], y_b[-1], aux_a
+
+
+def test_dropless_output_of_a_token_does_not_depend_on_its_batch():
+    y_all, y_a, y_b, aux = outputs_in_two_batches(SOFTMAX_TOP2)
+    assert float(aux.max_over_mean) > 3  # skewed: expert 0 takes every token's first slot
+    np.testing.assert_allclose(np.asarray(y_b), np.asarray(y_a), rtol=1e-5,
+                               atol=1e-6 * float(jnp.abs(y_all).max()))
+
+
+def test_capacity_output_of_a_token_depends_on_its_batch():
+    """Placed last, the token finds expert 0 full and loses its main contribution."""
+    y_all, y_a, y_b, aux = outputs_in_two_batches(CAPACITY)
+    assert float(aux.dropped_fraction) > 0
+    typical = float(jnp.sqrt(jnp.mean(jnp.square(y_all))))
+    assert float(jnp.sqrt(jnp.mean(jnp.square(y_a - y_b)))) > 0.1 * typical
+
+
+def test_capacity_drops_the_slots_past_each_experts_capacity():
+    """k=1 and every token to expert 0: the first C tokens get the dropless output, the rest
+    get exactly zero."""
+    config = dataclasses.replace(SOFTMAX_TOP2, k=1)
+    x = skewed_tokens(np.random.default_rng(3), 32, config.hidden)
+    dropless = make_block(config)
+    skew_router(dropless)
+    capacity_block = make_block(dataclasses.replace(config, capacity_factor=1.0))
+    skew_router(capacity_block)
+    (y, _), (y_capacity, aux) = dropless(x), capacity_block(x)
+    capacity = 32 // config.num_experts
+    np.testing.assert_array_equal(np.asarray(aux.tokens_per_expert), [32] + [0] * 7)
+    np.testing.assert_allclose(np.asarray(y_capacity[:capacity]), np.asarray(y[:capacity]),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(y_capacity[capacity:]), 0)
+    assert float(aux.dropped_fraction) == (32 - capacity) / 32
+
+
+def test_capacity_with_room_for_every_slot_equals_dropless():
+    config = dataclasses.replace(DEEPSEEK, capacity_factor=float(DEEPSEEK.num_experts))
+    x = random_normal(np.random.default_rng(4), (20, config.hidden))
+    (y, aux), (y_capacity, aux_capacity) = make_block(DEEPSEEK)(x), make_block(config)(x)
+    assert float(aux_capacity.dropped_fraction) == 0
+    np.testing.assert_array_equal(np.asarray(aux_capacity.tokens_per_expert),
+                                  np.asarray(aux.tokens_per_expert))
+    assert_close(y_capacity, y, F32_TOL, "capacity output")
+
+
+@pytest.mark.parametrize("config", list(CONFIGS.values()), ids=list(CONFIGS))
+def test_reported_statistics(config):
+    rng = np.random.default_rng(5)
+    block = make_block(config)
+    skew_router(block)
+    num_tokens = 40
+    _, aux = block(skewed_tokens(rng, num_tokens, config.hidden).reshape(4, 10, -1))
+    counts = np.asarray(aux.tokens_per_expert)
+    slots = num_tokens * config.k
+    assert counts.dtype == np.int32 and counts.sum() == slots
+    assert float(aux.max_over_mean) == pytest.approx(counts.max() * config.num_experts / slots)
+    if config.capacity_factor is None:
+        assert float(aux.dropped_fraction) == 0.0  # measured from the group sizes
+    else:
+        capacity = int(np.ceil(config.capacity_factor * slots / config.num_experts))
+        dropped = np.maximum(counts - capacity, 0).sum() / slots
+        assert dropped > 0
+        assert float(aux.dropped_fraction) == pytest.approx(dropped)
+
+
+# --- aux-loss-free balancing -------------------------------------------------------------------
+
+
+def test_bias_update_raises_underloaded_and_lowers_overloaded_experts():
+    bias = jnp.asarray([0.5, 0.0, -0.5, 0.0], jnp.float32)
+    counts = jnp.asarray([10, 2, 2, 6], jnp.int32)  # mean 5
+    np.testing.assert_allclose(np.asarray(updated_expert_bias(bias, counts, 0.01)),
+                               [0.49, 0.01, -0.49, -0.01], rtol=1e-6)
+    balanced = jnp.full((4,), 5, jnp.int32)
+    np.testing.assert_array_equal(np.asarray(updated_expert_bias(bias, balanced, 0.01)), bias)
+
+
+def test_bias_updates_balance_the_block():
+    """The trainer's loop: forward, then the bias step; the skewed load evens out."""
+    config = dataclasses.replace(DEEPSEEK, shared_ffn=0)
+    block = make_block(config)
+    skew_router(block)
+    x = skewed_tokens(np.random.default_rng(6), 64, config.hidden)
+    forward = nnx.jit(lambda block, x: block(x)[1])
+    first = forward(block, x)
+    imbalance = [float(first.max_over_mean)]
+    block.expert_bias[...] = updated_expert_bias(block.expert_bias[...],
+                                                 first.tokens_per_expert, 0.05)
+    bias = np.asarray(block.expert_bias[...])
+    load = np.asarray(first.tokens_per_expert)
+    assert (bias[load < load.mean()] > 0).all() and (bias[load > load.mean()] < 0).all()
+    for _ in range(20):
+        aux = forward(block, x)
+        imbalance.append(float(aux.max_over_mean))
+        block.expert_bias[...] = updated_expert_bias(block.expert_bias[...],
+                                                     aux.tokens_per_expert, 0.05)
+    assert imbalance[0] > 2.5 and max(imbalance[-5:]) < 1.5, imbalance
+
+
+def test_expert_bias_is_not_trained():
+    block = make_block(DEEPSEEK)
+    x = random_normal(np.random.default_rng(7), (8, DEEPSEEK.hidden))
+    grads = nnx.grad(lambda block: jnp.sum(block(x)[0]))(block)
+    assert "expert_bias" not in nnx.to_pure_dict(grads)
+
+
+# --- config and input checks -------------------------------------------------------------------
+
+BAD_CONFIGS = [
+    ("num_experts", 0), ("k", 9), ("k", 0), ("hidden", -1), ("ffn", 2.5),
+    ("score_function", "relu"), ("num_groups", 3), ("topk_groups", 5), ("renormalize", 1),
+    ("scaling_factor", 0.0), ("shared_ffn", -4), ("capacity_factor", 0.0),
+    ("capacity_factor", float("inf")), ("dtype", jnp.int32), ("param_dtype", "float64"),
+]
+
+
+@pytest.mark.parametrize("field, value", BAD_CONFIGS,
+                         ids=[f"{f}={v!r}" for f, v in BAD_CONFIGS])
+def test_config_errors_name_the_field_and_value(field, value):
+    kwargs = dict(num_experts=8, k=2, hidden=16, ffn=32, num_groups=4, topk_groups=2)
+    kwargs[field] = value
+    with pytest.raises(ValueError, match=rf"^MoEConfig\.{field} must be .*, got "
+                                         + re.escape(repr(value)) + "$"):
+        MoEConfig(**kwargs)
+
+
+def test_config_rejects_k_beyond_the_selectable_groups():
+    with pytest.raises(ValueError, match=r"^MoEConfig\.k must be at most the 4 experts"):
+        MoEConfig(num_experts=8, k=5, hidden=16, ffn=32, num_groups=4, topk_groups=2)
+
+
+def test_input_of_the_wrong_shape_is_rejected():
+    block = make_block(SOFTMAX_TOP2)
+    with pytest.raises(ValueError, match=re.escape(
+            "x must be [B, S, H] or [T, H] with H = hidden = 16, got shape (4, 8)")):
+        block(jnp.zeros((4, 8), jnp.float32))
+
+
+# --- transformations ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", list(CONFIGS.values()), ids=list(CONFIGS))
+def test_jit_nnx_jit_and_remat(config):
+    rng = np.random.default_rng(8)
+    block = make_block(config)
+    x = random_normal(rng, (2, 8, config.hidden))
+    cotangent = random_normal(rng, x.shape)
+    y, aux = block(x)
+    graphdef, params, rest = nnx.split(block, nnx.Param, ...)
+
+    def apply(params, x):
+        return nnx.merge(graphdef, params, rest)(x)
+
+    for y_jit, aux_jit in (jax.jit(apply)(params, x), nnx.jit(lambda b, x: b(x))(block, x)):
+        assert_close(y_jit, y, 1e-6, "jitted output")
+        for name, value in dataclasses.asdict(aux).items():
+            assert_close(getattr(aux_jit, name), value, 1e-6, f"jitted aux {name}")
+
+    def loss(apply_fn):
+        def fn(params, x):
+            y, aux = apply_fn(params, x)
+            return scalar_loss(y, aux.load_balancing_loss, aux.z_loss, cotangent)
+        return jax.jit(jax.grad(fn, argnums=(0, 1)))
+
+    grads, grads_remat = loss(apply)(params, x), loss(jax.checkpoint(apply))(params, x)
+    for grad, grad_remat in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_remat)):
+        assert_close(grad_remat, grad, 1e-6, "remat gradient")
+        assert float(jnp.abs(grad).max()) > 0

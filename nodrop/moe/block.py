@@ -21,6 +21,8 @@ from nodrop.ops import grouped_matmul, permute, topk_router, unpermute
 from nodrop.ops._checks import FLOAT_DTYPES
 from nodrop.ops.router import SCORE_FUNCTIONS
 
+EXPERT_MATMULS = ("nodrop", "ragged_dot")
+
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
@@ -33,6 +35,8 @@ class MoEConfig:
     shared_ffn: width of a dense SwiGLU applied to every token and added (0: none).
     capacity_factor: None for dropless; else each expert takes C = ceil(cf * T * k / E) slots
       and drops the rest.
+    matmul: the dropless experts' grouped matmul: "nodrop" (nodrop's grouped GEMM) or
+      "ragged_dot" (`jax.lax.ragged_dot`, XLA's own lowering; kept as a peer to measure against).
     dtype: compute dtype (bfloat16 is the GPU setting). param_dtype: master weights.
     """
 
@@ -47,6 +51,7 @@ class MoEConfig:
     scaling_factor: float = 1.0
     shared_ffn: int = 0
     capacity_factor: float | None = None
+    matmul: str = "nodrop"
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
 
@@ -85,6 +90,7 @@ class MoEConfig:
             isinstance(self.capacity_factor, (int, float)) and self.capacity_factor > 0
             and math.isfinite(self.capacity_factor)), "capacity_factor",
             "None (dropless) or a positive finite number")
+        require(self.matmul in EXPERT_MATMULS, "matmul", f"one of {EXPERT_MATMULS}")
         for field in ("dtype", "param_dtype"):
             try:
                 dtype = jnp.dtype(getattr(self, field))
@@ -187,8 +193,8 @@ class MoEBlock(nnx.Module):
 
         if cfg.capacity_factor is None:
             rows, group_sizes, row_map = permute(tokens, ids, cfg.num_experts)
-            out_rows = _swiglu(lambda a, w: grouped_matmul(a, w, group_sizes), rows, gate_up,
-                               down)
+            matmul = grouped_matmul if cfg.matmul == "nodrop" else jax.lax.ragged_dot
+            out_rows = _swiglu(lambda a, w: matmul(a, w, group_sizes), rows, gate_up, down)
             y = unpermute(out_rows, row_map, weights)
             load = processed = group_sizes  # measured, not assumed: what the experts received
         else:

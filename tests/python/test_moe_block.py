@@ -185,6 +185,27 @@ def test_capacity_with_room_for_every_slot_equals_dropless():
     assert_close(y_capacity, y, F32_TOL, "capacity output")
 
 
+def test_ragged_dot_experts_equal_nodrop_experts():
+    """The `jax.lax.ragged_dot` peer computes the same block, gradients included."""
+    config = dataclasses.replace(DEEPSEEK, matmul="ragged_dot")
+    x = random_normal(np.random.default_rng(6), (24, config.hidden))
+    cotangent = random_normal(np.random.default_rng(7), x.shape)
+
+    def loss_and_grads(block):
+        def loss(block, x):
+            y, aux = block(x)
+            return scalar_loss(y, aux.load_balancing_loss, aux.z_loss, cotangent)
+        return nnx.value_and_grad(loss, argnums=(0, 1))(block, x)
+
+    (value, (block_grads, x_grad)) = loss_and_grads(make_block(DEEPSEEK))
+    (value_rd, (block_grads_rd, x_grad_rd)) = loss_and_grads(make_block(config))
+    assert_close(value_rd, value, F32_TOL, "loss")
+    assert_close(x_grad_rd, x_grad, F32_TOL, "x gradient")
+    for name in ("gate_up", "down", "router"):
+        assert_close(getattr(block_grads_rd, name)[...], getattr(block_grads, name)[...],
+                     F32_TOL, f"{name} gradient")
+
+
 @pytest.mark.parametrize("config", list(CONFIGS.values()), ids=list(CONFIGS))
 def test_reported_statistics(config):
     rng = np.random.default_rng(5)
@@ -252,7 +273,8 @@ BAD_CONFIGS = [
     ("num_experts", 0), ("k", 9), ("k", 0), ("hidden", -1), ("ffn", 2.5),
     ("score_function", "relu"), ("num_groups", 3), ("topk_groups", 5), ("renormalize", 1),
     ("scaling_factor", 0.0), ("shared_ffn", -4), ("capacity_factor", 0.0),
-    ("capacity_factor", float("inf")), ("dtype", jnp.int32), ("param_dtype", "float64"),
+    ("capacity_factor", float("inf")), ("matmul", "einsum"), ("dtype", jnp.int32),
+    ("param_dtype", "float64"),
 ]
 
 

@@ -1,9 +1,12 @@
-"""The nodrop command line: `nodrop demo`, `nodrop bench`, `nodrop info`."""
+"""The nodrop command line: `nodrop train`, `nodrop compare`, `nodrop demo`, `nodrop bench`,
+`nodrop info`."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import sys
+from pathlib import Path
 
 import jax
 
@@ -23,9 +26,79 @@ def info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _training(command: str, body) -> int:
+    """Runs a training command; unusable input is reported as `nodrop COMMAND: error: ...` with
+    exit status 2 (no traceback), a diverged run with 1, Ctrl-C with 130."""
+    # Imported here: `nodrop info` and `nodrop demo` need none of Orbax, TensorBoard, matplotlib.
+    from nodrop.train.checkpoint import CheckpointError
+    from nodrop.train.config import ConfigError
+    from nodrop.train.data import DataError
+    from nodrop.train.trainer import Diverged, Interrupted
+
+    try:
+        return body()
+    except (ConfigError, DataError, CheckpointError) as error:
+        print(f"nodrop {command}: error: {error}", file=sys.stderr)
+        return 2
+    except Diverged as error:
+        print(f"nodrop {command}: error: {error}", file=sys.stderr)
+        return 1
+    except Interrupted as error:
+        print(f"nodrop {command}: {error}", file=sys.stderr)
+        return 130
+
+
+def train(args: argparse.Namespace) -> int:
+    def body():
+        from nodrop.train import config, trainer
+        summary = trainer.run(config.overrides_from_args(args), out=getattr(args, "out", None),
+                              resume=getattr(args, "resume", False),
+                              progress=False if getattr(args, "no_progress", False) else None)
+        print(trainer.format_summary(summary))
+        return 0
+
+    return _training("train", body)
+
+
+def compare(args: argparse.Namespace) -> int:
+    def body():
+        from nodrop.train import compare as comparison, config, trainer
+        out = getattr(args, "out", None) or trainer.default_run_dir(
+            f"compare-{getattr(args, 'preset', config.TrainConfig.preset)}")
+        comparison.run(config.overrides_from_args(args), out,
+                       capacity_factors=args.capacity_factors,
+                       with_ragged_dot=args.with_ragged_dot,
+                       progress=False if getattr(args, "no_progress", False) else None)
+        print(f"nodrop compare: wrote {out}/compare.md, compare.png, compare.json")
+        print((Path(out) / "compare.md").read_text())
+        return 0
+
+    return _training("compare", body)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="nodrop", description=nodrop.__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from nodrop.train import config as train_config
+    train_parser = commands.add_parser(
+        "train", help="train an MoE language model (default: the tiny preset on this "
+                      "Python's standard library, on the CPU)",
+        description="Train an MoE language model: AdamW with warm-up and cosine decay, "
+                    "evaluation, Orbax checkpoints, metrics.jsonl, TensorBoard, plots.")
+    train_config.add_arguments(train_parser)
+    train_parser.set_defaults(run=train)
+    compare_parser = commands.add_parser(
+        "compare", help="train the same model dropless and with capacity factors; table + plot",
+        description="Train one model and seed dropless and with token-dropping capacity "
+                    "factors (and optionally jax.lax.ragged_dot); write compare.md and "
+                    "compare.png into --out.")
+    train_config.add_arguments(compare_parser, resume=False)
+    compare_parser.add_argument("--capacity-factors", type=float, nargs="+",
+                                default=[1.0, 1.25], metavar="CF",
+                                help="capacity factors to compare with (default 1.0 1.25)")
+    compare_parser.add_argument("--with-ragged-dot", action="store_true",
+                                help="also train dropless on jax.lax.ragged_dot")
+    compare_parser.set_defaults(run=compare)
     demo_parser = commands.add_parser(
         "demo", help="MoE layer forward+backward: check against the references, time it")
     demo.add_arguments(demo_parser)

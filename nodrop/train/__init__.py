@@ -1,0 +1,1 @@
+"""The training job behind `nodrop train` and `nodrop compare` (see trainer.py for the loop)."""

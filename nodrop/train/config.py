@@ -1,0 +1,320 @@
+"""The training job's configuration: TrainConfig, its checks, and the command-line flags.
+
+Everything a run depends on lives in two frozen dataclasses written to the run folder's
+config.json: TrainConfig (optimizer, schedule, data, cadence) and the model's ModelConfig (a
+preset with overrides). Both are validated before anything is compiled; an error names the field
+and its flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import re
+import typing
+from typing import Any
+
+from nodrop.models import PRESETS, ModelConfig, preset
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the field and its flag."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run.
+
+    preset, model_overrides: the model (`nodrop.models.preset(preset, **model_overrides)`).
+    data: None for the Python standard library's .py files, else a path (see nodrop.train.data).
+    steps, batch_size, seq_len: optimizer steps; sequences per step; tokens per sequence (None:
+      the model's seq_len, its longest).
+    lr, warmup_steps, min_lr_ratio: linear warm-up to lr over warmup_steps (None: a tenth of
+      steps), then cosine decay to lr * min_lr_ratio at `steps`.
+    weight_decay, beta1, beta2, adam_eps: AdamW (decay applied to matrices only, not to norm
+      scales). grad_clip: global-norm clipping threshold (0: off).
+    aux_loss_coef, z_loss_coef: weights of the mean (over MoE layers) load-balancing and router
+      z-losses added to the cross-entropy.
+    bias_update_rate: aux-loss-free balancing (DeepSeek-V3) step for the expert biases after
+      every optimizer step (0: off; None: 1e-3 for sigmoid-routed models, else 0).
+    eval_every, eval_batches: validation every N steps (and at the end) on eval_batches batches.
+    checkpoint_every, keep_checkpoints: Orbax checkpoint every N steps (and at the end), keeping
+      the newest few. log_every: metrics are fetched from the device (one sync) every N steps.
+    seed: model initialisation and data order.
+    """
+
+    preset: str = "tiny"
+    model_overrides: dict = dataclasses.field(default_factory=dict)
+    data: str | None = None
+    steps: int = 500
+    batch_size: int = 16
+    seq_len: int | None = None
+    lr: float = 3e-3
+    warmup_steps: int | None = None
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 1e-3
+    bias_update_rate: float | None = None
+    eval_every: int = 100
+    eval_batches: int = 8
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    log_every: int = 10
+    seed: int = 0
+
+    def __post_init__(self):
+        def require(ok: bool, field: str, expected: str):
+            if not ok:
+                raise ConfigError(f"{describe(field)} must be {expected}, "
+                                  f"got {getattr(self, field)!r}")
+
+        def number(field: str) -> bool:
+            value = getattr(self, field)
+            return (isinstance(value, (int, float)) and not isinstance(value, bool)
+                    and math.isfinite(value))
+
+        def integer(field: str, low: int) -> None:
+            value = getattr(self, field)
+            require(isinstance(value, int) and not isinstance(value, bool) and value >= low,
+                    field, "a positive int" if low == 1 else f"an int >= {low}")
+
+        require(self.preset in PRESETS, "preset", f"one of {sorted(PRESETS)}")
+        require(isinstance(self.model_overrides, dict), "model_overrides", "a dict")
+        require(self.data is None or isinstance(self.data, str), "data", "a path or None")
+        for field in ("steps", "batch_size", "eval_every", "eval_batches", "checkpoint_every",
+                      "keep_checkpoints", "log_every"):
+            integer(field, 1)
+        integer("seed", 0)
+        if self.seq_len is not None:
+            integer("seq_len", 1)
+        if self.warmup_steps is not None:
+            integer("warmup_steps", 0)
+            require(self.warmup_steps <= self.steps, "warmup_steps",
+                    f"at most steps={self.steps}")
+        require(number("lr") and self.lr > 0, "lr", "a positive finite number")
+        require(number("min_lr_ratio") and 0 <= self.min_lr_ratio <= 1, "min_lr_ratio",
+                "a number in [0, 1]")
+        for field in ("beta1", "beta2"):
+            require(number(field) and 0 <= getattr(self, field) < 1, field,
+                    "a number in [0, 1)")
+        require(number("adam_eps") and self.adam_eps > 0, "adam_eps", "a positive number")
+        for field in ("weight_decay", "grad_clip", "aux_loss_coef", "z_loss_coef"):
+            require(number(field) and getattr(self, field) >= 0, field,
+                    "a finite number >= 0")
+        require(self.bias_update_rate is None
+                or (number("bias_update_rate") and self.bias_update_rate >= 0),
+                "bias_update_rate", "a finite number >= 0 (or None for the preset's default)")
+
+    def model_config(self) -> ModelConfig:
+        """The model: the preset with the overrides, validated; raises ConfigError naming the
+        field."""
+        try:
+            return preset(self.preset, **self.model_overrides)
+        except TypeError as error:  # an unknown field
+            raise ConfigError(f"--set: {error}") from None
+        except ValueError as error:
+            message = re.sub(r"^ModelConfig\.(\w+)", lambda m: describe_model(m[1]), str(error))
+            raise ConfigError(message) from None
+
+    def resolved(self, model: ModelConfig) -> TrainConfig:
+        """A copy with the defaults that depend on the model or on other fields filled in
+        (seq_len, bias_update_rate, warmup_steps), and the checks that need the model."""
+        seq_len = model.seq_len if self.seq_len is None else self.seq_len
+        if seq_len > model.seq_len:
+            raise ConfigError(
+                f"{describe('seq_len')} must be at most the model's seq_len={model.seq_len} "
+                f"(the longest sequence it accepts; raise it with --set seq_len={seq_len}), "
+                f"got {seq_len}")
+        rate = self.bias_update_rate
+        if rate is None:
+            rate = 1e-3 if model.score_function == "sigmoid" else 0.0
+        warmup = self.steps // 10 if self.warmup_steps is None else self.warmup_steps
+        return dataclasses.replace(self, seq_len=seq_len, bias_update_rate=rate,
+                                   warmup_steps=warmup)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> TrainConfig:
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ConfigError(f"unknown training config fields {unknown}")
+        return cls(**fields)
+
+
+# Fields that may change when a run is resumed: they do not change what is computed (steps
+# extends or shortens the run, and with it the cosine schedule's remaining steps).
+RESUMABLE_CHANGES = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints",
+                     "log_every")
+
+# The GPU presets' training defaults (the tiny preset's are TrainConfig's own).
+PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
+    name: dict(steps=2000, batch_size=16, lr=3e-4, eval_every=250, checkpoint_every=500)
+    for name in ("mixtral", "deepseek", "qwen3")
+}
+
+
+def describe(field: str) -> str:
+    return f"{field} (--{field.replace('_', '-')})"
+
+
+def describe_model(field: str) -> str:
+    flag = _MODEL_FLAGS.get(field, f"--set {field}=...")
+    return f"model.{field} ({flag})"
+
+
+def build(overrides: dict[str, Any]) -> tuple[TrainConfig, ModelConfig]:
+    """TrainConfig and ModelConfig from the preset's defaults and `overrides` (TrainConfig
+    fields; model_overrides holds the ModelConfig ones), resolved and validated."""
+    overrides = dict(overrides)
+    name = overrides.get("preset", TrainConfig.preset)
+    if name not in PRESETS:
+        raise ConfigError(f"{describe('preset')} must be one of {sorted(PRESETS)}, got {name!r}")
+    config = TrainConfig(**{**PRESET_DEFAULTS.get(name, {}), **overrides})
+    model = config.model_config()
+    return config.resolved(model), model
+
+
+# --- command line --------------------------------------------------------------------------------
+
+# ModelConfig fields with a flag of their own; any field can be set with --set FIELD=VALUE.
+_MODEL_FLAGS = {"capacity_factor": "--capacity-factor", "moe_matmul": "--moe-matmul",
+                "remat": "--remat", "dtype": "--dtype"}
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> None:
+    """The training flags. Every default is left out of the namespace (SUPPRESS), so that
+    `overrides_from_args` sees exactly what the user gave: on --resume those are compared with
+    the saved configuration, the rest taken from it."""
+    S = argparse.SUPPRESS
+    d = TrainConfig()
+    run = parser.add_argument_group("run")
+    run.add_argument("--preset", choices=sorted(PRESETS), default=S,
+                     help=f"model preset (default {d.preset})")
+    run.add_argument("--data", default=S, metavar="PATH",
+                     help="text file, folder of text files, .bin (uint16 token ids) or .npy; "
+                          "default: this Python's standard library .py files")
+    run.add_argument("--out", default=S, metavar="DIR",
+                     help="run folder (default runs/<preset>-<YYYYmmdd-HHMMSS>)")
+    if resume:
+        run.add_argument("--resume", action="store_true", default=S,
+                         help="continue the run in --out from its latest complete checkpoint")
+    run.add_argument("--seed", type=int, default=S, help=f"default {d.seed}")
+    run.add_argument("--steps", type=int, default=S, help=f"optimizer steps (default {d.steps})")
+    run.add_argument("--batch-size", type=int, default=S,
+                     help=f"sequences per step (default {d.batch_size})")
+    run.add_argument("--seq-len", type=int, default=S,
+                     help="tokens per sequence (default: the model's seq_len)")
+    run.add_argument("--no-progress", action="store_true", default=S,
+                     help="no progress bar (one line per log interval instead)")
+    opt = parser.add_argument_group("optimizer (AdamW, warm-up then cosine decay)")
+    opt.add_argument("--lr", type=float, default=S, help=f"peak learning rate (default {d.lr})")
+    opt.add_argument("--warmup-steps", type=int, default=S,
+                     help="linear warm-up steps (default: a tenth of --steps)")
+    opt.add_argument("--min-lr-ratio", type=float, default=S,
+                     help=f"final lr / peak lr (default {d.min_lr_ratio})")
+    opt.add_argument("--weight-decay", type=float, default=S, help=f"default {d.weight_decay}")
+    opt.add_argument("--beta1", type=float, default=S, help=f"default {d.beta1}")
+    opt.add_argument("--beta2", type=float, default=S, help=f"default {d.beta2}")
+    opt.add_argument("--adam-eps", type=float, default=S, help=f"default {d.adam_eps}")
+    opt.add_argument("--grad-clip", type=float, default=S,
+                     help=f"global-norm clip, 0 for none (default {d.grad_clip})")
+    moe = parser.add_argument_group("MoE losses and balancing")
+    moe.add_argument("--aux-loss-coef", type=float, default=S,
+                     help=f"load-balancing loss weight (default {d.aux_loss_coef})")
+    moe.add_argument("--z-loss-coef", type=float, default=S,
+                     help=f"router z-loss weight (default {d.z_loss_coef})")
+    moe.add_argument("--bias-update-rate", type=float, default=S,
+                     help="aux-loss-free expert-bias step, 0 for off (default 1e-3 for "
+                          "sigmoid-routed presets, else 0)")
+    cadence = parser.add_argument_group("evaluation, checkpoints, logs")
+    cadence.add_argument("--eval-every", type=int, default=S, help=f"default {d.eval_every}")
+    cadence.add_argument("--eval-batches", type=int, default=S, help=f"default {d.eval_batches}")
+    cadence.add_argument("--checkpoint-every", type=int, default=S,
+                         help=f"default {d.checkpoint_every}")
+    cadence.add_argument("--keep-checkpoints", type=int, default=S,
+                         help=f"default {d.keep_checkpoints}")
+    cadence.add_argument("--log-every", type=int, default=S,
+                         help=f"steps between metric fetches (default {d.log_every})")
+    model = parser.add_argument_group("model overrides (on top of the preset)")
+    model.add_argument("--capacity-factor", type=_optional_float, default=S, metavar="CF",
+                       help="drop tokens past CF * T * k / E per expert; 'none' is dropless "
+                            "(the default)")
+    model.add_argument("--moe-matmul", choices=("nodrop", "ragged_dot"), default=S,
+                       help="dropless expert matmuls: nodrop's grouped matmul (default) or "
+                            "jax.lax.ragged_dot")
+    model.add_argument("--remat", action=argparse.BooleanOptionalAction, default=S,
+                       help="recompute each layer's activations in the backward pass")
+    model.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=S,
+                       help="compute dtype (parameters stay float32)")
+    model.add_argument("--set", action="append", default=S, metavar="FIELD=VALUE",
+                       dest="model_set",
+                       help="any ModelConfig field, e.g. --set num_layers=2 --set hidden=64 "
+                            "(repeatable)")
+
+
+_OPTION_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - {"preset", "model_overrides"}
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The TrainConfig fields the user gave (model ones under model_overrides)."""
+    given = vars(args)
+    overrides = {field: given[field] for field in _OPTION_FIELDS if field in given}
+    if "preset" in given:
+        overrides["preset"] = given["preset"]
+    if overrides.get("data") is not None:
+        overrides["data"] = os.path.abspath(overrides["data"])  # so a resume may run elsewhere
+    model = {}
+    for text in given.get("model_set", []):
+        field, value = parse_model_setting(text)
+        model[field] = value
+    for field, flag in _MODEL_FLAGS.items():
+        if field in given:
+            model[field] = given[field]
+    if model:
+        overrides["model_overrides"] = model
+    return overrides
+
+
+def parse_model_setting(text: str) -> tuple[str, Any]:
+    """'FIELD=VALUE' -> (field, value typed like the ModelConfig field)."""
+    field, sep, value = text.partition("=")
+    field = field.strip().replace("-", "_")
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    if not sep or field not in fields:
+        raise ConfigError(f"--set {text!r}: expected FIELD=VALUE with FIELD one of "
+                          f"{sorted(fields)}")
+    hints = typing.get_type_hints(ModelConfig)
+    kind = hints[field]
+    value = value.strip()
+    try:
+        if kind is bool:
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError("expected true or false")
+            return field, value.lower() in ("true", "1")
+        if kind is int:
+            return field, int(value)
+        if kind is float:
+            return field, float(value)
+        if kind == (float | None):
+            return field, _optional_float(value)
+        return field, value  # str and dtype fields: ModelConfig checks the name
+    except (ValueError, argparse.ArgumentTypeError) as error:
+        raise ConfigError(f"--set {text!r}: {error}") from None
+
+
+def _optional_float(text: str) -> float | None:
+    if text.strip().lower() in ("none", "null", "dropless"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}") from None

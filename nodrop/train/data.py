@@ -1,0 +1,232 @@
+"""Token data for the trainer: where it comes from, how it is split, and which windows each step reads.
+
+Sources (`load(path, vocab_size)`), every one byte-level or token ids < vocab_size:
+- None: the Python standard library's own `.py` files on this machine (the folder
+  `sysconfig.get_paths()["stdlib"]`, without site-packages/dist-packages), read as bytes. Nothing
+  to download, and the same bytes on every run on one machine.
+- a text file: its bytes.
+- a folder: every regular, non-hidden file under it, read as bytes; or, where the folder holds
+  `train.bin` and `val.bin` (or `train.npy` and `val.npy`), those two as the splits.
+- `.bin`: uint16 little-endian token ids, nanoGPT's format. `.npy`: a 1-D integer array of ids.
+
+Split, fixed and deterministic: files of a folder (and of the standard library) are assigned by a
+hash of their relative path, crc32(path) % 10 == 0 going to validation (about 10%), so adding a
+file never moves another one; a single file, and a folder whose hash split leaves a side empty,
+keeps its last 10% of tokens for validation.
+
+Batches: step n's batch is `batch_size` windows of seq_len + 1 tokens whose starts are drawn
+uniformly by numpy's PCG64 seeded with (seed, n). The data position is the step itself: resuming
+at step n reads exactly the batch an uninterrupted run would have read, with no loader state to
+save beyond (seed, step). Evaluation reads the same evenly spaced validation windows every time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sysconfig
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+VALIDATION_BUCKETS = 10  # crc32(relative path) % 10 == 0 -> validation
+VALIDATION_FRACTION = 0.1  # tail split of a single file
+_TRAIN_STREAM = 0  # seed-sequence key that keeps training windows apart from any other stream
+_SPLIT_FILES = ("train", "val")
+
+
+class DataError(ValueError):
+    """The data cannot be used: missing, unreadable, corrupt, too short, or ids out of range."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """The two splits as 1-D token arrays (uint8, uint16 or int32; maybe memory-mapped)."""
+
+    train: np.ndarray
+    val: np.ndarray
+    source: str  # what was read, for config.json and the summary
+    split: str  # how train and validation were separated
+
+    def describe(self) -> dict:
+        """JSON-safe summary, also used on resume to notice that the data changed."""
+        return {"source": self.source, "split": self.split,
+                "train_tokens": int(self.train.size), "val_tokens": int(self.val.size),
+                "train_crc32": _fingerprint(self.train), "val_crc32": _fingerprint(self.val)}
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def load(path: str | os.PathLike | None, vocab_size: int) -> Dataset:
+    """Reads and splits the data; raises DataError naming the file for anything unusable."""
+    if path is None:
+        root = stdlib_root()
+        files = [p for p in _files_under(root)
+                 if p.suffix == ".py" and not {"site-packages", "dist-packages"}
+                 & set(p.relative_to(root).parts)]
+        if not files:
+            raise DataError(f"found no .py files under the standard library folder {root}")
+        return _split_files(root, files, vocab_size, f"Python standard library ({root})")
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such file or folder")
+    if path.is_dir():
+        splits = _split_pair(path)
+        if splits is not None:
+            train, val = (_read_tokens(p, vocab_size) for p in splits)
+            return Dataset(train, val, str(path),
+                           f"{splits[0].name} (training) and {splits[1].name} (validation)")
+        files = list(_files_under(path))
+        if not files:
+            raise DataError(f"{path}: the folder holds no (non-hidden) files")
+        return _split_files(path, files, vocab_size, str(path))
+    return _tail_split(_read_tokens(path, vocab_size), str(path))
+
+
+def check_length(dataset: Dataset, seq_len: int) -> None:
+    """Each split must hold at least one window of seq_len + 1 tokens."""
+    for name, tokens in (("training", dataset.train), ("validation", dataset.val)):
+        if tokens.size < seq_len + 1:
+            raise DataError(
+                f"{dataset.source}: the {name} split has {tokens.size} tokens, fewer than one "
+                f"sequence of seq_len + 1 = {seq_len + 1} ({dataset.split})")
+
+
+def train_batch(tokens: np.ndarray, step: int, seed: int, batch_size: int,
+                seq_len: int) -> np.ndarray:
+    """int32 [batch_size, seq_len + 1]: step `step`'s windows (inputs [:, :-1], targets [:, 1:])."""
+    rng = np.random.Generator(np.random.PCG64([seed, _TRAIN_STREAM, step]))
+    starts = rng.integers(0, tokens.size - seq_len, size=batch_size)  # last start: size-seq_len-1
+    return _windows(tokens, starts, seq_len)
+
+
+def eval_batches(tokens: np.ndarray, num_batches: int, batch_size: int,
+                 seq_len: int) -> list[np.ndarray]:
+    """The validation windows, evenly spaced over the split, the same for every evaluation."""
+    count = num_batches * batch_size
+    starts = np.linspace(0, tokens.size - seq_len - 1, count).round().astype(np.int64)
+    return [_windows(tokens, starts[i * batch_size:(i + 1) * batch_size], seq_len)
+            for i in range(num_batches)]
+
+
+def unigram_loss(tokens: np.ndarray, vocab_size: int) -> float:
+    """Entropy (nats) of the token frequencies: the loss of the best model that ignores context."""
+    counts = np.bincount(np.asarray(tokens), minlength=vocab_size).astype(np.float64)
+    probs = counts[counts > 0] / counts.sum()
+    return float(-(probs * np.log(probs)).sum())
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+
+def _files_under(root: Path):
+    """Regular, non-hidden files under root, sorted by relative path (not following links to
+    folders, so the walk ends)."""
+    found = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found.extend(Path(folder) / n for n in names
+                     if not n.startswith(".") and (Path(folder) / n).is_file())
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _split_pair(folder: Path):
+    for ext in (".bin", ".npy"):
+        pair = tuple(folder / f"{name}{ext}" for name in _SPLIT_FILES)
+        if all(p.is_file() for p in pair):
+            return pair
+    return None
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        raise DataError(f"{path}: cannot read it: {error.strerror or error}") from None
+
+
+def _read_tokens(path: Path, vocab_size: int) -> np.ndarray:
+    """A 1-D token array from a .bin, .npy or text file, with every id checked < vocab_size."""
+    if path.suffix == ".npy":
+        try:
+            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+        except OSError as error:
+            raise DataError(f"{path}: cannot read it: {error.strerror or error}") from None
+        except ValueError as error:
+            raise DataError(f"{path}: not a valid .npy file ({error})") from None
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise DataError(f"{path}: expected a 1-D integer array of token ids, got "
+                            f"{tokens.ndim}-D {tokens.dtype}")
+    elif path.suffix == ".bin":
+        size = _file_size(path)
+        if size % 2:
+            raise DataError(f"{path}: {size} bytes is not a whole number of uint16 token ids; "
+                            "is it a nanoGPT-style .bin (uint16 little-endian)?")
+        if size == 0:
+            raise DataError(f"{path}: the file is empty")
+        try:
+            tokens = np.memmap(path, dtype="<u2", mode="r")
+        except (OSError, ValueError) as error:
+            raise DataError(f"{path}: cannot read it: {error}") from None
+    else:
+        tokens = np.frombuffer(_read_bytes(path), dtype=np.uint8)
+    _check_ids(tokens, vocab_size, str(path))
+    return tokens
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError as error:
+        raise DataError(f"{path}: cannot read it: {error.strerror or error}") from None
+
+
+def _check_ids(tokens: np.ndarray, vocab_size: int, where: str) -> None:
+    if tokens.size == 0:
+        raise DataError(f"{where}: holds no tokens")
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        position = int(np.argmax(tokens == bad))
+        raise DataError(f"{where}: token id {bad} at position {position} is outside "
+                        f"[0, vocab_size={vocab_size})")
+
+
+def _split_files(root: Path, files: list[Path], vocab_size: int, source: str) -> Dataset:
+    parts = {True: [], False: []}  # validation?
+    for path in files:
+        relative = path.relative_to(root).as_posix()
+        parts[zlib.crc32(relative.encode()) % VALIDATION_BUCKETS == 0].append(
+            _read_bytes(path))
+    train, val = (np.frombuffer(b"".join(parts[v]), dtype=np.uint8) for v in (False, True))
+    if train.size == 0 or val.size == 0:  # too few files (or only empty ones) on one side
+        tokens = train if train.size else val
+        _check_ids(tokens, vocab_size, source)
+        return _tail_split(tokens, source)
+    for split, name in ((train, "training"), (val, "validation")):
+        _check_ids(split, vocab_size, f"{source} ({name} files)")
+    return Dataset(train, val, source,
+                   f"by file: crc32(relative path) % {VALIDATION_BUCKETS} == 0 -> validation "
+                   f"({len(parts[True])} of {len(files)} files)")
+
+
+def _tail_split(tokens: np.ndarray, source: str) -> Dataset:
+    if tokens.size == 0:
+        raise DataError(f"{source}: holds no tokens")
+    cut = tokens.size - max(1, int(tokens.size * VALIDATION_FRACTION))
+    return Dataset(tokens[:cut], tokens[cut:], source,
+                   f"the last {VALIDATION_FRACTION:.0%} of tokens -> validation")
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
+    index = starts[:, None] + np.arange(seq_len + 1)[None, :]
+    return np.asarray(tokens[index], dtype=np.int32)
+
+
+def _fingerprint(tokens: np.ndarray, edge: int = 1 << 20) -> int:
+    """crc32 of the first and last `edge` tokens: cheap even for a multi-GB .bin."""
+    crc = zlib.crc32(np.ascontiguousarray(tokens[:edge]).tobytes())
+    return zlib.crc32(np.ascontiguousarray(tokens[-edge:]).tobytes(), crc)

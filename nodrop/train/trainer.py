@@ -1,0 +1,463 @@
+"""The training job: configure, load data, build or restore the state, then step, evaluate,
+checkpoint and log until `steps`, and summarise.
+
+One process, one device (the default one). The state is three pytrees split off the Flax NNX
+model: params (float32 masters, trained by AdamW), model_state (the MoE layers' expert biases,
+moved by the aux-loss-free rule, not by gradients) and the optimizer state. The jitted step
+takes and returns them with their buffers donated.
+
+Step n (1-based) reads batch `data.train_batch(train, n, seed, ...)`, so the data position is
+the step number; a checkpoint at step n holds the state after n updates, and a resumed run goes
+on with step n + 1 exactly as an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import nodrop
+from nodrop.models import ModelConfig, MoELM
+from nodrop.moe import updated_expert_bias
+from nodrop.train import data, plots
+from nodrop.train.checkpoint import Checkpoints
+from nodrop.train.config import RESUMABLE_CHANGES, ConfigError, TrainConfig, build
+from nodrop.train.metrics import MetricsLog, Progress, peak_flops
+
+CONFIG_FILE = "config.json"
+SUMMARY_FILE = "summary.json"
+
+
+class Diverged(RuntimeError):
+    """The loss or the gradients stopped being finite; the run stopped without saving."""
+
+
+class Interrupted(RuntimeError):
+    """Ctrl-C: the run saved a checkpoint of its last finished step and stopped."""
+
+
+@dataclasses.dataclass
+class Summary:
+    run_dir: str
+    steps: int
+    train_loss: float  # evaluated at the end on evenly spaced training windows
+    val_loss: float
+    unigram_loss: float  # entropy of the training split's token frequencies (nats)
+    tokens_per_s: float  # training steps only
+    train_time_s: float  # training steps only: no compile, evaluation or checkpoints
+    compile_s: float
+    wall_s: float  # this process, from start to end
+    dropped_fraction: float  # mean over the MoE layers and the logged steps
+    num_params: int
+    num_active_params: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def default_run_dir(preset: str) -> Path:
+    return Path("runs") / f"{preset}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+
+
+# --- configuration and the run folder ------------------------------------------------------------
+
+
+def _read_saved(run_dir: Path) -> dict:
+    path = run_dir / CONFIG_FILE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--resume: {run_dir} holds no {CONFIG_FILE}; is it a run folder?"
+                          ) from None
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConfigError(f"--resume: cannot read {path}: {error}") from None
+
+
+def configure(overrides: dict, saved: dict | None) -> tuple[TrainConfig, ModelConfig]:
+    """The run's configuration. Resuming, the saved config.json is the base and a given flag
+    may differ from it only for RESUMABLE_CHANGES; anything else is refused naming the fields."""
+    if saved is None:
+        return build(overrides)
+    base = TrainConfig.from_dict(saved["train"])
+    fields = {**base.to_dict(), **overrides,
+              "model_overrides": {**base.model_overrides,
+                                  **overrides.get("model_overrides", {})}}
+    config, model = build(fields)
+    changed = [f"{name}: {saved['train'][name]!r} -> {value!r}"
+               for name, value in config.to_dict().items()
+               if name not in RESUMABLE_CHANGES and name != "model_overrides"
+               and value != saved["train"].get(name)]
+    changed += [f"model.{name}: {saved['model'].get(name)!r} -> {value!r}"
+                for name, value in model.to_dict().items() if value != saved["model"].get(name)]
+    if changed:
+        raise ConfigError(
+            "cannot resume: the configuration differs from the run's config.json in "
+            + "; ".join(changed) + f" (on --resume only {', '.join(RESUMABLE_CHANGES)} may "
+            "change; start a new run with another --out for the rest)")
+    return config, model
+
+
+def _write_json(path: Path, value: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+# --- the model, the optimizer and the steps -------------------------------------------------------
+
+
+def learning_rate_schedule(config: TrainConfig):
+    """lr for the update number `count` (0-based): linear warm-up to config.lr over
+    warmup_steps (the first update already gets lr / warmup_steps, none is wasted at 0), then
+    cosine decay to lr * min_lr_ratio at the last step."""
+    peak, floor = config.lr, config.lr * config.min_lr_ratio
+    warmup, total = config.warmup_steps, config.steps
+
+    def schedule(count):
+        step = jnp.asarray(count, jnp.float32) + 1.0
+        warm = peak * step / max(warmup, 1)
+        progress = jnp.clip((step - warmup) / max(total - warmup, 1), 0.0, 1.0)
+        decayed = floor + 0.5 * (peak - floor) * (1.0 + jnp.cos(jnp.pi * progress))
+        return jnp.where(step <= warmup, warm, decayed).astype(jnp.float32)
+
+    return schedule
+
+
+def optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    adamw = optax.adamw(
+        learning_rate_schedule(config), b1=config.beta1, b2=config.beta2, eps=config.adam_eps,
+        weight_decay=config.weight_decay,
+        # Decay matrices (and the embedding) only; norm scales stay undecayed.
+        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
+    if config.grad_clip > 0:
+        return optax.chain(optax.clip_by_global_norm(config.grad_clip), adamw)
+    return adamw
+
+
+def _mean(values):
+    """Mean over the MoE layers; 0 for a model without any."""
+    return values.sum() / max(values.shape[0], 1)
+
+
+def make_steps(config: TrainConfig, graphdef, tx):
+    """(train_step, eval_step), pure functions of the state pytrees, for jit."""
+    schedule = learning_rate_schedule(config)
+
+    def forward(params, model_state, batch):
+        model = nnx.merge(graphdef, params, model_state)
+        logits, aux = model(batch[:, :-1])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+        return ce, aux, model
+
+    def loss_fn(params, model_state, batch):
+        ce, aux, _ = forward(params, model_state, batch)
+        loss = (ce + config.aux_loss_coef * _mean(aux.load_balancing_loss)
+                + config.z_loss_coef * _mean(aux.z_loss))
+        return loss, (ce, aux)
+
+    def train_step(params, opt_state, model_state, batch, step):
+        (loss, (ce, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, model_state, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        if config.bias_update_rate > 0:
+            model = nnx.merge(graphdef, params, model_state)
+            for block, counts in zip(model.moe_blocks(), aux.tokens_per_expert):
+                block.expert_bias[...] = updated_expert_bias(
+                    block.expert_bias[...], counts, config.bias_update_rate)
+            _, _, model_state = nnx.split(model, nnx.Param, ...)
+        grad_norm, update_norm = optax.global_norm(grads), optax.global_norm(updates)
+        metrics = {
+            "loss": loss, "ce": ce, "aux_loss": _mean(aux.load_balancing_loss),
+            "z_loss": _mean(aux.z_loss), "grad_norm": grad_norm, "update_norm": update_norm,
+            "lr": schedule(step - 1), "max_over_mean": aux.max_over_mean,
+            "dropped_fraction": aux.dropped_fraction,
+            # Finite loss and gradients and a finite update: the new state is safe to keep.
+            "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm),
+        }
+        return params, opt_state, model_state, metrics
+
+    def eval_step(params, model_state, batch):
+        return forward(params, model_state, batch)[0]
+
+    return train_step, eval_step
+
+
+# --- the run ---------------------------------------------------------------------------------------
+
+
+class _StopFlag:
+    """Ctrl-C asks the loop to stop after the current step (a second one interrupts at once):
+    stopping mid-call could lose donated buffers, so the loop checks the flag between steps."""
+
+    def __init__(self):
+        self.raised = False
+        self._previous = None
+
+    def __enter__(self):
+        try:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:  # not the main thread: no handler, Ctrl-C behaves as usual
+            self._previous = None
+        return self
+
+    def _handle(self, signum, frame):
+        if self.raised:
+            raise KeyboardInterrupt
+        self.raised = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def run(overrides: dict, *, out: str | os.PathLike | None = None, resume: bool = False,
+        progress: bool | None = None, dataset: data.Dataset | None = None,
+        echo=print) -> Summary:
+    """Trains as configured by `overrides` (TrainConfig fields, model ones under
+    model_overrides) into the run folder `out`; resumes it with `resume`. Raises ConfigError,
+    data.DataError or CheckpointError for unusable input (before anything compiles, except a
+    checkpoint that does not fit), Diverged or Interrupted."""
+    wall_start = time.perf_counter()
+    if resume and out is None:
+        raise ConfigError("--resume needs --out, the run folder to continue")
+    run_dir = Path(out) if out is not None else default_run_dir(
+        overrides.get("preset", TrainConfig.preset))
+    saved = _read_saved(run_dir) if resume else None
+    config, model_config = configure(overrides, saved)
+    if dataset is None:
+        dataset = data.load(config.data, model_config.vocab_size)
+    data.check_length(dataset, config.seq_len)
+    if saved is not None and saved.get("data") != dataset.describe():
+        raise ConfigError(f"cannot resume: the data differs from when the run started "
+                          f"(now {dataset.describe()}, then {saved.get('data')})")
+    if saved is None and run_dir.exists() and any(run_dir.iterdir()):
+        raise ConfigError(f"--out {run_dir} is not empty; continue the run there with "
+                          "--resume, or choose another folder")
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    device = jax.devices()[0]
+    # The abstract state (shapes only): the restore target, and what the steps compile for.
+    tx = optimizer(config)
+
+    def init():
+        model = MoELM(model_config, rngs=nnx.Rngs(config.seed))
+        _, params, model_state = nnx.split(model, nnx.Param, ...)
+        return params, tx.init(params), model_state
+
+    graphdef = nnx.split(nnx.eval_shape(lambda: MoELM(model_config, rngs=nnx.Rngs(0))),
+                         nnx.Param, ...)[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                            jax.eval_shape(init))
+
+    checkpoints = Checkpoints(run_dir / "checkpoints", config.keep_checkpoints)
+    start = checkpoints.latest_step() if resume else None
+    if start is not None and start > config.steps:
+        raise ConfigError(f"--steps {config.steps} is below the checkpoint's step {start}")
+    _write_json(run_dir / CONFIG_FILE, {
+        "train": config.to_dict(), "model": model_config.to_dict(),
+        "data": dataset.describe(),
+        "environment": {"nodrop": nodrop.__version__, "jax": jax.__version__,
+                        "device": device.device_kind, "platform": device.platform}})
+    if start is None:
+        if resume:
+            echo(f"nodrop train: {run_dir} has no complete checkpoint; starting from step 0")
+        params, opt_state, model_state = jax.jit(init, out_shardings=sharding)()
+        start, elapsed = 0, 0.0
+    else:
+        (params, opt_state, model_state), meta = _restore(checkpoints, start, abstract)
+        elapsed = float(meta["elapsed_s"])
+        echo(f"nodrop train: resuming {run_dir} from step {start}")
+
+    metrics = MetricsLog(run_dir, start)
+    try:
+        return _loop(config, model_config, dataset, run_dir, graphdef, tx,
+                     (params, opt_state, model_state), abstract, start, elapsed, checkpoints,
+                     metrics, progress, wall_start)
+    finally:
+        metrics.close()
+        checkpoints.close()
+
+
+def _restore(checkpoints: Checkpoints, step: int, abstract):
+    state, meta = checkpoints.restore(step, _as_tree(abstract))
+    return (state["params"], state["opt_state"], state["model_state"]), meta
+
+
+def _as_tree(state) -> dict:
+    params, opt_state, model_state = state
+    return {"params": params, "opt_state": opt_state, "model_state": model_state}
+
+
+def _loop(config, model_config, dataset, run_dir, graphdef, tx, state, abstract, start,
+          elapsed, checkpoints, metrics, progress, wall_start) -> Summary:
+    train_step, eval_step = make_steps(config, graphdef, tx)
+    batch_shape = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    begin = time.perf_counter()
+    train_compiled = jax.jit(train_step, donate_argnums=(0, 1, 2)).lower(
+        *abstract, batch_shape, scalar).compile()
+    middle = time.perf_counter()
+    eval_compiled = jax.jit(eval_step).lower(abstract[0], abstract[2], batch_shape).compile()
+    compile_s = time.perf_counter() - begin
+    metrics.write({"kind": "compile", "step": start, "train_step_s": middle - begin,
+                   "eval_step_s": time.perf_counter() - middle})
+
+    val_batches = data.eval_batches(dataset.val, config.eval_batches, config.batch_size,
+                                    config.seq_len)
+    tokens_per_step = config.batch_size * config.seq_len
+    peak = peak_flops(jax.devices()[0].device_kind)
+    flops_per_token = model_config.flops_per_token(config.seq_len)
+
+    params, opt_state, model_state = state
+    bar = Progress(config.steps, start, progress)
+    pending: list[tuple[int, dict]] = []
+    last_eval = last_checkpoint = start
+    interval_start = time.perf_counter()
+
+    def flush() -> None:
+        """Fetches the pending steps' metrics (this is where the host waits for the device),
+        logs them, and stops the run if one is not finite."""
+        nonlocal elapsed, interval_start
+        if not pending:
+            return
+        values = jax.device_get([m for _, m in pending])
+        seconds = time.perf_counter() - interval_start
+        elapsed += seconds
+        step_time = seconds / len(pending)
+        timing = {"step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
+                  "elapsed_s": elapsed}
+        if peak is not None:
+            timing["mfu"] = flops_per_token * timing["tokens_per_s"] / peak
+        for (step, _), value in zip(pending, values):
+            finite = bool(value.pop("finite"))
+            record = {"kind": "train", "step": step,
+                      **{key: np.asarray(v).tolist() for key, v in value.items()}, **timing}
+            metrics.write(record)
+            if not finite:
+                break
+        pending.clear()
+        bar.update(record["step"], record)
+        if not finite:
+            raise Diverged(
+                f"the loss or the gradients are not finite at step {record['step']} (loss "
+                f"{record['loss']}, gradient norm {record['grad_norm']}); stopped without "
+                f"saving this state. The last checkpoint is step "
+                f"{checkpoints.latest_step()} in {checkpoints.directory}")
+        interval_start = time.perf_counter()
+
+    def evaluate(batches) -> float:
+        losses = [eval_compiled(params, model_state, jax.device_put(b)) for b in batches]
+        return float(np.mean(jax.device_get(losses)))
+
+    def save(step: int) -> None:
+        metrics.sync()  # the records up to `step` are on disk before the checkpoint is
+        checkpoints.save(step, _as_tree((params, opt_state, model_state)), {
+            "step": step, "elapsed_s": elapsed,
+            # The loader is stateless: step n + 1 reads train_batch(seed, n + 1).
+            "data_position": {"seed": config.seed, "next_step": step + 1,
+                              "tokens_seen": step * tokens_per_step}})
+
+    try:
+        with _StopFlag() as stop:
+            for step in range(start + 1, config.steps + 1):
+                batch = data.train_batch(dataset.train, step, config.seed, config.batch_size,
+                                         config.seq_len)
+                params, opt_state, model_state, step_metrics = train_compiled(
+                    params, opt_state, model_state, jax.device_put(batch), np.int32(step))
+                pending.append((step, step_metrics))
+                last = step == config.steps
+                do_eval = step % config.eval_every == 0 or last
+                do_save = step % config.checkpoint_every == 0 or last or stop.raised
+                if step % config.log_every == 0 or do_eval or do_save:
+                    flush()
+                if do_eval:
+                    val_loss = evaluate(val_batches)
+                    metrics.write({"kind": "eval", "step": step, "val_loss": val_loss,
+                                   "elapsed_s": elapsed})
+                    bar.write(f"step {step}: validation loss {val_loss:.4f}")
+                    last_eval = step
+                if do_save:
+                    save(step)
+                    last_checkpoint = step
+                if stop.raised:
+                    raise Interrupted(f"interrupted at step {step}; saved a checkpoint there. "
+                                      f"Continue with --resume --out {run_dir}")
+                if do_eval or do_save:
+                    interval_start = time.perf_counter()  # not timing evaluation and saving
+    except BaseException:
+        pending.clear()  # a failed or interrupted run: plot what was logged, then re-raise
+        bar.close()
+        _plots(metrics.records, run_dir, dataset, model_config, config)
+        raise
+    bar.close()
+
+    # A run resumed at its last step still evaluates, saves and summarises.
+    if last_eval != config.steps:
+        metrics.write({"kind": "eval", "step": config.steps, "val_loss": evaluate(val_batches),
+                       "elapsed_s": elapsed})
+    if last_checkpoint != config.steps and checkpoints.latest_step() != config.steps:
+        save(config.steps)
+    train_loss = evaluate(data.eval_batches(dataset.train, config.eval_batches,
+                                            config.batch_size, config.seq_len))
+    val_loss = evaluate(val_batches)
+    metrics.write({"kind": "final", "step": config.steps, "train_loss": train_loss,
+                   "val_loss": val_loss})
+    _plots(metrics.records, run_dir, dataset, model_config, config)
+    train_records = [r for r in metrics.records if r.get("kind") == "train"]
+    dropped = [v for r in train_records for v in r["dropped_fraction"]]
+    summary = Summary(
+        run_dir=str(run_dir), steps=config.steps, train_loss=train_loss, val_loss=val_loss,
+        unigram_loss=data.unigram_loss(dataset.train, model_config.vocab_size),
+        tokens_per_s=len(train_records) * tokens_per_step / elapsed if elapsed else 0.0,
+        train_time_s=elapsed, compile_s=compile_s, wall_s=time.perf_counter() - wall_start,
+        dropped_fraction=float(np.mean(dropped)) if dropped else 0.0,
+        num_params=model_config.num_params(),
+        num_active_params=model_config.num_active_params())
+    _write_json(run_dir / SUMMARY_FILE, summary.to_dict())
+    return summary
+
+
+def _plots(records, run_dir: Path, dataset, model_config: ModelConfig, config: TrainConfig):
+    unigram = data.unigram_loss(dataset.train, model_config.vocab_size)
+    title = f"{config.preset} ({model_config.num_params() / 1e6:.1f}M parameters)"
+    plots.plot_losses(records, run_dir / "loss.png", unigram, title)
+    plots.plot_expert_load(records, run_dir / "expert_load.png", title)
+
+
+def format_summary(summary: Summary) -> str:
+    def duration(seconds: float) -> str:
+        minutes, seconds = divmod(seconds, 60)
+        return f"{int(minutes)}m{seconds:04.1f}s" if minutes else f"{seconds:.1f}s"
+
+    dropped = ("0 (dropless)" if summary.dropped_fraction == 0
+               else f"{summary.dropped_fraction:.2%} of token slots")
+    run_dir = summary.run_dir
+    return "\n".join([
+        f"done: {summary.steps} steps, {summary.num_params / 1e6:.2f}M parameters "
+        f"({summary.num_active_params / 1e6:.2f}M active per token)",
+        f"  train loss       {summary.train_loss:.4f}  (at the end, on evenly spaced "
+        "training windows)",
+        f"  validation loss  {summary.val_loss:.4f}",
+        f"  unigram baseline {summary.unigram_loss:.4f}  (entropy of the training split's "
+        "token frequencies, nats)",
+        f"  {summary.tokens_per_s:,.0f} tokens/s over {duration(summary.train_time_s)} of "
+        f"training steps; compile {duration(summary.compile_s)}; wall "
+        f"{duration(summary.wall_s)}",
+        f"  tokens dropped   {dropped}",
+        f"  outputs in {run_dir}/: config.json, metrics.jsonl, tensorboard/, checkpoints/, "
+        "loss.png, expert_load.png, summary.json",
+    ])

@@ -24,7 +24,6 @@ import datetime
 import functools
 import importlib.metadata
 import json
-import math
 import os
 import pathlib
 import platform
@@ -42,6 +41,8 @@ import numpy as np  # noqa: E402
 import nodrop  # noqa: E402
 from nodrop import demo  # noqa: E402
 from nodrop.bench import PASSES, positive_int, relative_difference  # noqa: E402
+from nodrop.moe import capacity as moe_capacity  # noqa: E402
+from nodrop.moe.capacity import capacity_rows  # noqa: E402
 from nodrop.ops import reference  # noqa: E402
 
 GEMM_SHAPES = {  # name: (rows M, K, N, groups G)
@@ -154,11 +155,6 @@ def group_sizes(kind: str, rows: int, groups: int) -> np.ndarray:
     sizes = np.floor(rows * share / share.sum()).astype(np.int32)
     sizes[0] += rows - sizes.sum()
     return sizes
-
-
-def capacity_rows(slots: int, groups: int, capacity_factor: float) -> int:
-    """C = ceil(cf * slots / groups): the rows of each group's buffer when dropping tokens."""
-    return math.ceil(capacity_factor * slots / groups)
 
 
 def dropped_fraction(sizes, capacity: int) -> float:
@@ -312,26 +308,9 @@ def torch_gemm_cases(torch, name: str, dims, iters: int) -> list[dict]:
 
 
 def dispatch(x, ids, num_experts: int, *, capacity_factor: float):
-    """Copies each token into its experts' buffers of C rows; copies past C are dropped.
-
-    Returns rows [E*C, H] (zero where a buffer is not full), None (no group sizes: every expert
-    has C rows) and row_map [T*k]: the buffer row of token t's slot s at t*k + s, past E*C for a
-    dropped copy. A scatter, not a one-hot einsum: that costs 2*T*E*C*H ~ 2*T*T*k*H FLOPs,
-    quadratic in T and several times the experts' FLOPs at the Qwen3 and DeepSeek shapes.
-    """
-    tokens, k = ids.shape
-    capacity = capacity_rows(tokens * k, num_experts, capacity_factor)
-    # Slot-major: every token's first choice gets a place before any second choice (GShard).
-    expert = ids.T.reshape(-1)
-    one_hot = jax.nn.one_hot(expert, num_experts, dtype=jnp.int32)  # [k*T, E]
-    position = jnp.sum(jnp.cumsum(one_hot, axis=0) * one_hot, axis=1) - 1
-    # Each dropped copy gets its own index past the buffers: with unique indices the scatter
-    # and gather need no atomics, and each one's gradient is the other.
-    past_end = num_experts * capacity + jnp.arange(expert.shape[0])
-    row = jnp.where(position < capacity, expert * capacity + position, past_end)
-    row_map = row.reshape(k, tokens).T.reshape(-1)
-    rows = jnp.zeros((num_experts * capacity, x.shape[1]), x.dtype).at[row_map].set(
-        jnp.repeat(x, k, axis=0), mode="drop", unique_indices=True)
+    """nodrop.moe.capacity.dispatch in the permute op's shape: (rows, no group sizes, row_map)."""
+    capacity = capacity_rows(ids.size, num_experts, capacity_factor)
+    rows, row_map = moe_capacity.dispatch(x, ids, num_experts, capacity)
     return rows, None, row_map
 
 
@@ -343,20 +322,12 @@ def expert_einsum(rows, weights, group_sizes):
     return jnp.einsum("eck,ekn->ecn", buffers, weights).reshape(rows.shape[0], -1)
 
 
-def combine(rows, row_map, weights):
-    """out[t] = sum over slots s of weights[t, s] * rows[row_map[t*k + s]] (dropped: 0)."""
-    tokens, k = weights.shape
-    picked = rows.at[row_map].get(mode="fill", fill_value=0, unique_indices=True)
-    out = (picked.reshape(tokens, k, -1).astype(jnp.float32) * weights[..., None]).sum(axis=1)
-    return out.astype(rows.dtype)
-
-
 def capacity_ops(capacity_factor: float) -> types.SimpleNamespace:
     """The ops of demo.moe_layer written the token-dropping way."""
     return types.SimpleNamespace(
         topk_router=reference.topk_router,  # softmax, then jax.lax.top_k
         permute=functools.partial(dispatch, capacity_factor=capacity_factor),
-        grouped_matmul=expert_einsum, unpermute=combine)
+        grouped_matmul=expert_einsum, unpermute=moe_capacity.combine)
 
 
 def expert_counts(params, x, k: int, experts: int) -> np.ndarray:

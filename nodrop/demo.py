@@ -1,7 +1,7 @@
 """One MoE layer, forward and backward on random data, through nodrop's ops.
 
-The layer: top-k softmax router -> permute -> SwiGLU experts (gate and up grouped matmuls,
-silu(gate) * up, down grouped matmul) -> unpermute, with a mean-squared-error loss plus the
+The layer: top-k softmax router -> permute -> SwiGLU experts (one gate/up grouped matmul against
+[E, H, 2F], silu(gate) * up, down grouped matmul) -> unpermute, with a mean-squared-error loss plus the
 load-balancing loss. The demo computes it with nodrop's ops and with the pure-JAX references
 (nodrop.ops.reference) and compares the output and every gradient; then it times the jitted
 forward+backward against the same layer written with jax.lax.ragged_dot. It exits with status 1
@@ -33,18 +33,18 @@ JAX_RAGGED_DOT_OPS = types.SimpleNamespace(
 
 def init(key, tokens: int, hidden: int, ffn: int, experts: int, dtype):
     """Random expert weights (scaled by 1/sqrt(fan_in)), tokens x and a regression target."""
-    keys = jax.random.split(key, 6)
+    keys = jax.random.split(key, 5)
 
     def normal(key, shape, fan_in=1):
         return (jax.random.normal(key, shape) / fan_in**0.5).astype(dtype)
 
     params = {
         "router": normal(keys[0], (hidden, experts), hidden),
-        "gate": normal(keys[1], (experts, hidden, ffn), hidden),
-        "up": normal(keys[2], (experts, hidden, ffn), hidden),
-        "down": normal(keys[3], (experts, ffn, hidden), ffn),
+        # Each expert's gate in [..., :F] and up in [..., F:]: one grouped matmul for both.
+        "gate_up": normal(keys[1], (experts, hidden, 2 * ffn), hidden),
+        "down": normal(keys[2], (experts, ffn, hidden), ffn),
     }
-    return params, normal(keys[4], (tokens, hidden)), normal(keys[5], (tokens, hidden))
+    return params, normal(keys[3], (tokens, hidden)), normal(keys[4], (tokens, hidden))
 
 
 def moe_layer(ops, params, x, k: int):
@@ -53,8 +53,7 @@ def moe_layer(ops, params, x, k: int):
     logits = jnp.dot(x, params["router"], preferred_element_type=jnp.float32)
     weights, ids = ops.topk_router(logits, k)
     rows, group_sizes, row_map = ops.permute(x, ids, num_experts)
-    gate = ops.grouped_matmul(rows, params["gate"], group_sizes)
-    up = ops.grouped_matmul(rows, params["up"], group_sizes)
+    gate, up = jnp.split(ops.grouped_matmul(rows, params["gate_up"], group_sizes), 2, axis=-1)
     out_rows = ops.grouped_matmul(jax.nn.silu(gate) * up, params["down"], group_sizes)
     return ops.unpermute(out_rows, row_map, weights), jax.nn.softmax(logits), ids
 

@@ -2,8 +2,8 @@
 
 Dropless by default: every (token, slot) pair reaches its expert, so a token's output depends on
 that token alone. With `capacity_factor` set, the block instead drops tokens the way most JAX
-training runs do today, with dense dispatch/combine einsums over [E, C, H] buffers; it is kept as
-the baseline to compare against.
+training runs do today (nodrop/moe/capacity.py), with the experts as one batched einsum over
+[E, C, H] buffers; it is kept as the baseline to compare against.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nodrop.moe.capacity import capacity_rows, combine, dispatch
 from nodrop.moe.losses import load_balancing_loss, router_z_loss, tokens_per_expert
 from nodrop.ops import grouped_matmul, permute, topk_router, unpermute
 from nodrop.ops._checks import FLOAT_DTYPES
@@ -198,8 +199,11 @@ class MoEBlock(nnx.Module):
             y = unpermute(out_rows, row_map, weights)
             load = processed = group_sizes  # measured, not assumed: what the experts received
         else:
-            capacity = math.ceil(cfg.capacity_factor * num_slots / cfg.num_experts)
-            y = _capacity_experts(tokens, weights, ids, gate_up, down, capacity)
+            capacity = capacity_rows(num_slots, cfg.num_experts, cfg.capacity_factor)
+            rows, row_map = dispatch(tokens, ids, cfg.num_experts, capacity)
+            buffers = rows.reshape(cfg.num_experts, capacity, cfg.hidden)
+            out = _swiglu(lambda a, w: jnp.einsum("ech,ehf->ecf", a, w), buffers, gate_up, down)
+            y = combine(out.reshape(rows.shape), row_map, weights)
             load = tokens_per_expert(ids, cfg.num_experts)
             processed = jnp.minimum(load, capacity)
 
@@ -226,23 +230,3 @@ def _swiglu(matmul, x, gate_up, down):
     gate, up = jnp.split(matmul(x, gate_up), 2, axis=-1)
     return matmul(jax.nn.silu(gate) * up, down)
 
-
-def _capacity_experts(tokens, weights, ids, gate_up, down, capacity: int):
-    """The token-dropping experts: each expert takes its first `capacity` slots, the rest count 0.
-
-    Dense dispatch and combine tensors [T, E, C] move tokens into [E, C, H] buffers and back by
-    einsum (GShard/Switch); they cost O(T * E * C * H), quadratic in T.
-    """
-    num_tokens, k = ids.shape
-    num_experts = gate_up.shape[0]
-    # Slot-major queue (GShard): every token's first choice is placed before any second choice.
-    chosen = jax.nn.one_hot(ids.T, num_experts, dtype=jnp.int32)  # [k, T, E]
-    queue = jnp.cumsum(chosen.reshape(k * num_tokens, num_experts), axis=0).reshape(chosen.shape)
-    position = jnp.where(chosen == 1, queue - 1, -1)
-    # one_hot of a position outside [0, C) is all zeros: the slot is dropped.
-    slots = jax.nn.one_hot(position, capacity, dtype=jnp.float32)  # [k, T, E, C]
-    dispatch = slots.sum(axis=0)
-    combine = jnp.einsum("stec,ts->tec", slots, weights)
-    buffers = jnp.einsum("tec,th->ech", dispatch.astype(tokens.dtype), tokens)
-    out = _swiglu(lambda a, w: jnp.einsum("ech,ehf->ecf", a, w), buffers, gate_up, down)
-    return jnp.einsum("tec,ech->th", combine, out.astype(jnp.float32))

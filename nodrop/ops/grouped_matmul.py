@@ -3,6 +3,10 @@
 `grouped_matmul` (ragged rows) and `grouped_matmul_contract` (ragged contraction) are each
 differentiable, and each one's gradient is made of the two, so gradients of any order run on the
 engine. `ragged_dot` is the drop-in for `jax.lax.ragged_dot`.
+
+On the GPU the CUDA engine's kernels take bfloat16 or float16 with K and N multiples of 8 (TMA
+moves 16-byte rows). Other K and N are zero-padded up to the next multiple of 8 around the call;
+float32 inputs, which the engine has no kernel for, run on XLA's `jax.lax.ragged_dot_general`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,10 @@ import jax.numpy as jnp
 
 from nodrop import _ffi
 from nodrop.ops import _checks
+
+
+_CUDA_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_TMA_ELEMENTS = 8  # 16 bytes of a 2-byte dtype
 
 
 def _common_inputs(lhs, rhs):
@@ -92,8 +100,7 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
 # --- differentiable cores over the FFI calls ------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _grouped_matmul(lhs, rhs, group_sizes, transpose_rhs, out_dtype):
+def _engine_rows(lhs, rhs, group_sizes, transpose_rhs, out_dtype):
     num_cols = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     return _ffi.call(
         "nodrop_grouped_matmul", jax.ShapeDtypeStruct((lhs.shape[0], num_cols), out_dtype),
@@ -101,6 +108,79 @@ def _grouped_matmul(lhs, rhs, group_sizes, transpose_rhs, out_dtype):
         cuda_workspace=lambda: _ffi.grouped_matmul_workspace_bytes(rhs.shape[0]),
         transpose_rhs=_checks.attr_bool(transpose_rhs),
         checked=_checks.attr_bool(_checks.checks_enabled()))
+
+
+def _engine_contract(lhs, rhs, group_sizes, out_dtype):
+    return _ffi.call(
+        "nodrop_grouped_matmul_contract",
+        jax.ShapeDtypeStruct((group_sizes.shape[0], lhs.shape[1], rhs.shape[1]), out_dtype),
+        lhs, rhs, group_sizes,
+        cuda_workspace=lambda: _ffi.grouped_matmul_workspace_bytes(group_sizes.shape[0]),
+        checked=_checks.attr_bool(_checks.checks_enabled()))
+
+
+def _pad_axis(x, axis: int, size: int):
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def _tma_size(size: int) -> int:
+    return -(-size // _TMA_ELEMENTS) * _TMA_ELEMENTS
+
+
+def _clamped_group_sizes(group_sizes, num_rows: int):
+    """The engine's rule for invalid sizes (negative counts as 0, the total stops at the rows),
+    for XLA's ragged dot, which has its own."""
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), num_rows)
+    return jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype)).astype(jnp.int32)
+
+
+def _cuda_rows(lhs, rhs, group_sizes, transpose_rhs, out_dtype):
+    """The CUDA lowering of _grouped_matmul: padded to the TMA's 16 bytes, or XLA for float32."""
+    if lhs.dtype not in _CUDA_DTYPES:
+        weights = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+        sizes = _clamped_group_sizes(group_sizes, lhs.shape[0])
+        out = jax.lax.ragged_dot(lhs, weights, sizes, precision=jax.lax.Precision.HIGHEST,
+                                 preferred_element_type=jnp.float32)
+        return out.astype(out_dtype)
+    k_axis, n_axis = (2, 1) if transpose_rhs else (1, 2)
+    k, n = lhs.shape[1], rhs.shape[n_axis]
+    if k % _TMA_ELEMENTS or n % _TMA_ELEMENTS:
+        lhs = _pad_axis(lhs, 1, _tma_size(k))
+        rhs = _pad_axis(_pad_axis(rhs, k_axis, _tma_size(k)), n_axis, _tma_size(n))
+    return _engine_rows(lhs, rhs, group_sizes, transpose_rhs, out_dtype)[:, :n]
+
+
+def _cuda_contract(lhs, rhs, group_sizes, out_dtype):
+    """The CUDA lowering of _grouped_matmul_contract, as _cuda_rows."""
+    if lhs.dtype not in _CUDA_DTYPES:
+        sizes = _clamped_group_sizes(group_sizes, lhs.shape[0])
+        dims = jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
+            rhs_group_dimensions=[])
+        out = jax.lax.ragged_dot_general(lhs, rhs, sizes, dims,
+                                         precision=jax.lax.Precision.HIGHEST,
+                                         preferred_element_type=jnp.float32)
+        return out.astype(out_dtype)
+    k, n = lhs.shape[1], rhs.shape[1]
+    if k % _TMA_ELEMENTS or n % _TMA_ELEMENTS:
+        lhs, rhs = _pad_axis(lhs, 1, _tma_size(k)), _pad_axis(rhs, 1, _tma_size(n))
+    return _engine_contract(lhs, rhs, group_sizes, out_dtype)[:, :k, :n]
+
+
+def _on_engine(engine, cuda, *args):
+    """engine(*args) on the CPU, cuda(*args) on the GPU."""
+    if not _ffi.backends()["cuda"]:
+        return engine(*args)
+    return jax.lax.platform_dependent(*args, cpu=engine, cuda=cuda)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _grouped_matmul(lhs, rhs, group_sizes, transpose_rhs, out_dtype):
+    return _on_engine(
+        lambda *args: _engine_rows(*args, transpose_rhs, out_dtype),
+        lambda *args: _cuda_rows(*args, transpose_rhs, out_dtype), lhs, rhs, group_sizes)
 
 
 def _grouped_matmul_fwd(lhs, rhs, group_sizes, transpose_rhs, out_dtype):
@@ -124,12 +204,9 @@ _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _grouped_matmul_contract(lhs, rhs, group_sizes, out_dtype):
-    return _ffi.call(
-        "nodrop_grouped_matmul_contract",
-        jax.ShapeDtypeStruct((group_sizes.shape[0], lhs.shape[1], rhs.shape[1]), out_dtype),
-        lhs, rhs, group_sizes,
-        cuda_workspace=lambda: _ffi.grouped_matmul_workspace_bytes(group_sizes.shape[0]),
-        checked=_checks.attr_bool(_checks.checks_enabled()))
+    return _on_engine(
+        lambda *args: _engine_contract(*args, out_dtype),
+        lambda *args: _cuda_contract(*args, out_dtype), lhs, rhs, group_sizes)
 
 
 def _grouped_matmul_contract_fwd(lhs, rhs, group_sizes, out_dtype):

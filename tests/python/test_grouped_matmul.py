@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,9 @@ from jax.test_util import check_grads
 
 import nodrop
 from nodrop.ops import reference
+
+# The module, which nodrop.ops.grouped_matmul (the function) shadows as an attribute.
+gmm_module = importlib.import_module("nodrop.ops.grouped_matmul")
 
 # name -> (M, K, N, group_sizes)
 EDGE_CASES = {
@@ -112,6 +117,43 @@ def test_grouped_matmul_accepts_int64_group_sizes():
     sizes = jnp.asarray([5, 6], dtype=jnp.int64)
     out = nodrop.grouped_matmul(lhs, rhs, sizes)
     assert_close(out, ref64("grouped_matmul", lhs, rhs, sizes), F32_TOL)
+
+
+# --- the CUDA lowering's operand adaptation, run on the CPU engine -------------------------------
+# On the GPU, K and N are padded to multiples of 8 around the engine call and float32 runs on
+# XLA's ragged dot; both adaptations are plain JAX around the engine, so they are exercised here.
+
+CUDA_ADAPTED = {  # name -> (M, K, N, group_sizes)
+    "unaligned_k_and_n": (40, 12, 10, [5, 0, 17, 8]),
+    "k_and_n_one": (9, 1, 1, [2, 3, 4]),
+    "invalid_sizes": (24, 9, 6, [-3, 30, 4]),
+    "rows_past_group_total": (32, 8, 6, [3, 0, 5]),
+}
+cuda_adapted = pytest.mark.parametrize("case", list(CUDA_ADAPTED))
+adapted_dtypes = pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+
+
+@adapted_dtypes
+@transposes
+@cuda_adapted
+def test_cuda_lowering_of_grouped_matmul_matches_reference(case, transpose_rhs, dtype):
+    m, k, n, sizes = CUDA_ADAPTED[case]
+    lhs, rhs = gmm_inputs(np.random.default_rng(30), m, k, n, len(sizes), dtype, transpose_rhs)
+    out = gmm_module._cuda_rows(lhs, rhs, int32(sizes), transpose_rhs, jnp.dtype(dtype))
+    assert out.shape == (m, n) and out.dtype == dtype
+    expected = ref64("grouped_matmul", lhs, rhs, int32(sizes), transpose_rhs=transpose_rhs)
+    assert_close(out, expected, tolerance(dtype))
+    assert_rows_past_groups_zero(out, sizes)
+
+
+@adapted_dtypes
+@cuda_adapted
+def test_cuda_lowering_of_grouped_matmul_contract_matches_reference(case, dtype):
+    m, k, n, sizes = CUDA_ADAPTED[case]
+    lhs, rhs = contract_inputs(np.random.default_rng(31), m, k, n, dtype)
+    out = gmm_module._cuda_contract(lhs, rhs, int32(sizes), jnp.dtype(dtype))
+    assert out.shape == (len(sizes), k, n) and out.dtype == dtype
+    assert_close(out, ref64("grouped_matmul_contract", lhs, rhs, int32(sizes)), tolerance(dtype))
 
 
 # --- grouped_matmul_contract: forward ---------------------------------------------------------

@@ -76,7 +76,7 @@ def compare(args: argparse.Namespace) -> int:
     return _training("compare", body)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nodrop", description=nodrop.__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from nodrop.train import config as train_config
@@ -102,14 +102,18 @@ def main(argv=None) -> int:
     demo_parser = commands.add_parser(
         "demo", help="MoE layer forward+backward: check against the references, time it")
     demo.add_arguments(demo_parser)
-    demo_parser.set_defaults(run=demo.run)
+    demo_parser.set_defaults(run=demo.run, parser=demo_parser)
     bench_parser = commands.add_parser(
         "bench", help="CPU grouped-matmul benchmark against jax.lax.ragged_dot and jnp.dot")
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(run=bench.run)
     commands.add_parser("info", help="versions, FFI targets and backends").set_defaults(run=info)
+    return parser
 
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo" and args.topk > args.experts:
-        demo_parser.error(f"--topk ({args.topk}) must be at most --experts ({args.experts})")
+        args.parser.error(f"--topk ({args.topk}) must be at most --experts ({args.experts})")
     return args.run(args)

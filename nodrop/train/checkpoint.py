@@ -27,6 +27,10 @@ class Checkpoints:
         self.directory = Path(directory).absolute()
         self._manager = ocp.CheckpointManager(
             self.directory,
+            # Named handlers, so a manager that has not saved yet (a resumed run) can read the
+            # items' metadata.
+            item_handlers={"state": ocp.StandardCheckpointHandler(),
+                           "meta": ocp.JsonCheckpointHandler()},
             # Synchronous: the saved arrays are this step's, and a save returns only once the
             # checkpoint is complete (its tmp folder renamed).
             options=ocp.CheckpointManagerOptions(max_to_keep=keep,
@@ -94,12 +98,15 @@ def _leaves(tree) -> dict[str, tuple]:
 def mismatches(stored, expected) -> list[str]:
     """Differences between the stored tree's metadata and the expected abstract tree."""
     have, want = _leaves(stored), _leaves(expected)
-    problems = [f"{name} is missing from the checkpoint" for name in sorted(want.keys() - have)]
-    problems += [f"the checkpoint has {name}, which this model does not"
-                 for name in sorted(have.keys() - want)]
-    for name in sorted(have.keys() & want.keys()):
+    problems = []  # (name, message)
+    problems += [(name, f"{name} is missing from the checkpoint") for name in want.keys() - have]
+    problems += [(name, f"the checkpoint has {name}, which this model does not")
+                 for name in have.keys() - want]
+    for name in have.keys() & want.keys():
         if have[name] != want[name]:
             (shape, dtype), (want_shape, want_dtype) = have[name], want[name]
-            problems.append(f"{name} is {dtype}{list(shape)} in the checkpoint but "
-                            f"{want_dtype}{list(want_shape)} here")
-    return problems
+            problems.append((name, f"{name} is {dtype}{list(shape)} in the checkpoint but "
+                                   f"{want_dtype}{list(want_shape)} here"))
+    # The parameters first: the optimizer state only mirrors them.
+    problems.sort(key=lambda item: (not item[0].startswith("params/"), item[0]))
+    return [message for _, message in problems]

@@ -178,7 +178,7 @@ def make_steps(config: TrainConfig, graphdef, tx):
                 block.expert_bias[...] = updated_expert_bias(
                     block.expert_bias[...], counts, config.bias_update_rate)
             _, _, model_state = nnx.split(model, nnx.Param, ...)
-        grad_norm, update_norm = optax.global_norm(grads), optax.global_norm(updates)
+        grad_norm, update_norm = optax.tree.norm(grads), optax.tree.norm(updates)
         metrics = {
             "loss": loss, "ce": ce, "aux_loss": _mean(aux.load_balancing_loss),
             "z_loss": _mean(aux.z_loss), "grad_norm": grad_norm, "update_norm": update_norm,
@@ -229,7 +229,18 @@ def run(overrides: dict, *, out: str | os.PathLike | None = None, resume: bool =
     """Trains as configured by `overrides` (TrainConfig fields, model ones under
     model_overrides) into the run folder `out`; resumes it with `resume`. Raises ConfigError,
     data.DataError or CheckpointError for unusable input (before anything compiles, except a
-    checkpoint that does not fit), Diverged or Interrupted."""
+    checkpoint that does not fit), Diverged or Interrupted.
+
+    Everything is traced with x64 off, whatever the caller's setting: with it on, Python
+    scalars inside optax would promote to float64 and the numbers would differ in the last bits
+    from those of `nodrop train`.
+    """
+    with jax.enable_x64(False):
+        return _run(overrides, out=out, resume=resume, progress=progress, dataset=dataset,
+                    echo=echo)
+
+
+def _run(overrides, *, out, resume, progress, dataset, echo) -> Summary:
     wall_start = time.perf_counter()
     if resume and out is None:
         raise ConfigError("--resume needs --out, the run folder to continue")

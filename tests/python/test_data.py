@@ -1,0 +1,218 @@
+"""The trainer's data: sources, the fixed split, step-keyed batches, and clear errors."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nodrop.train import data
+from nodrop.train.data import DataError
+
+
+def write_tokens_bin(path: Path, tokens) -> Path:
+    np.asarray(tokens, dtype="<u2").tofile(path)
+    return path
+
+
+# --- sources and the split -------------------------------------------------------------------
+
+
+def test_stdlib_default_is_deterministic_and_split_by_file_hash():
+    first = data.load(None, 256)
+    second = data.load(None, 256)
+    assert first.describe() == second.describe()
+    assert first.train.dtype == np.uint8 and first.train.size > 1_000_000
+    assert 0.02 < first.val.size / (first.train.size + first.val.size) < 0.3
+    # Rebuild the split from the rule the module documents: sorted .py files outside
+    # site-packages, crc32(relative path) % 10 == 0 -> validation.
+    root = data.stdlib_root()
+    files = sorted((p for p in root.rglob("*.py") if p.is_file()
+                    and not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)
+                    and not any(part.startswith(".") for part in p.relative_to(root).parts)),
+                   key=lambda p: p.relative_to(root).as_posix())
+    val = [p for p in files if zlib.crc32(p.relative_to(root).as_posix().encode()) % 10 == 0]
+    assert first.val.size == sum(p.stat().st_size for p in val)
+    assert first.train.size == sum(p.stat().st_size for p in files) - first.val.size
+    assert bytes(first.val[:200]) == val[0].read_bytes()[:200]
+
+
+def test_text_file_keeps_its_last_tenth_for_validation(tmp_path):
+    text = bytes(range(256)) * 40
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(text)
+    dataset = data.load(path, 256)
+    cut = len(text) - len(text) // 10
+    assert bytes(dataset.train) == text[:cut] and bytes(dataset.val) == text[cut:]
+    assert "last 10%" in dataset.split
+
+
+def test_folder_is_split_by_relative_path_hash_and_skips_hidden_files(tmp_path):
+    contents = {}
+    for i in range(40):
+        name = f"sub{i % 3}/file{i}.txt"
+        contents[name] = f"file {i}\n".encode() * (i + 1)
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(contents[name])
+    (tmp_path / ".hidden.txt").write_bytes(b"\x00" * 1000)
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "objects").write_bytes(b"\x00" * 1000)
+    dataset = data.load(tmp_path, 256)
+    names = sorted(contents)
+    val = [n for n in names if zlib.crc32(n.encode()) % 10 == 0]
+    assert val, "the fixture should put some files into validation"
+    assert bytes(dataset.val) == b"".join(contents[n] for n in val)
+    assert bytes(dataset.train) == b"".join(contents[n] for n in names if n not in val)
+
+
+def test_folder_whose_hash_split_is_one_sided_falls_back_to_the_tail(tmp_path):
+    (tmp_path / "only.txt").write_bytes(b"abcdefghij" * 100)  # one file: one side is empty
+    dataset = data.load(tmp_path, 256)
+    assert dataset.train.size == 900 and dataset.val.size == 100
+
+
+def test_folder_with_train_and_val_bins_uses_them_as_the_splits(tmp_path):
+    write_tokens_bin(tmp_path / "train.bin", np.arange(1000) % 300)
+    write_tokens_bin(tmp_path / "val.bin", np.arange(200) % 7)
+    dataset = data.load(tmp_path, 300)
+    assert dataset.train.dtype == np.dtype("<u2")
+    np.testing.assert_array_equal(dataset.train, np.arange(1000) % 300)
+    np.testing.assert_array_equal(dataset.val, np.arange(200) % 7)
+
+
+def test_npy_of_token_ids(tmp_path):
+    tokens = (np.arange(5000) * 7) % 1000
+    np.save(tmp_path / "ids.npy", tokens.astype(np.int32))
+    dataset = data.load(tmp_path / "ids.npy", 1000)
+    np.testing.assert_array_equal(np.concatenate([dataset.train, dataset.val]), tokens)
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(DataError, match=r"nope\.txt: no such file or folder"):
+        data.load(tmp_path / "nope.txt", 256)
+
+
+def test_unreadable_file(tmp_path, monkeypatch):
+    path = tmp_path / "secret.txt"
+    path.write_text("x" * 100)
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", denied)  # root ignores file modes
+    with pytest.raises(DataError, match=r"secret\.txt: cannot read it: Permission denied"):
+        data.load(path, 256)
+
+
+def test_empty_file(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(DataError, match=r"empty\.txt: holds no tokens"):
+        data.load(tmp_path / "empty.txt", 256)
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".npy", ".txt"])
+def test_ids_out_of_range_are_named_with_the_file(tmp_path, suffix):
+    tokens = np.arange(100) % 50
+    tokens[37] = 300
+    path = tmp_path / f"ids{suffix}"
+    if suffix == ".bin":
+        write_tokens_bin(path, tokens)
+        vocab = 256
+    elif suffix == ".npy":
+        np.save(path, tokens.astype(np.int64))
+        vocab = 256
+    else:  # bytes against a vocabulary smaller than 256
+        path.write_bytes(bytes(np.where(tokens == 300, 200, tokens).astype(np.uint8)))
+        vocab = 128
+    bad = 200 if suffix == ".txt" else 300
+    with pytest.raises(DataError, match=rf"ids{suffix}: token id {bad} at position 37 is "
+                                        rf"outside \[0, vocab_size={vocab}\)"):
+        data.load(path, vocab)
+
+
+def test_negative_ids_in_npy(tmp_path):
+    np.save(tmp_path / "neg.npy", np.asarray([1, 2, -5, 3], np.int32))
+    with pytest.raises(DataError, match=r"neg\.npy: token id -5 at position 2"):
+        data.load(tmp_path / "neg.npy", 256)
+
+
+def test_corrupt_npy(tmp_path):
+    good = tmp_path / "good.npy"
+    np.save(good, np.arange(1000, dtype=np.int32))
+    truncated = tmp_path / "truncated.npy"
+    truncated.write_bytes(good.read_bytes()[:500])
+    garbage = tmp_path / "garbage.npy"
+    garbage.write_bytes(b"this is not numpy" * 10)
+    for path in (truncated, garbage):
+        with pytest.raises(DataError, match=rf"{path.name}: not a valid \.npy file"):
+            data.load(path, 256)
+
+
+@pytest.mark.parametrize("array, what", [
+    (np.zeros((10, 10), np.int32), "2-D int32"),
+    (np.linspace(0, 1, 100), "1-D float64"),
+])
+def test_npy_must_be_a_1d_integer_array(tmp_path, array, what):
+    np.save(tmp_path / "bad.npy", array)
+    with pytest.raises(DataError, match=rf"bad\.npy: expected a 1-D integer array .* got {what}"):
+        data.load(tmp_path / "bad.npy", 256)
+
+
+def test_bin_with_an_odd_byte_count(tmp_path):
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    with pytest.raises(DataError, match=r"odd\.bin: 3 bytes is not a whole number of uint16"):
+        data.load(tmp_path / "odd.bin", 256)
+
+
+def test_data_too_short_for_one_sequence(tmp_path):
+    (tmp_path / "short.txt").write_bytes(b"x" * 300)
+    dataset = data.load(tmp_path / "short.txt", 256)
+    data.check_length(dataset, 29)  # validation has 30 tokens: exactly one window of 30
+    with pytest.raises(DataError, match=r"short\.txt: the validation split has 30 tokens, fewer "
+                                        r"than one sequence of seq_len \+ 1 = 31"):
+        data.check_length(dataset, 30)
+
+
+# --- batches ---------------------------------------------------------------------------------
+
+
+def test_train_batches_are_keyed_by_seed_and_step():
+    tokens = np.arange(10_000, dtype=np.int32)
+    batch = data.train_batch(tokens, step=5, seed=3, batch_size=8, seq_len=16)
+    assert batch.dtype == np.int32 and batch.shape == (8, 17)
+    # Each row is a contiguous window of the data.
+    np.testing.assert_array_equal(batch, batch[:, :1] + np.arange(17))
+    np.testing.assert_array_equal(batch, data.train_batch(tokens, 5, 3, 8, 16))
+    assert not np.array_equal(batch, data.train_batch(tokens, 6, 3, 8, 16))
+    assert not np.array_equal(batch, data.train_batch(tokens, 5, 4, 8, 16))
+
+
+def test_train_windows_reach_both_ends_of_the_data():
+    tokens = np.arange(20, dtype=np.int32)
+    starts = {int(data.train_batch(tokens, step, 0, 16, 9)[i, 0])
+              for step in range(20) for i in range(16)}
+    assert starts == set(range(11))  # every start from 0 to size - (seq_len + 1)
+
+
+def test_eval_batches_are_fixed_and_evenly_spaced():
+    tokens = np.arange(1000, dtype=np.int32)
+    batches = data.eval_batches(tokens, num_batches=3, batch_size=4, seq_len=9)
+    assert len(batches) == 3 and all(b.shape == (4, 10) for b in batches)
+    starts = np.concatenate([b[:, 0] for b in batches])
+    assert starts[0] == 0 and starts[-1] == 990  # the last window ends at the last token
+    assert np.all(np.diff(starts) > 0)
+    again = data.eval_batches(tokens, 3, 4, 9)
+    assert all(np.array_equal(a, b) for a, b in zip(batches, again))
+
+
+def test_unigram_loss():
+    assert data.unigram_loss(np.arange(256 * 4) % 256, 256) == pytest.approx(np.log(256))
+    assert data.unigram_loss(np.zeros(100, np.uint8), 256) == 0.0
+    two = np.asarray([0] * 3 + [1], np.uint8)
+    assert data.unigram_loss(two, 256) == pytest.approx(-(0.75 * np.log(0.75)
+                                                           + 0.25 * np.log(0.25)))

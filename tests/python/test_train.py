@@ -1,0 +1,333 @@
+"""`nodrop train` and `nodrop compare` end to end, on a model small enough to train in seconds.
+
+One reference run (in-process, with the test session's x64 on) is shared by the tests that
+inspect a run folder or resume it; the kill -9 test runs `python -m nodrop train` in
+subprocesses (x64 off), and also checks that they reproduce the in-process run bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from nodrop import cli
+from nodrop.train import data, trainer
+from nodrop.train.config import overrides_from_args
+from nodrop.train.metrics import read_jsonl
+
+MODEL_FLAGS = ["--set", "num_layers=2", "--set", "hidden=32", "--set", "num_heads=2",
+               "--set", "num_kv_heads=1", "--set", "head_dim=16", "--set", "dense_ffn=64",
+               "--set", "num_experts=4", "--set", "expert_ffn=32"]
+STEPS = 30
+TIMING_KEYS = {"step_time_s", "tokens_per_s", "elapsed_s", "mfu"}
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    """60 kB of Python source: enough for a few hundred windows of 33 tokens."""
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes((data.stdlib_root() / "argparse.py").read_bytes()[:60_000])
+    return path
+
+
+def train_flags(text_file: Path, **changes) -> list[str]:
+    flags = {"data": str(text_file), "steps": STEPS, "batch-size": 4, "seq-len": 32,
+             "eval-every": 10, "eval-batches": 2, "checkpoint-every": 5, "log-every": 5,
+             **changes}
+    return [*MODEL_FLAGS, "--no-progress",
+            *[item for key, value in flags.items() for item in (f"--{key}", str(value))]]
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == kind]
+
+
+def without_timing(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k not in TIMING_KEYS}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, text_file) -> Path:
+    """A finished run of STEPS steps, trained in this process."""
+    run_dir = tmp_path_factory.mktemp("runs") / "reference"
+    args = cli.build_parser().parse_args(["train", *train_flags(text_file), "--out", str(run_dir)])
+    trainer.run(overrides_from_args(args), out=run_dir, progress=False)
+    return run_dir
+
+
+# --- a run and its folder --------------------------------------------------------------------
+
+
+def test_the_run_folder_holds_config_metrics_tensorboard_checkpoints_and_plots(reference):
+    config = json.loads((reference / "config.json").read_text())
+    assert config["train"]["steps"] == STEPS and config["train"]["seq_len"] == 32
+    assert config["train"]["warmup_steps"] == STEPS // 10  # the default: a tenth of the steps
+    assert config["model"]["hidden"] == 32 and config["model"]["capacity_factor"] is None
+    assert config["data"]["train_tokens"] + config["data"]["val_tokens"] == 60_000
+
+    train = records(reference, "train")
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    for r in train:
+        assert all(math.isfinite(r[k]) for k in ("loss", "ce", "aux_loss", "z_loss",
+                                                 "grad_norm", "lr", "tokens_per_s"))
+        assert r["dropped_fraction"] == [0.0, 0.0]  # dropless, as counted by the model
+        assert len(r["max_over_mean"]) == 2 and min(r["max_over_mean"]) >= 1.0
+        assert "mfu" not in r  # no peak FLOP/s known for a CPU
+    assert np.mean([r["ce"] for r in train[-5:]]) < train[0]["ce"] - 0.5
+    # Linear warm-up over 3 steps, then cosine decay to a tenth of the peak at the last step.
+    lrs = [r["lr"] for r in train]
+    assert lrs[:3] == pytest.approx([1e-3, 2e-3, 3e-3])
+    assert lrs[-1] == pytest.approx(3e-4) and all(np.diff(lrs[2:]) <= 0)
+    assert [r["step"] for r in records(reference, "eval")] == [10, 20, 30]
+    assert len(records(reference, "compile")) == 1
+    (final,) = records(reference, "final")
+    assert final["val_loss"] == records(reference, "eval")[-1]["val_loss"]
+
+    summary = json.loads((reference / "summary.json").read_text())
+    assert summary["val_loss"] == final["val_loss"] and summary["dropped_fraction"] == 0.0
+    assert 0 < summary["val_loss"] < summary["unigram_loss"] + 1.0
+    assert summary["unigram_loss"] == pytest.approx(
+        data.unigram_loss(data.load(config["data"]["source"], 256).train, 256))
+
+    assert sorted(int(p.name) for p in (reference / "checkpoints").iterdir()) == [20, 25, 30]
+    for plot in ("loss.png", "expert_load.png"):
+        assert (reference / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    events = EventAccumulator(str(reference / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/ce", "train/tokens_per_s", "eval/val_loss",
+            "max_over_mean/layer_0", "dropped_fraction/layer_1"} <= tags
+    losses = events.Scalars("train/loss")
+    assert [e.step for e in losses] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([e.value for e in losses], [r["loss"] for r in train], rtol=1e-6)
+
+
+def test_resume_extends_the_run_and_skips_an_unfinished_checkpoint(reference, tmp_path, capsys,
+                                                                     text_file):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    # A save of step 35 killed half-way: Orbax's temporary folder, never renamed.
+    partial = run_dir / "checkpoints" / "35.orbax-checkpoint-tmp-1795950000"
+    (partial / "state").mkdir(parents=True)
+    (partial / "state" / "_METADATA").write_text("{")
+    code, out, err = run_cli(capsys, "train", *train_flags(text_file, steps=40), "--resume",
+                             "--out", str(run_dir))
+    assert code == 0, err
+    assert f"resuming {run_dir} from step 30" in out
+    train = records(run_dir, "train")
+    assert [r["step"] for r in train] == list(range(1, 41))
+    # The first 30 steps are the reference's own records, kept as they were.
+    assert train[:STEPS] == records(reference, "train")
+    assert [r["step"] for r in records(run_dir, "eval")] == [10, 20, 30, 40]
+    assert json.loads((run_dir / "config.json").read_text())["train"]["steps"] == 40
+    assert "validation loss" in out and "unigram baseline" in out
+
+
+def test_resume_refuses_a_different_configuration_naming_the_fields(reference, tmp_path,
+                                                                     capsys, text_file):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    before = (run_dir / "config.json").read_text()
+    code, _, err = run_cli(capsys, "train", *train_flags(text_file, lr=0.01), "--set",
+                           "hidden=64", "--resume", "--out", str(run_dir))
+    assert code == 2
+    assert err.startswith("nodrop train: error: cannot resume")
+    assert "lr: 0.003 -> 0.01" in err and "model.hidden: 32 -> 64" in err
+    assert "Traceback" not in err
+    assert (run_dir / "config.json").read_text() == before
+    # Given flags equal to the saved ones, or none at all, are not differences.
+    code, _, err = run_cli(capsys, "train", "--resume", "--out", str(run_dir), "--steps", "29")
+    assert code == 2 and "--steps 29 is below the checkpoint's step 30" in err
+
+
+def test_resume_refuses_a_checkpoint_that_does_not_fit_the_model(reference, tmp_path, capsys):
+    from test_checkpoint import train_state  # a small model's state, another shape
+
+    from nodrop.train.checkpoint import Checkpoints
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    foreign = Checkpoints(run_dir / "checkpoints", keep=5)
+    foreign.save(35, train_state(0), {"step": 35, "elapsed_s": 0.0})
+    foreign.close()
+    code, _, err = run_cli(capsys, "train", "--resume", "--out", str(run_dir), "--steps", "40")
+    assert code == 2
+    assert "does not fit this model and optimizer" in err
+    assert "params/embedding is float32[256, 16] in the checkpoint but float32[256, 32]" in err
+    assert "Traceback" not in err
+
+
+def test_a_new_run_refuses_a_folder_that_holds_one(reference, capsys, text_file):
+    code, _, err = run_cli(capsys, "train", *train_flags(text_file), "--out", str(reference))
+    assert code == 2 and "is not empty; continue the run there with --resume" in err
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lr", "-1"], "lr (--lr) must be a positive finite number, got -1.0"),
+    (["--lr", "nan"], "lr (--lr) must be a positive finite number, got nan"),
+    (["--steps", "0"], "steps (--steps) must be a positive int, got 0"),
+    (["--steps", "10", "--warmup-steps", "11"],
+     "warmup_steps (--warmup-steps) must be at most steps=10, got 11"),
+    (["--batch-size", "0"], "batch_size (--batch-size) must be a positive int, got 0"),
+    (["--seq-len", "300"], "seq_len (--seq-len) must be at most the model's seq_len=256"),
+    (["--beta2", "1.0"], "beta2 (--beta2) must be a number in [0, 1), got 1.0"),
+    (["--grad-clip", "-0.5"], "grad_clip (--grad-clip) must be a finite number >= 0"),
+    (["--eval-every", "0"], "eval_every (--eval-every) must be a positive int, got 0"),
+    (["--capacity-factor", "-1"], "model.capacity_factor (--capacity-factor) must be None"),
+    (["--set", "hidden=0"], "model.hidden (--set hidden=...) must be a positive int, got 0"),
+    (["--set", "k=9"], "model.k (--set k=...) must be an int in [1, num_experts=8]"),
+    (["--set", "widht=3"], "--set 'widht=3': expected FIELD=VALUE with FIELD one of"),
+    (["--set", "hidden=big"], "--set 'hidden=big': invalid literal for int()"),
+    (["--resume"], "--resume needs --out"),
+])
+def test_bad_configuration_is_refused_before_anything_runs(tmp_path, capsys, flags, message):
+    out = tmp_path / "never"
+    if "--resume" in flags:
+        code, _, err = run_cli(capsys, "train", *flags)
+    else:
+        code, _, err = run_cli(capsys, "train", *flags, "--out", str(out))
+    assert code == 2
+    assert err.startswith("nodrop train: error: ") and message in err, err
+    assert "Traceback" not in err
+    assert not out.exists()
+
+
+def make_bad_data(tmp_path: Path, kind: str) -> tuple[Path, str]:
+    path = tmp_path / {"missing": "missing.txt", "short": "short.txt", "npy": "corrupt.npy",
+                       "bin": "odd.bin", "ids": "ids.npy", "folder": "empty"}[kind]
+    if kind == "short":
+        path.write_bytes(b"too short\n" * 20)
+        return path, "the validation split has 20 tokens, fewer than one sequence"
+    if kind == "npy":
+        path.write_bytes(b"\x93NUMPY garbage")
+        return path, "not a valid .npy file"
+    if kind == "bin":
+        path.write_bytes(b"\x00" * 4001)
+        return path, "4001 bytes is not a whole number of uint16 token ids"
+    if kind == "ids":
+        np.save(path, np.full(5000, 256, np.int32))
+        return path, "token id 256 at position 0 is outside [0, vocab_size=256)"
+    if kind == "folder":
+        path.mkdir()
+        return path, "the folder holds no (non-hidden) files"
+    return path, "no such file or folder"
+
+
+@pytest.mark.parametrize("kind", ["missing", "short", "npy", "bin", "ids", "folder"])
+def test_unusable_data_is_a_clear_error(tmp_path, capsys, kind):
+    path, message = make_bad_data(tmp_path, kind)
+    code, _, err = run_cli(capsys, "train", "--data", str(path), "--seq-len", "32",
+                           "--out", str(tmp_path / "run"))
+    assert code == 2
+    assert err.startswith(f"nodrop train: error: {path}") and message in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys, text_file):
+    run_dir = tmp_path / "run"
+    flags = train_flags(text_file, steps=10, lr=1000.0, **{
+        "warmup-steps": 0, "checkpoint-every": 1, "log-every": 1, "keep-checkpoints": 20})
+    code, _, err = run_cli(capsys, "train", *flags, "--out", str(run_dir))
+    assert code == 1
+    assert "nodrop train: error: the loss or the gradients are not finite at step" in err
+    train = records(run_dir, "train")
+    bad = train[-1]
+    assert bad["loss"] is None or bad["grad_norm"] is None  # NaN/inf are written as null
+    assert all(r["loss"] is not None and r["grad_norm"] is not None for r in train[:-1])
+    steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir())
+    assert steps == list(range(1, bad["step"]))  # every good step saved, the bad one not
+    assert f"The last checkpoint is step {bad['step'] - 1}" in err
+    assert (run_dir / "loss.png").exists()
+
+
+# --- kill -9 and resume ----------------------------------------------------------------------
+
+
+def nodrop_train(flags: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "nodrop", "train", *flags],
+                                stdout=out, stderr=subprocess.STDOUT)
+
+
+def test_kill_9_then_resume_gives_bitwise_the_same_losses(reference, tmp_path, text_file):
+    flags = train_flags(text_file, **{"checkpoint-every": 2})
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    # Uninterrupted, in its own process; its numbers equal the reference's, trained with
+    # x64 on in this process, except that checkpoint cadence does not change any number.
+    proc = nodrop_train([*flags, "--out", str(whole)], tmp_path / "whole.log")
+    assert proc.wait(timeout=300) == 0, (tmp_path / "whole.log").read_text()
+
+    proc = nodrop_train([*flags, "--out", str(killed)], tmp_path / "killed.log")
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        finished = [p for p in (killed / "checkpoints").glob("*") if p.name.isdigit()] \
+            if (killed / "checkpoints").exists() else []
+        if finished:
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL, \
+        "the run finished before it could be killed; give it more steps"
+    killed_at = [r["step"] for r in records(killed, "train")]
+    assert killed_at and killed_at[-1] < STEPS
+
+    proc = nodrop_train([*flags, "--resume", "--out", str(killed)], tmp_path / "resume.log")
+    assert proc.wait(timeout=300) == 0, (tmp_path / "resume.log").read_text()
+    assert "resuming" in (tmp_path / "resume.log").read_text()
+
+    for kind in ("train", "eval", "final"):
+        got = [without_timing(r) for r in records(killed, kind)]
+        want = [without_timing(r) for r in records(whole, kind)]
+        assert [r["step"] for r in got] == [r["step"] for r in want], kind
+        assert got == want, f"{kind} records differ after kill -9 and resume"
+        assert want == [without_timing(r) for r in records(reference, kind)], \
+            f"{kind} records of the subprocess (x64 off) differ from the in-process run"
+
+
+# --- compare ---------------------------------------------------------------------------------
+
+
+def test_compare_dropless_capacity_and_ragged_dot(tmp_path, capsys, text_file):
+    out = tmp_path / "compare"
+    flags = train_flags(text_file, steps=6, **{"eval-every": 3, "checkpoint-every": 6})
+    code, stdout, err = run_cli(capsys, "compare", *flags, "--capacity-factors", "0.5",
+                                "--with-ragged-dot", "--out", str(out))
+    assert code == 0, err
+    table = (out / "compare.md").read_text()
+    assert stdout.count("| dropless (nodrop) |") == 1 and table in stdout
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row.split("|")[1].strip() for row in rows[1:]] == [
+        "dropless (nodrop)", "dropless (jax.lax.ragged_dot)", "capacity factor 0.5"]
+    assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    results = json.loads((out / "compare.json").read_text())
+    dropless, ragged, capacity = (results[name] for name in (
+        "dropless (nodrop)", "dropless (jax.lax.ragged_dot)", "capacity factor 0.5"))
+    assert dropless["dropped_fraction"] == 0.0 and ragged["dropped_fraction"] == 0.0
+    # Capacity 0.5 * T * k / E per expert: at least about half of the slots are dropped.
+    assert capacity["dropped_fraction"] > 0.4
+    for record in records(out / "capacity-0.5", "train"):
+        assert min(record["dropped_fraction"]) > 0.4
+    # The same math on two grouped-matmul implementations.
+    assert ragged["val_loss"] == pytest.approx(dropless["val_loss"], rel=1e-3)
+    assert capacity["val_loss"] != dropless["val_loss"]

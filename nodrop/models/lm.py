@@ -1,0 +1,240 @@
+"""The decoder-only MoE language model (Flax NNX).
+
+tokens -> embedding -> layers -> RMSNorm -> LM head -> logits. Each layer is pre-norm:
+x + attention(norm(x)), then x + ffn(norm(x)), where ffn is a nodrop MoEBlock on the MoE layers
+and a dense SwiGLU elsewhere. Attention is causal grouped-query attention with rotary position
+embeddings through `jax.nn.dot_product_attention` (cuDNN flash attention on NVIDIA GPUs).
+
+Matmuls run in config.dtype from float32 masters; norms, RoPE, the attention softmax, the router
+and the logits are float32.
+
+Initialisation: the embedding table is normal(0.02) (GPT-2, Llama; lecun_normal's fan-in would
+be the vocabulary, meaningless for a lookup); every other matrix is lecun_normal (fan-in), as
+MoEBlock initialises its experts; norm scales start at one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nodrop.models.config import ModelConfig
+from nodrop.moe import MoEAux, MoEBlock
+from nodrop.moe.block import _swiglu
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelAux:
+    """The MoE layers' statistics (MoEAux), stacked over the MoE layers in layer order.
+
+    load_balancing_loss, z_loss, dropped_fraction, max_over_mean: [L_moe] float32.
+    tokens_per_expert: [L_moe, E] int32. With no MoE layers the leading dimension is 0.
+    """
+
+    load_balancing_loss: jax.Array
+    z_loss: jax.Array
+    tokens_per_expert: jax.Array
+    dropped_fraction: jax.Array
+    max_over_mean: jax.Array
+
+    @classmethod
+    def stack(cls, layers: list[MoEAux], num_experts: int) -> ModelAux:
+        """The MoE layers' MoEAux (in layer order) stacked, in the documented dtypes."""
+        if not layers:
+            empty = jnp.zeros((0,), jnp.float32)
+            return cls(load_balancing_loss=empty, z_loss=empty,
+                       tokens_per_expert=jnp.zeros((0, num_experts), jnp.int32),
+                       dropped_fraction=empty, max_over_mean=empty)
+
+        def stacked(name, dtype):
+            return jnp.stack([getattr(aux, name) for aux in layers]).astype(dtype)
+
+        return cls(load_balancing_loss=stacked("load_balancing_loss", jnp.float32),
+                   z_loss=stacked("z_loss", jnp.float32),
+                   tokens_per_expert=stacked("tokens_per_expert", jnp.int32),
+                   dropped_fraction=stacked("dropped_fraction", jnp.float32),
+                   max_over_mean=stacked("max_over_mean", jnp.float32))
+
+
+# --- rotary embeddings -----------------------------------------------------------------------
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float):
+    """(cos, sin), each [seq_len, head_dim] float32, for positions 0..seq_len-1 in the
+    rotate-half layout: feature i and i + head_dim/2 form a pair rotated at frequency
+    theta^(-2i/head_dim)."""
+    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x, cos, sin):
+    """Rotates x [B, S, heads, head_dim] by the tables of its positions (float32 result)."""
+    x = x.astype(jnp.float32)
+    first, second = jnp.split(x, 2, axis=-1)
+    rotated_half = jnp.concatenate([-second, first], axis=-1)
+    return x * cos[:, None, :] + rotated_half * sin[:, None, :]
+
+
+# --- layers ----------------------------------------------------------------------------------
+
+
+def _param(rngs: nnx.Rngs, init, shape, dtype) -> nnx.Param:
+    return nnx.Param(init(rngs.params(), shape, dtype))
+
+
+def attention_implementation(dtype, head_dim: int) -> str:
+    """"cudnn" (flash attention) where it runs, else "xla".
+
+    `implementation=None` would not pick cuDNN: in jax 0.11.2 it always means XLA, which
+    materialises the [B, heads, S, S] scores. cuDNN's flash attention needs an NVIDIA GPU,
+    bf16 or fp16 and a head_dim that is a multiple of 8 up to 128 (256 on Hopper; 128 is
+    the bound every supported GPU meets). The platform is JAX's default backend, the one jit
+    compiles for.
+    """
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    fits = head_dim % 8 == 0 and head_dim <= 128
+    return "cudnn" if jax.default_backend() == "gpu" and half and fits else "xla"
+
+
+class Attention(nnx.Module):
+    """Causal grouped-query self-attention with RoPE: x [B, S, H] -> [B, S, H].
+
+    Parameters: query [H, heads * head_dim], key and value [H, kv_heads * head_dim],
+    output [heads * head_dim, H]. Query head n reads KV head n // (heads / kv_heads).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        init = nnx.initializers.lecun_normal()
+        q_width = config.num_heads * config.head_dim
+        kv_width = config.num_kv_heads * config.head_dim
+        self.query = _param(rngs, init, (config.hidden, q_width), config.param_dtype)
+        self.key = _param(rngs, init, (config.hidden, kv_width), config.param_dtype)
+        self.value = _param(rngs, init, (config.hidden, kv_width), config.param_dtype)
+        self.output = _param(rngs, init, (q_width, config.hidden), config.param_dtype)
+
+    def __call__(self, x, cos, sin):
+        cfg = self.config
+        batch, seq, _ = x.shape
+        x = x.astype(cfg.dtype)
+
+        def project(weight, heads):
+            return jnp.dot(x, weight[...].astype(cfg.dtype)).reshape(
+                batch, seq, heads, cfg.head_dim)
+
+        q = apply_rope(project(self.query, cfg.num_heads), cos, sin).astype(cfg.dtype)
+        k = apply_rope(project(self.key, cfg.num_kv_heads), cos, sin).astype(cfg.dtype)
+        v = project(self.value, cfg.num_kv_heads)
+        # K and V keep their num_kv_heads heads: dot_product_attention does GQA itself.
+        out = jax.nn.dot_product_attention(
+            q, k, v, is_causal=True,
+            implementation=attention_implementation(cfg.dtype, cfg.head_dim))
+        return jnp.dot(out.reshape(batch, seq, -1), self.output[...].astype(cfg.dtype))
+
+
+class DenseMLP(nnx.Module):
+    """SwiGLU feed-forward of the dense layers, laid out like MoEBlock's shared expert:
+    gate_up [H, 2F] (gate in [:, :F], up in [:, F:]), down [F, H]."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        init = nnx.initializers.lecun_normal()
+        self.gate_up = _param(rngs, init, (config.hidden, 2 * config.dense_ffn),
+                              config.param_dtype)
+        self.down = _param(rngs, init, (config.dense_ffn, config.hidden), config.param_dtype)
+
+    def __call__(self, x):
+        dtype = self.config.dtype
+        return _swiglu(jnp.dot, x.astype(dtype), self.gate_up[...].astype(dtype),
+                       self.down[...].astype(dtype))
+
+
+def _rms_norm(config: ModelConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    # dtype float32: the statistics and the scaled output are float32 whatever the compute dtype.
+    return nnx.RMSNorm(config.hidden, epsilon=config.norm_eps, dtype=jnp.float32,
+                       param_dtype=config.param_dtype, rngs=rngs)
+
+
+class DecoderLayer(nnx.Module):
+    """x -> x + attention(norm(x)) -> x + ffn(norm(x)); returns (x, MoEAux or None)."""
+
+    def __init__(self, config: ModelConfig, moe: bool, *, rngs: nnx.Rngs):
+        self.config = config
+        self.attention_norm = _rms_norm(config, rngs)
+        self.attention = Attention(config, rngs=rngs)
+        self.ffn_norm = _rms_norm(config, rngs)
+        self.ffn = (MoEBlock(config.moe_config(), rngs=rngs) if moe
+                    else DenseMLP(config, rngs=rngs))
+
+    def __call__(self, x, cos, sin):
+        dtype = self.config.dtype
+        x = x + self.attention(self.attention_norm(x).astype(dtype), cos, sin)
+        hidden = self.ffn_norm(x).astype(dtype)
+        if isinstance(self.ffn, MoEBlock):
+            out, aux = self.ffn(hidden)
+        else:
+            out, aux = self.ffn(hidden), None
+        return (x + out).astype(dtype), aux
+
+
+def _call_layer(layer: DecoderLayer, x, cos, sin):
+    return layer(x, cos, sin)
+
+
+# Saves only each layer's input; everything inside is recomputed in the backward pass.
+_call_layer_remat = nnx.remat(_call_layer)
+
+
+# --- the model -------------------------------------------------------------------------------
+
+
+class MoELM(nnx.Module):
+    """tokens int32 [B, S] (S <= seq_len) -> (logits float32 [B, S, vocab_size], ModelAux).
+
+    Parameters: embedding [V, H]; layers (a list of DecoderLayer); final_norm; lm_head [H, V]
+    unless tie_embeddings, where the head is embedding.T. Token values are not range-checked
+    (they cannot be under jit): an id >= vocab_size embeds as NaN, so it shows in the loss.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embedding = _param(rngs, nnx.initializers.normal(0.02),
+                                (config.vocab_size, config.hidden), config.param_dtype)
+        self.layers = nnx.List([DecoderLayer(config, config.is_moe_layer(i), rngs=rngs)
+                                for i in range(config.num_layers)])
+        self.final_norm = _rms_norm(config, rngs)
+        self.lm_head = (None if config.tie_embeddings else _param(
+            rngs, nnx.initializers.lecun_normal(), (config.hidden, config.vocab_size),
+            config.param_dtype))
+
+    def moe_blocks(self) -> list[MoEBlock]:
+        """The MoE layers' blocks in layer order (the trainer moves their expert_bias)."""
+        return [layer.ffn for layer in self.layers if isinstance(layer.ffn, MoEBlock)]
+
+    def __call__(self, tokens):
+        cfg = self.config
+        tokens = jnp.asarray(tokens)
+        if (tokens.ndim != 2 or tokens.dtype != jnp.int32 or not 1 <= tokens.shape[1]
+                <= cfg.seq_len or tokens.shape[0] < 1):
+            raise ValueError(
+                f"tokens must be int32 [B, S] with B >= 1 and 1 <= S <= seq_len={cfg.seq_len}, "
+                f"got {tokens.dtype} {tuple(tokens.shape)}")
+        x = jnp.take(self.embedding[...], tokens, axis=0, mode="fill",
+                     fill_value=jnp.nan).astype(cfg.dtype)
+        cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
+        call_layer = _call_layer_remat if cfg.remat else _call_layer
+        moe_aux = []
+        for layer in self.layers:
+            x, aux = call_layer(layer, x, cos, sin)
+            if aux is not None:
+                moe_aux.append(aux)
+        x = self.final_norm(x).astype(cfg.dtype)
+        head = self.embedding[...].T if self.lm_head is None else self.lm_head[...]
+        logits = jnp.dot(x, head.astype(cfg.dtype), preferred_element_type=jnp.float32)
+        return logits, ModelAux.stack(moe_aux, cfg.num_experts)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import math
 import os
 import signal
 import time

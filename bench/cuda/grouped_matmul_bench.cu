@@ -2,7 +2,10 @@
 // expert layer at real model shapes, against cuBLAS's dense bf16 GEMM of the same FLOPs (the
 // ceiling), printed as a table.
 //
-//   nodrop_cuda_bench [--iters=50] [--warmup=5] [--tiles=auto|all] [--csv=FILE]
+//   nodrop_cuda_bench [--iters=50] [--warmup=5] [--tiles=auto|all|sweep] [--csv=FILE]
+//
+// --tiles=all times both tiles; --tiles=sweep times the automatic tile under every raster order
+// and swizzle of the tile scheduler.
 //
 // Each timing is the median of `iters` single calls timed with CUDA events after `warmup` calls;
 // consecutive calls read different copies of the inputs, so they do not start in L2.
@@ -11,6 +14,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
+#include <random>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -24,6 +29,8 @@
 namespace {
 
 using nodrop::DType;
+using nodrop::cuda::GemmRaster;
+using nodrop::cuda::GemmSchedule;
 using nodrop::cuda::GemmTile;
 using Sizes = std::vector<int32_t>;
 using bf16 = __nv_bfloat16;
@@ -70,6 +77,20 @@ const char* mode_name(Mode mode) {
 Sizes uniform_sizes(int64_t M, int64_t G) {
   Sizes sizes(G, static_cast<int32_t>(M / G));
   for (int64_t g = 0; g < M % G; ++g) ++sizes[g];
+  return sizes;
+}
+
+// Equal shares moved about at random, as a router's counts are (few are multiples of a tile).
+Sizes router_like_sizes(int64_t M, int64_t G) {
+  Sizes sizes = uniform_sizes(M, G);
+  std::mt19937 rng(7);
+  const int32_t spread = std::max<int32_t>(1, static_cast<int32_t>(3 * std::sqrt(M / G)));
+  for (int64_t i = 0; i < G; ++i) {
+    const int64_t from = rng() % G, to = rng() % G;
+    const int32_t moved = std::min<int32_t>(sizes[from], rng() % spread);
+    sizes[from] -= moved;
+    sizes[to] += moved;
+  }
   return sizes;
 }
 
@@ -121,7 +142,7 @@ struct InputSet {
 struct Options {
   int iters = 50;
   int warmup = 5;
-  bool all_tiles = false;
+  std::string tiles = "auto";
   std::string csv;
 };
 
@@ -138,14 +159,18 @@ Options parse(int argc, char** argv) {
     } else if (const char* v = value("--warmup=")) {
       options.warmup = std::max(0, std::atoi(v));
     } else if (const char* v = value("--tiles=")) {
-      options.all_tiles = std::string(v) == "all";
+      options.tiles = v;
     } else if (const char* v = value("--csv=")) {
       options.csv = v;
     } else {
-      std::fprintf(stderr, "usage: %s [--iters=N] [--warmup=N] [--tiles=auto|all] [--csv=FILE]\n",
-                   argv[0]);
-      std::exit(2);
+      options.tiles = "";  // unknown argument: print the usage below
     }
+  }
+  if (options.tiles != "auto" && options.tiles != "all" && options.tiles != "sweep") {
+    std::fprintf(stderr,
+                 "usage: %s [--iters=N] [--warmup=N] [--tiles=auto|all|sweep] [--csv=FILE]\n",
+                 argv[0]);
+    std::exit(2);
   }
   return options;
 }
@@ -198,21 +223,21 @@ void dense_gemm(cublasHandle_t handle, Mode mode, const Shape& s, const InputSet
 
 nodrop::Status grouped(Mode mode, const Shape& s, const InputSet& in, const int32_t* sizes,
                        void* out, const DeviceArray& workspace, size_t workspace_bytes,
-                       cudaStream_t stream, GemmTile tile) {
+                       cudaStream_t stream, const GemmSchedule& schedule) {
   const DType bf = DType::kBFloat16;
   switch (mode) {
     case Mode::kForward:  // y [M, N] = x [M, K] @ w[g] [K, N]
       return nodrop::cuda::grouped_matmul(in.x.data, in.w.data, bf, sizes, s.M, s.K, s.N, s.G,
                                           false, out, bf, workspace.data, workspace_bytes, stream,
-                                          tile);
+                                          schedule);
     case Mode::kInputGrad:  // dx [M, K] = dy [M, N] @ w[g]^T: w[g] read as [N', K'] = [K, N]
       return nodrop::cuda::grouped_matmul(in.dy.data, in.w.data, bf, sizes, s.M, s.N, s.K, s.G,
                                           true, out, bf, workspace.data, workspace_bytes, stream,
-                                          tile);
+                                          schedule);
     case Mode::kWeightGrad:  // dw [G, K, N] = x_g^T @ dy_g
       return nodrop::cuda::grouped_matmul_contract(in.x.data, in.dy.data, bf, sizes, s.M, s.K, s.N,
                                                    s.G, out, bf, workspace.data, workspace_bytes,
-                                                   stream, tile);
+                                                   stream, schedule);
   }
   return nodrop::Status::Error("unknown mode");
 }
@@ -257,8 +282,10 @@ int main(int argc, char** argv) {
       const double dense_ms = median_ms(options, stream, [&](int i) {
         dense_gemm(handle, mode, s, *sets[i % copies], out.data);
       });
-      const std::pair<const char*, Sizes> distributions[] = {{"uniform", uniform_sizes(s.M, s.G)},
-                                                             {"zipf(1)", zipf_sizes(s.M, s.G)}};
+      const std::pair<const char*, Sizes> distributions[] = {
+          {"uniform", uniform_sizes(s.M, s.G)},
+          {"router-like", router_like_sizes(s.M, s.G)},
+          {"zipf(1)", zipf_sizes(s.M, s.G)}};
       for (const auto& [dist, sizes] : distributions) {
         CHECK(cudaMemcpyAsync(sizes_buffer.data, sizes.data(), sizes.size() * sizeof(int32_t),
                               cudaMemcpyHostToDevice, stream));
@@ -266,21 +293,30 @@ int main(int argc, char** argv) {
         const GemmTile auto_tile = nodrop::cuda::grouped_matmul_tile(
             s.M, mode == Mode::kInputGrad ? s.N : s.K, mode == Mode::kInputGrad ? s.K : s.N, s.G,
             mode == Mode::kWeightGrad);
-        std::vector<GemmTile> tiles = {auto_tile};
-        if (options.all_tiles) {
-          tiles = {GemmTile::kCooperative128x256x64, GemmTile::kPingpong64x128x128};
+        std::vector<GemmSchedule> schedules = {auto_tile};
+        if (options.tiles == "all") {
+          schedules = {GemmTile::kCooperative128x256x64, GemmTile::kPingpong64x128x128};
+        } else if (options.tiles == "sweep") {
+          schedules.clear();
+          for (GemmRaster raster : {GemmRaster::kAlongM, GemmRaster::kAlongN}) {
+            for (int swizzle : {1, 2, 4, 8}) schedules.push_back({auto_tile, raster, swizzle});
+          }
         }
-        for (GemmTile tile : tiles) {
+        for (const GemmSchedule& schedule : schedules) {
           CHECK(grouped(mode, s, *sets[0], d_sizes, out.data, workspace, workspace_bytes, stream,
-                        tile));
+                        schedule));
           const double ms = median_ms(options, stream, [&](int i) {
             grouped(mode, s, *sets[i % copies], d_sizes, out.data, workspace, workspace_bytes,
-                    stream, tile);
+                    stream, schedule);
           });
-          rows.push_back({s.name, dist, mode_name(mode),
-                          std::string(nodrop::cuda::gemm_tile_name(tile)) +
-                              (tile == auto_tile ? " (auto)" : ""),
-                          ms, flop / ms * 1e-9, flop / dense_ms * 1e-9});
+          std::string kernel = nodrop::cuda::gemm_tile_name(schedule.tile);
+          if (schedule.tile == auto_tile) kernel += " (auto)";
+          if (options.tiles == "sweep") {
+            kernel += std::string(", ") + nodrop::cuda::gemm_raster_name(schedule.raster) +
+                      ", swizzle " + std::to_string(schedule.swizzle);
+          }
+          rows.push_back({s.name, dist, mode_name(mode), kernel, ms, flop / ms * 1e-9,
+                          flop / dense_ms * 1e-9});
           std::fprintf(stderr, "  %s %s %s: %.3f ms\n", s.name, dist, mode_name(mode), ms);
         }
       }
@@ -304,7 +340,8 @@ int main(int argc, char** argv) {
     }
     std::fprintf(file, "shape,group_sizes,mode,kernel,ms,tflops,dense_tflops\n");
     for (const Row& r : rows) {
-      std::fprintf(file, "%s,%s,%s,%s,%.4f,%.1f,%.1f\n", r.shape.c_str(), r.sizes.c_str(),
+      // The kernel column holds commas: quoted, as CSV readers expect.
+      std::fprintf(file, "%s,%s,%s,\"%s\",%.4f,%.1f,%.1f\n", r.shape.c_str(), r.sizes.c_str(),
                    r.mode.c_str(), r.tile.c_str(), r.ms, r.tflops, r.dense_tflops);
     }
     std::fclose(file);

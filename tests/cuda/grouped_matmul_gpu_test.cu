@@ -29,6 +29,8 @@ namespace {
 
 using nodrop::DType;
 using nodrop::Status;
+using nodrop::cuda::GemmRaster;
+using nodrop::cuda::GemmSchedule;
 using nodrop::cuda::GemmTile;
 using Sizes = std::vector<int32_t>;
 
@@ -279,15 +281,16 @@ std::string compare(const Problem& p, const std::vector<uint8_t>& got, const Ref
 // ---- running the engine ----------------------------------------------------------------------
 
 Status run_engine(const Problem& p, const void* lhs, const void* rhs, const int32_t* sizes,
-                  void* out, const DeviceBuffer& workspace, cudaStream_t stream, GemmTile tile) {
+                  void* out, const DeviceBuffer& workspace, cudaStream_t stream,
+                  const GemmSchedule& schedule) {
   if (p.mode == Mode::kContract) {
     return nodrop::cuda::grouped_matmul_contract(lhs, rhs, p.in, sizes, p.M, p.K, p.N, p.G, out,
                                                  p.out, workspace.get(), workspace.bytes(), stream,
-                                                 tile);
+                                                 schedule);
   }
   return nodrop::cuda::grouped_matmul(lhs, rhs, p.in, sizes, p.M, p.K, p.N, p.G,
                                       p.mode == Mode::kRowsTransposed, out, p.out, workspace.get(),
-                                      workspace.bytes(), stream, tile);
+                                      workspace.bytes(), stream, schedule);
 }
 
 // Inputs and output of one problem on the device.
@@ -404,12 +407,12 @@ TEST(CudaGroupedMatmulGraph, ReplaysWithNewGroupSizesOnTheDevice) {
 
 // ---- every mode, dtype and tile on every shape -----------------------------------------------
 
-using Param = std::tuple<Shape, Mode, std::pair<DType, DType>, GemmTile>;
+using Param = std::tuple<Shape, Mode, std::pair<DType, DType>, GemmSchedule>;
 
 class CudaGroupedMatmulTest : public ::testing::TestWithParam<Param> {};
 
 TEST_P(CudaGroupedMatmulTest, MatchesReferenceDeterministically) {
-  const auto& [shape, mode, dtypes, tile] = GetParam();
+  const auto& [shape, mode, dtypes, schedule] = GetParam();
   const int64_t G = static_cast<int64_t>(shape.sizes.size());
   const Problem p{mode, shape.M, shape.K, shape.N, G, dtypes.first, dtypes.second};
   Buffers buffers(p);
@@ -419,7 +422,7 @@ TEST_P(CudaGroupedMatmulTest, MatchesReferenceDeterministically) {
     buffers.out.poison();
     const Status status = run_engine(p, buffers.lhs.get(), buffers.rhs.get(),
                                      static_cast<const int32_t*>(buffers.sizes.get()),
-                                     buffers.out.get(), buffers.workspace, nullptr, tile);
+                                     buffers.out.get(), buffers.workspace, nullptr, schedule);
     ASSERT_TRUE(status.ok()) << status.message();
     CUDA_CHECK(cudaDeviceSynchronize());
     run = buffers.out.download();
@@ -431,9 +434,11 @@ TEST_P(CudaGroupedMatmulTest, MatchesReferenceDeterministically) {
 }
 
 std::string param_name(const ::testing::TestParamInfo<Param>& info) {
-  const auto& [shape, mode, dtypes, tile] = info.param;
+  const auto& [shape, mode, dtypes, schedule] = info.param;
   return shape.name + "_" + mode_name(mode) + "_" + dtype_short(dtypes.first) + "_" +
-         dtype_short(dtypes.second) + "_" + tile_short(tile);
+         dtype_short(dtypes.second) + "_" + tile_short(schedule.tile) +
+         (schedule.raster == GemmRaster::kAlongN ? "_alongN" : "") +
+         (schedule.swizzle > 1 ? "_swizzle" + std::to_string(schedule.swizzle) : "");
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -444,8 +449,13 @@ INSTANTIATE_TEST_SUITE_P(
                                          std::pair{DType::kBFloat16, DType::kFloat32},
                                          std::pair{DType::kFloat16, DType::kFloat16},
                                          std::pair{DType::kFloat16, DType::kFloat32}),
-                       ::testing::Values(GemmTile::kCooperative128x256x64,
-                                         GemmTile::kPingpong64x128x128)),
+                       // Every raster order and swizzle walks the same tiles: each must be exact.
+                       ::testing::Values(GemmSchedule(GemmTile::kCooperative128x256x64),
+                                         GemmSchedule(GemmTile::kPingpong64x128x128),
+                                         GemmSchedule(GemmTile::kCooperative128x256x64,
+                                                      GemmRaster::kAlongN, 4),
+                                         GemmSchedule(GemmTile::kPingpong64x128x128,
+                                                      GemmRaster::kAlongM, 8))),
     param_name);
 
 // ---- bad arguments ---------------------------------------------------------------------------
@@ -494,6 +504,10 @@ TEST(CudaGroupedMatmulArguments, ErrorsNameTheArgument) {
   expect_error(
       grouped_matmul(lhs, rhs, bf16, sizes, -1, 64, 64, 2, false, out, bf16, ws, ws_bytes, nullptr),
       "M = -1");
+  expect_error(grouped_matmul_contract(lhs, rhs, bf16, sizes, 64, 64, 64, 2, out, bf16, ws,
+                                       ws_bytes, nullptr,
+                                       {GemmTile::kAuto, GemmRaster::kAlongN, 3}),
+               "schedule.swizzle = 3");
 }
 
 }  // namespace

@@ -9,6 +9,8 @@
 
 #include <cute/layout.hpp>
 
+#include "nodrop/engine_cuda.h"
+
 namespace nodrop::cuda::detail {
 
 // The engine's three grouped products as CUTLASS GEMMs D (M x N) = A (M x K) * B (K x N), where
@@ -64,6 +66,8 @@ struct GroupTable {
   size_t gemm_workspace_bytes = 0;
   int device = 0;
   int sm_count = 0;
+  GemmRaster raster = GemmRaster::kAlongM;  // the tile scheduler's walk (engine_cuda.h)
+  int swizzle = 1;
 };
 
 }  // namespace nodrop::cuda::detail

@@ -170,6 +170,10 @@ Status run_grouped_gemm(const GroupTable& table, cudaStream_t stream) {
   args.hw_info.device_id = table.device;
   args.hw_info.sm_count = table.sm_count;
   args.hw_info.max_active_clusters = max_active_clusters<Kernel>(table.device);
+  using RasterOrder = decltype(args.scheduler.raster_order);
+  args.scheduler.raster_order =
+      table.raster == GemmRaster::kAlongN ? RasterOrder::AlongN : RasterOrder::AlongM;
+  args.scheduler.max_swizzle_size = table.swizzle;
 
   auto fail = [](const char* step, cutlass::Status status) {
     return Status::Error(std::string("grouped GEMM: CUTLASS ") + step + " failed: " +

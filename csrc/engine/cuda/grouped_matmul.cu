@@ -59,7 +59,8 @@ WorkspaceLayout workspace_layout(int64_t G) {
 }
 static_assert(sizeof(detail::StrideKMajor) == sizeof(detail::StrideMNMajor));
 
-GroupTable make_table(void* workspace, int64_t G, int device, int sm_count) {
+GroupTable make_table(void* workspace, int64_t G, int device, int sm_count,
+                      const GemmSchedule& schedule) {
   const WorkspaceLayout layout = workspace_layout(G);
   char* base =
       reinterpret_cast<char*>(round_up(reinterpret_cast<uintptr_t>(workspace), kAlignment));
@@ -77,6 +78,8 @@ GroupTable make_table(void* workspace, int64_t G, int device, int sm_count) {
   table.gemm_workspace_bytes = kGemmWorkspaceBytes;
   table.device = device;
   table.sm_count = sm_count < kMaxSmCount ? sm_count : kMaxSmCount;
+  table.raster = schedule.raster;
+  table.swizzle = schedule.swizzle;
   return table;
 }
 
@@ -125,6 +128,14 @@ Status check_arguments(const char* fn, DType in_dtype, DType out_dtype, int64_t 
       return fail(fn, std::string(name) + " = " + std::to_string(value) +
                           " must be a multiple of 8 (TMA moves 16-byte rows): pad it");
     }
+  }
+  return Status::Ok();
+}
+
+Status check_schedule(const char* fn, const GemmSchedule& schedule) {
+  const int swizzle = schedule.swizzle;
+  if (swizzle != 1 && swizzle != 2 && swizzle != 4 && swizzle != 8) {
+    return fail(fn, "schedule.swizzle = " + std::to_string(swizzle) + " must be 1, 2, 4 or 8");
   }
   return Status::Ok();
 }
@@ -202,6 +213,10 @@ Status run_gemm(GemmForm form, DType in_dtype, DType out_dtype, GemmTile tile,
 
 }  // namespace
 
+const char* gemm_raster_name(GemmRaster raster) {
+  return raster == GemmRaster::kAlongN ? "along N" : "along M";
+}
+
 const char* gemm_tile_name(GemmTile tile) {
   switch (tile) {
     case GemmTile::kAuto: return "auto";
@@ -223,9 +238,10 @@ size_t grouped_matmul_workspace_bytes(int64_t G) { return workspace_layout(G).by
 Status grouped_matmul(const void* lhs, const void* rhs, DType in_dtype, const int32_t* group_sizes,
                       int64_t M, int64_t K, int64_t N, int64_t G, bool transpose_rhs, void* out,
                       DType out_dtype, void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                      GemmTile tile) {
+                      GemmSchedule schedule) {
   constexpr const char* fn = "grouped_matmul";
   Status status = check_arguments(fn, in_dtype, out_dtype, M, K, N, G);
+  if (status.ok()) status = check_schedule(fn, schedule);
   if (!status.ok()) return status;
   status = check_buffers(fn,
                          {{"lhs", lhs, elements({M, K})},
@@ -241,7 +257,7 @@ Status grouped_matmul(const void* lhs, const void* rhs, DType in_dtype, const in
   int device = 0, sm_count = 0;
   status = current_device(fn, &device, &sm_count);
   if (!status.ok()) return status;
-  const GroupTable table = make_table(workspace, G, device, sm_count);
+  const GroupTable table = make_table(workspace, G, device, sm_count, schedule);
   const GemmForm form = transpose_rhs ? GemmForm::kRowsTransposed : GemmForm::kRows;
   const detail::Operands ops{lhs, rhs, out, dtype_size(in_dtype), dtype_size(out_dtype)};
   status =
@@ -251,16 +267,20 @@ Status grouped_matmul(const void* lhs, const void* rhs, DType in_dtype, const in
   status = cuda_status(fn, "zero tail rows",
                        detail::launch_zero_tail_rows(table, M, row_bytes, out, stream));
   if (!status.ok()) return status;
-  if (tile == GemmTile::kAuto) tile = grouped_matmul_tile(M, K, N, G, /*contract=*/false);
+  const GemmTile tile = schedule.tile == GemmTile::kAuto
+                            ? grouped_matmul_tile(M, K, N, G, /*contract=*/false)
+                            : schedule.tile;
   return run_gemm(form, in_dtype, out_dtype, tile, table, stream);
 }
 
 Status grouped_matmul_contract(const void* lhs, const void* rhs, DType in_dtype,
                                const int32_t* group_sizes, int64_t M, int64_t K, int64_t N,
                                int64_t G, void* out, DType out_dtype, void* workspace,
-                               size_t workspace_bytes, cudaStream_t stream, GemmTile tile) {
+                               size_t workspace_bytes, cudaStream_t stream,
+                               GemmSchedule schedule) {
   constexpr const char* fn = "grouped_matmul_contract";
   Status status = check_arguments(fn, in_dtype, out_dtype, M, K, N, G);
+  if (status.ok()) status = check_schedule(fn, schedule);
   if (!status.ok()) return status;
   status = check_buffers(fn,
                          {{"lhs", lhs, elements({M, K})},
@@ -276,7 +296,7 @@ Status grouped_matmul_contract(const void* lhs, const void* rhs, DType in_dtype,
   int device = 0, sm_count = 0;
   status = current_device(fn, &device, &sm_count);
   if (!status.ok()) return status;
-  const GroupTable table = make_table(workspace, G, device, sm_count);
+  const GroupTable table = make_table(workspace, G, device, sm_count, schedule);
   const detail::Operands ops{lhs, rhs, out, dtype_size(in_dtype), dtype_size(out_dtype)};
   status = cuda_status(fn, "group table",
                        detail::launch_build_group_table(GemmForm::kContract, group_sizes, M, K, N,
@@ -285,7 +305,9 @@ Status grouped_matmul_contract(const void* lhs, const void* rhs, DType in_dtype,
   status = cuda_status(fn, "zero empty groups",
                        detail::launch_zero_empty_groups(table, group_bytes, out, stream));
   if (!status.ok()) return status;
-  if (tile == GemmTile::kAuto) tile = grouped_matmul_tile(M, K, N, G, /*contract=*/true);
+  const GemmTile tile = schedule.tile == GemmTile::kAuto
+                            ? grouped_matmul_tile(M, K, N, G, /*contract=*/true)
+                            : schedule.tile;
   return run_gemm(GemmForm::kContract, in_dtype, out_dtype, tile, table, stream);
 }
 

@@ -37,6 +37,22 @@ const char* gemm_tile_name(GemmTile tile);
 // rows for grouped_matmul (on average M / G) and K for grouped_matmul_contract, cols being N.
 GemmTile grouped_matmul_tile(int64_t M, int64_t K, int64_t N, int64_t G, bool contract);
 
+// How CUTLASS's persistent tile scheduler walks the output tiles of a group: along M (consecutive
+// tiles share a column of B) or along N (they share a row block of A), `swizzle` (1, 2, 4 or 8)
+// tiles wide. Run-time settings of the same kernels, for tests and benchmarks to sweep.
+enum class GemmRaster : int32_t { kAlongM = 0, kAlongN = 1 };
+const char* gemm_raster_name(GemmRaster raster);
+
+// The kernel and tile order of one call. Implicit from a GemmTile so a call can pin just the tile.
+struct GemmSchedule {
+  GemmSchedule(GemmTile tile = GemmTile::kAuto, GemmRaster raster = GemmRaster::kAlongM,
+               int swizzle = 1)
+      : tile(tile), raster(raster), swizzle(swizzle) {}
+  GemmTile tile;
+  GemmRaster raster;
+  int swizzle;
+};
+
 // Device workspace bytes that one call of either function below needs for G groups.
 size_t grouped_matmul_workspace_bytes(int64_t G);
 
@@ -46,7 +62,7 @@ size_t grouped_matmul_workspace_bytes(int64_t G);
 Status grouped_matmul(const void* lhs, const void* rhs, DType in_dtype, const int32_t* group_sizes,
                       int64_t M, int64_t K, int64_t N, int64_t G, bool transpose_rhs, void* out,
                       DType out_dtype, void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                      GemmTile tile = GemmTile::kAuto);
+                      GemmSchedule schedule = {});
 
 // Ragged contraction (the weight gradient): out[g] = lhs[rows_g]^T @ rhs[rows_g] -> [G, K, N],
 // with lhs [M, K] and rhs [M, N]; an empty group gives zeros.
@@ -54,6 +70,6 @@ Status grouped_matmul_contract(const void* lhs, const void* rhs, DType in_dtype,
                                const int32_t* group_sizes, int64_t M, int64_t K, int64_t N,
                                int64_t G, void* out, DType out_dtype, void* workspace,
                                size_t workspace_bytes, cudaStream_t stream,
-                               GemmTile tile = GemmTile::kAuto);
+                               GemmSchedule schedule = {});
 
 }  // namespace nodrop::cuda

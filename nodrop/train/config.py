@@ -48,7 +48,7 @@ class TrainConfig:
     preset: str = "tiny"
     model_overrides: dict = dataclasses.field(default_factory=dict)
     data: str | None = None
-    steps: int = 500
+    steps: int = 400
     batch_size: int = 16
     seq_len: int | None = None
     lr: float = 3e-3

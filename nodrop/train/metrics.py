@@ -88,6 +88,7 @@ class MetricsLog:
         record = {key: _finite(value) for key, value in record.items()}
         self.records.append(record)
         self._file.write(json.dumps(record) + "\n")
+        self._file.flush()  # readable as it grows (tail -f); fsync waits for sync()
         values = []
         for key, value in record.items():
             if key in ("kind", "step") or value is None:

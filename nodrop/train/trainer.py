@@ -390,8 +390,9 @@ def _loop(config, model_config, dataset, run_dir, graphdef, tx, state, abstract,
                     params, opt_state, model_state, jax.device_put(batch), np.int32(step))
                 pending.append((step, step_metrics))
                 last = step == config.steps
+                stopping = stop.raised  # read once: a Ctrl-C from here on waits a step
                 do_eval = step % config.eval_every == 0 or last
-                do_save = step % config.checkpoint_every == 0 or last or stop.raised
+                do_save = step % config.checkpoint_every == 0 or last or stopping
                 if step % config.log_every == 0 or do_eval or do_save:
                     flush()
                 if do_eval:
@@ -403,7 +404,7 @@ def _loop(config, model_config, dataset, run_dir, graphdef, tx, state, abstract,
                 if do_save:
                     save(step)
                     last_checkpoint = step
-                if stop.raised:
+                if stopping:
                     raise Interrupted(f"interrupted at step {step}; saved a checkpoint there. "
                                       f"Continue with --resume --out {run_dir}")
                 if do_eval or do_save:

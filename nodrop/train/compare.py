@@ -26,8 +26,8 @@ def variants(capacity_factors, with_ragged_dot: bool) -> list[tuple[str, str, di
     if with_ragged_dot:
         out.append(("dropless (jax.lax.ragged_dot)", "dropless-ragged-dot",
                     {"capacity_factor": None, "moe_matmul": "ragged_dot"}))
-    out += [(f"capacity factor {cf:g}", f"capacity-{cf:g}", {"capacity_factor": float(cf)})
-            for cf in capacity_factors]
+    out += [(f"capacity factor {float(cf)}", f"capacity-{float(cf)}",
+             {"capacity_factor": float(cf)}) for cf in capacity_factors]
     return out
 
 
@@ -70,16 +70,16 @@ def run(overrides: dict, out: str | os.PathLike, *,
 def table(results: list[tuple[str, trainer.Summary]], title: str) -> str:
     lines = [f"# nodrop compare: {title}", "",
              "| run | final val loss | final train loss | tokens/s | dropped fraction | "
-             "training time (s) | compile (s) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "training time (s) | compile (s) | wall time (s) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, s in results:
         lines.append(f"| {name} | {s.val_loss:.4f} | {s.train_loss:.4f} | "
                      f"{s.tokens_per_s:,.0f} | {s.dropped_fraction:.2%} | "
-                     f"{s.train_time_s:.1f} | {s.compile_s:.1f} |")
+                     f"{s.train_time_s:.1f} | {s.compile_s:.1f} | {s.wall_s:.1f} |")
     unigram = results[0][1].unigram_loss
     lines += ["", f"Unigram baseline (entropy of the training split's token frequencies): "
               f"{unigram:.4f} nats. Dropped fraction: the share of (token, expert) slots that "
               "reached no expert, averaged over layers and steps. Training time counts the "
-              "steps only (no compile, evaluation or checkpoints); validation loss against "
-              "steps and against training time: compare.png.", ""]
+              "steps only (no compile, evaluation or checkpoints); wall time is the whole run. "
+              "Validation loss against steps and against training time: compare.png.", ""]
     return "\n".join(lines)

@@ -535,9 +535,10 @@ def markdown(meta: dict, gemm_rows: list[dict], layer_rows: list[dict]) -> str:
     if layer_rows:
         lines += [
             "", "## MoE expert layer, forward+backward", "",
-            "Top-k softmax router, SwiGLU experts (3 grouped GEMMs), combine, MSE plus "
-            "load-balancing loss; gradients of every weight and the tokens. nodrop: "
-            "topk_router, permute, grouped_matmul x3, unpermute. Capacity: top_k, slot positions "
+            "Top-k softmax router, SwiGLU experts (gate and up as one grouped GEMM against "
+            "[E, H, 2F], then down), combine, MSE plus load-balancing loss; gradients of every "
+            "weight and the tokens. nodrop: topk_router, permute, grouped_matmul x2 forward (x4 "
+            "backward), unpermute. Capacity: top_k, slot positions "
             "by a cumsum over a one-hot mask, scatter into [E, C, H] buffers, batched einsums, "
             "gather back. TFLOP/s counts the useful 18*T*k*H*F FLOPs.",
             "", *layer_table(layer_rows)]

@@ -154,21 +154,22 @@ def make_steps(config: TrainConfig, graphdef, tx):
     """(train_step, eval_step), pure functions of the state pytrees, for jit."""
     schedule = learning_rate_schedule(config)
 
-    def forward(params, model_state, batch):
-        model = nnx.merge(graphdef, params, model_state)
+    def forward(model, batch):
         logits, aux = model(batch[:, :-1])
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-        return ce, aux, model
+        return ce, aux
 
-    def loss_fn(params, model_state, batch):
-        ce, aux, _ = forward(params, model_state, batch)
+    def loss_fn(model, batch):
+        ce, aux = forward(model, batch)
         loss = (ce + config.aux_loss_coef * _mean(aux.load_balancing_loss)
                 + config.z_loss_coef * _mean(aux.z_loss))
         return loss, (ce, aux)
 
     def train_step(params, opt_state, model_state, batch, step):
-        (loss, (ce, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, model_state, batch)
+        # nnx.value_and_grad (gradients of the nnx.Param leaves only), not jax's: the model's
+        # nnx.remat must see the model's variables under an nnx transform.
+        model = nnx.merge(graphdef, params, model_state)
+        (loss, (ce, aux)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         if config.bias_update_rate > 0:
@@ -189,7 +190,7 @@ def make_steps(config: TrainConfig, graphdef, tx):
         return params, opt_state, model_state, metrics
 
     def eval_step(params, model_state, batch):
-        return forward(params, model_state, batch)[0]
+        return forward(nnx.merge(graphdef, params, model_state), batch)[0]
 
     return train_step, eval_step
 

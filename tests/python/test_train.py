@@ -17,12 +17,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from nodrop import cli
 from nodrop.train import data, trainer
-from nodrop.train.config import overrides_from_args
+from nodrop.train.config import build, overrides_from_args
 from nodrop.train.metrics import read_jsonl
 
 MODEL_FLAGS = ["--set", "num_layers=2", "--set", "hidden=32", "--set", "num_heads=2",
@@ -41,9 +42,10 @@ def text_file(tmp_path_factory) -> Path:
 
 
 def train_flags(text_file: Path, **changes) -> list[str]:
+    # The aux-loss-free bias update is on, so that resuming must restore the expert biases.
     flags = {"data": str(text_file), "steps": STEPS, "batch-size": 4, "seq-len": 32,
              "eval-every": 10, "eval-batches": 2, "checkpoint-every": 5, "log-every": 5,
-             **changes}
+             "bias-update-rate": 0.01, **changes}
     return [*MODEL_FLAGS, "--no-progress",
             *[item for key, value in flags.items() for item in (f"--{key}", str(value))]]
 
@@ -106,6 +108,12 @@ def test_the_run_folder_holds_config_metrics_tensorboard_checkpoints_and_plots(r
         data.unigram_loss(data.load(config["data"]["source"], 256).train, 256))
 
     assert sorted(int(p.name) for p in (reference / "checkpoints").iterdir()) == [20, 25, 30]
+    state = ocp.StandardCheckpointer().restore(reference / "checkpoints" / "30" / "state")
+    biases = np.stack([np.asarray(layer["ffn"]["expert_bias"]["value"])
+                       for layer in state["model_state"]["layers"].values()])
+    assert biases.shape == (2, 4) and np.abs(biases).max() > 0  # moved, in steps of 0.01
+    np.testing.assert_allclose(biases * 100, np.round(biases * 100), atol=1e-3)
+    assert np.abs(biases).max() <= STEPS * 0.01 + 1e-6
     for plot in ("loss.png", "expert_load.png"):
         assert (reference / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -177,6 +185,44 @@ def test_resume_refuses_a_checkpoint_that_does_not_fit_the_model(reference, tmp_
 def test_a_new_run_refuses_a_folder_that_holds_one(reference, capsys, text_file):
     code, _, err = run_cli(capsys, "train", *train_flags(text_file), "--out", str(reference))
     assert code == 2 and "is not empty; continue the run there with --resume" in err
+
+
+# --- configuration ---------------------------------------------------------------------------
+
+
+def test_defaults_that_depend_on_the_model_or_the_steps():
+    config, model = build({})
+    assert (config.preset, config.steps, config.seq_len) == ("tiny", 400, model.seq_len)
+    assert config.warmup_steps == 40 and config.bias_update_rate == 0.0  # softmax router
+    config, model = build({"preset": "deepseek"})
+    assert model.score_function == "sigmoid" and config.bias_update_rate == 1e-3
+    assert config.lr == 3e-4 and config.warmup_steps == config.steps // 10
+    config, _ = build({"preset": "deepseek", "bias_update_rate": 0.0, "warmup_steps": 0})
+    assert config.bias_update_rate == 0.0 and config.warmup_steps == 0
+
+
+def test_model_overrides_from_flags_are_typed_like_the_model_config():
+    args = cli.build_parser().parse_args([
+        "train", "--set", "num_layers=3", "--set", "rope_theta=5e5", "--set",
+        "tie_embeddings=true", "--set", "score_function=sigmoid", "--capacity-factor", "none",
+        "--moe-matmul", "ragged_dot", "--dtype", "bfloat16", "--no-remat"])
+    overrides = overrides_from_args(args)
+    assert overrides == {"model_overrides": {
+        "num_layers": 3, "rope_theta": 5e5, "tie_embeddings": True, "score_function": "sigmoid",
+        "capacity_factor": None, "moe_matmul": "ragged_dot", "dtype": "bfloat16",
+        "remat": False}}
+    _, model = build(overrides)
+    assert model.num_layers == 3 and model.tie_embeddings and model.dtype == np.dtype("bfloat16")
+    assert overrides_from_args(cli.build_parser().parse_args(["train"])) == {}
+
+
+def test_learning_rate_schedule():
+    config, _ = build({"steps": 100, "warmup_steps": 10, "lr": 1.0, "min_lr_ratio": 0.1})
+    schedule = trainer.learning_rate_schedule(config)
+    lrs = np.asarray([float(schedule(count)) for count in range(100)])
+    np.testing.assert_allclose(lrs[:10], np.arange(1, 11) / 10, rtol=1e-6)  # no step at 0
+    np.testing.assert_allclose(lrs[54], 0.1 + 0.45 * (1 + np.cos(np.pi * 0.5)), rtol=1e-6)
+    assert lrs[-1] == pytest.approx(0.1) and np.all(np.diff(lrs[9:]) < 0)
 
 
 # --- bad input -------------------------------------------------------------------------------
@@ -302,7 +348,7 @@ def test_kill_9_then_resume_gives_bitwise_the_same_losses(reference, tmp_path, t
 def test_ctrl_c_saves_a_checkpoint_of_the_last_step_and_stops(tmp_path, text_file):
     run_dir = tmp_path / "run"
     proc = nodrop_train([*train_flags(text_file, steps=1000, **{"checkpoint-every": 500}),
-                         "--out", str(run_dir)], tmp_path / "run.log")
+                         "--remat", "--out", str(run_dir)], tmp_path / "run.log")
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:  # wait until it is stepping
         if (run_dir / "metrics.jsonl").exists() and records(run_dir, "train"):
@@ -316,6 +362,7 @@ def test_ctrl_c_saves_a_checkpoint_of_the_last_step_and_stops(tmp_path, text_fil
     assert "Traceback" not in log
     assert [int(p.name) for p in (run_dir / "checkpoints").iterdir()] == [last]
     assert (run_dir / "loss.png").exists()
+    assert json.loads((run_dir / "config.json").read_text())["model"]["remat"] is True
 
 
 # --- compare ---------------------------------------------------------------------------------

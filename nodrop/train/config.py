@@ -203,7 +203,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> No
                      help="text file, folder of text files, .bin (uint16 token ids) or .npy; "
                           "default: this Python's standard library .py files")
     run.add_argument("--out", default=S, metavar="DIR",
-                     help="run folder (default runs/<preset>-<YYYYmmdd-HHMMSS>)")
+                     help="output folder (default runs/<preset>-<YYYYmmdd-HHMMSS>, for "
+                          "compare runs/compare-<preset>-<YYYYmmdd-HHMMSS>)")
     if resume:
         run.add_argument("--resume", action="store_true", default=S,
                          help="continue the run in --out from its latest complete checkpoint")

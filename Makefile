@@ -1,8 +1,12 @@
 # Entry points; each one sets up what it needs first (scripts/setup.sh is idempotent).
-.PHONY: setup demo test test-cpp test-python bench gpu-check clean
+.PHONY: setup train demo test test-cpp test-python bench gpu-check clean
 
 setup:
 	bash scripts/setup.sh
+
+# The main job: the tiny MoE model on this Python's standard library, on the CPU.
+train: setup
+	.venv/bin/nodrop train
 
 demo: setup
 	.venv/bin/nodrop demo

@@ -41,7 +41,8 @@ class TrainConfig:
       every optimizer step (0: off; None: 1e-3 for sigmoid-routed models, else 0).
     eval_every, eval_batches: validation every N steps (and at the end) on eval_batches batches.
     checkpoint_every, keep_checkpoints: Orbax checkpoint every N steps (and at the end), keeping
-      the newest few. log_every: metrics are fetched from the device (one sync) every N steps.
+      the newest few; checkpoint_every 0 saves none (benchmark runs: a GPU preset's state is
+      tens of GB), and such a run cannot be resumed. log_every: metrics are fetched from the device (one sync) every N steps.
     seed: model initialisation and data order.
     """
 
@@ -88,9 +89,10 @@ class TrainConfig:
         require(self.preset in PRESETS, "preset", f"one of {sorted(PRESETS)}")
         require(isinstance(self.model_overrides, dict), "model_overrides", "a dict")
         require(self.data is None or isinstance(self.data, str), "data", "a path or None")
-        for field in ("steps", "batch_size", "eval_every", "eval_batches", "checkpoint_every",
-                      "keep_checkpoints", "log_every"):
+        for field in ("steps", "batch_size", "eval_every", "eval_batches", "keep_checkpoints",
+                      "log_every"):
             integer(field, 1)
+        integer("checkpoint_every", 0)
         integer("seed", 0)
         if self.seq_len is not None:
             integer("seq_len", 1)
@@ -240,7 +242,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> No
     cadence.add_argument("--eval-every", type=int, default=S, help=f"default {d.eval_every}")
     cadence.add_argument("--eval-batches", type=int, default=S, help=f"default {d.eval_batches}")
     cadence.add_argument("--checkpoint-every", type=int, default=S,
-                         help=f"default {d.checkpoint_every}")
+                         help=f"default {d.checkpoint_every}; 0: no checkpoints")
     cadence.add_argument("--keep-checkpoints", type=int, default=S,
                          help=f"default {d.keep_checkpoints}")
     cadence.add_argument("--log-every", type=int, default=S,

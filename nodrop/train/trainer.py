@@ -393,7 +393,8 @@ def _loop(config, model_config, dataset, run_dir, graphdef, tx, state, abstract,
                 last = step == config.steps
                 stopping = stop.raised  # read once: a Ctrl-C from here on waits a step
                 do_eval = step % config.eval_every == 0 or last
-                do_save = step % config.checkpoint_every == 0 or last or stopping
+                do_save = config.checkpoint_every > 0 and (
+                    step % config.checkpoint_every == 0 or last or stopping)
                 if step % config.log_every == 0 or do_eval or do_save:
                     flush()
                 if do_eval:
@@ -406,8 +407,10 @@ def _loop(config, model_config, dataset, run_dir, graphdef, tx, state, abstract,
                     save(step)
                     last_checkpoint = step
                 if stopping:
-                    raise Interrupted(f"interrupted at step {step}; saved a checkpoint there. "
-                                      f"Continue with --resume --out {run_dir}")
+                    raise Interrupted(
+                        f"interrupted at step {step}; saved a checkpoint there. Continue with "
+                        f"--resume --out {run_dir}" if do_save else
+                        f"interrupted at step {step} (--checkpoint-every 0: nothing saved)")
                 if do_eval or do_save:
                     interval_start = time.perf_counter()  # not timing evaluation and saving
     except BaseException:
@@ -421,7 +424,8 @@ def _loop(config, model_config, dataset, run_dir, graphdef, tx, state, abstract,
     if last_eval != config.steps:
         metrics.write({"kind": "eval", "step": config.steps, "val_loss": evaluate(val_batches),
                        "elapsed_s": elapsed})
-    if last_checkpoint != config.steps and checkpoints.latest_step() != config.steps:
+    if (config.checkpoint_every > 0 and last_checkpoint != config.steps
+            and checkpoints.latest_step() != config.steps):
         save(config.steps)
     train_loss = evaluate(data.eval_batches(dataset.train, config.eval_batches,
                                             config.batch_size, config.seq_len))

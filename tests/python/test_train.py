@@ -225,6 +225,18 @@ def test_learning_rate_schedule():
     assert lrs[-1] == pytest.approx(0.1) and np.all(np.diff(lrs[9:]) < 0)
 
 
+def test_checkpoint_every_zero_saves_no_checkpoint(tmp_path, text_file, reference):
+    """A benchmark run: the same numbers as the reference run, and no checkpoints folder."""
+    run_dir = tmp_path / "no-checkpoints"
+    args = cli.build_parser().parse_args(
+        ["train", *train_flags(text_file, **{"checkpoint-every": 0}), "--out", str(run_dir)])
+    trainer.run(overrides_from_args(args), out=run_dir, progress=False)
+    checkpoints = run_dir / "checkpoints"
+    assert not checkpoints.exists() or not any(checkpoints.iterdir())
+    assert ([without_timing(r) for r in records(run_dir, "train")]
+            == [without_timing(r) for r in records(reference, "train")])
+
+
 # --- bad input -------------------------------------------------------------------------------
 
 
@@ -239,6 +251,7 @@ def test_learning_rate_schedule():
     (["--beta2", "1.0"], "beta2 (--beta2) must be a number in [0, 1), got 1.0"),
     (["--grad-clip", "-0.5"], "grad_clip (--grad-clip) must be a finite number >= 0"),
     (["--eval-every", "0"], "eval_every (--eval-every) must be a positive int, got 0"),
+    (["--checkpoint-every", "-1"], "checkpoint_every (--checkpoint-every) must be an int >= 0"),
     (["--capacity-factor", "-1"], "model.capacity_factor (--capacity-factor) must be None"),
     (["--set", "hidden=0"], "model.hidden (--set hidden=...) must be a positive int, got 0"),
     (["--set", "k=9"], "model.k (--set k=...) must be an int in [1, num_experts=8]"),

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from typing import Any
 
 import jax.numpy as jnp
 
+from nodrop._fields import is_finite_number, is_int, requirer, unknown_fields
 from nodrop.moe import MoEConfig
 
 # ModelConfig fields that MoEConfig names differently; MoEConfig's errors are reported under ours.
@@ -62,17 +62,10 @@ class ModelConfig:
     param_dtype: Any = jnp.float32
 
     def __post_init__(self):
-        def require(ok: bool, field: str, expected: str):
-            if not ok:
-                raise ValueError(
-                    f"ModelConfig.{field} must be {expected}, got {getattr(self, field)!r}")
-
-        def is_int(value) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
+        require = requirer(self, lambda field: f"ModelConfig.{field}")
 
         def is_positive_number(value) -> bool:
-            return (isinstance(value, (int, float)) and not isinstance(value, bool)
-                    and value > 0 and math.isfinite(value))
+            return is_finite_number(value) and value > 0
 
         for field in ("vocab_size", "seq_len", "num_layers", "num_heads", "dense_ffn",
                       "moe_every"):
@@ -184,7 +177,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> ModelConfig:
         """The config `to_dict` wrote; missing fields take their defaults, unknown ones raise."""
-        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        unknown = unknown_fields(cls, fields)
         if unknown:
             raise ValueError(f"ModelConfig.from_dict: unknown fields {unknown}")
         return cls(**fields)

@@ -9,13 +9,13 @@ training runs do today (nodrop/moe/capacity.py), with the experts as one batched
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nodrop._fields import is_finite_number, is_int, requirer
 from nodrop.moe.capacity import capacity_rows, combine, dispatch
 from nodrop.moe.losses import load_balancing_loss, router_z_loss, tokens_per_expert
 from nodrop.ops import grouped_matmul, permute, topk_router, unpermute
@@ -57,14 +57,7 @@ class MoEConfig:
     param_dtype: Any = jnp.float32
 
     def __post_init__(self):
-        def require(ok: bool, field: str, expected: str):
-            if not ok:
-                raise ValueError(
-                    f"MoEConfig.{field} must be {expected}, got {getattr(self, field)!r}")
-
-        def is_int(value) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
+        require = requirer(self, lambda field: f"MoEConfig.{field}")
         for field in ("num_experts", "hidden", "ffn"):
             require(is_int(getattr(self, field)) and getattr(self, field) >= 1, field,
                     "a positive int")
@@ -82,15 +75,13 @@ class MoEConfig:
                 f"at most the {selectable} experts of the topk_groups={self.topk_groups} "
                 "groups that may be chosen")
         require(isinstance(self.renormalize, bool), "renormalize", "a bool")
-        require(isinstance(self.scaling_factor, (int, float)) and self.scaling_factor > 0
-                and math.isfinite(self.scaling_factor), "scaling_factor",
-                "a positive finite number")
+        require(is_finite_number(self.scaling_factor) and self.scaling_factor > 0,
+                "scaling_factor", "a positive finite number")
         require(is_int(self.shared_ffn) and self.shared_ffn >= 0, "shared_ffn",
                 "an int >= 0 (0: no shared experts)")
         require(self.capacity_factor is None or (
-            isinstance(self.capacity_factor, (int, float)) and self.capacity_factor > 0
-            and math.isfinite(self.capacity_factor)), "capacity_factor",
-            "None (dropless) or a positive finite number")
+            is_finite_number(self.capacity_factor) and self.capacity_factor > 0),
+            "capacity_factor", "None (dropless) or a positive finite number")
         require(self.matmul in EXPERT_MATMULS, "matmul", f"one of {EXPERT_MATMULS}")
         for field in ("dtype", "param_dtype"):
             try:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import re
 import typing
 from typing import Any
 
+from nodrop._fields import is_finite_number, is_int, requirer, unknown_fields
 from nodrop.models import PRESETS, ModelConfig, preset
 
 
@@ -71,20 +71,15 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self):
-        def require(ok: bool, field: str, expected: str):
-            if not ok:
-                raise ConfigError(f"{describe(field)} must be {expected}, "
-                                  f"got {getattr(self, field)!r}")
+        require = requirer(self, describe, ConfigError)
 
         def number(field: str) -> bool:
-            value = getattr(self, field)
-            return (isinstance(value, (int, float)) and not isinstance(value, bool)
-                    and math.isfinite(value))
+            return is_finite_number(getattr(self, field))
 
         def integer(field: str, low: int) -> None:
             value = getattr(self, field)
-            require(isinstance(value, int) and not isinstance(value, bool) and value >= low,
-                    field, "a positive int" if low == 1 else f"an int >= {low}")
+            require(is_int(value) and value >= low, field,
+                    "a positive int" if low == 1 else f"an int >= {low}")
 
         require(self.preset in PRESETS, "preset", f"one of {sorted(PRESETS)}")
         require(isinstance(self.model_overrides, dict), "model_overrides", "a dict")
@@ -146,7 +141,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> TrainConfig:
-        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        unknown = unknown_fields(cls, fields)
         if unknown:
             raise ConfigError(f"unknown training config fields {unknown}")
         return cls(**fields)

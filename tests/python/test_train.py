@@ -323,9 +323,11 @@ def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tmp_path, caps
 
 
 def nodrop_train(flags: list[str], log: Path) -> subprocess.Popen:
+    # Run from the log's folder: from the repository root, `-m nodrop` would import the source
+    # tree, which holds no compiled engine on a fresh clone, instead of the installed package.
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, "-m", "nodrop", "train", *flags],
-                                stdout=out, stderr=subprocess.STDOUT)
+                                stdout=out, stderr=subprocess.STDOUT, cwd=log.parent)
 
 
 def test_kill_9_then_resume_gives_bitwise_the_same_losses(reference, tmp_path, text_file):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 import nodrop
 from nodrop.bench import median_ms, positive_int, relative_difference
+from nodrop.moe.block import swiglu
 from nodrop.moe.losses import load_balancing_loss
 from nodrop.ops import reference
 
@@ -53,8 +54,8 @@ def moe_layer(ops, params, x, k: int):
     logits = jnp.dot(x, params["router"], preferred_element_type=jnp.float32)
     weights, ids = ops.topk_router(logits, k)
     rows, group_sizes, row_map = ops.permute(x, ids, num_experts)
-    gate, up = jnp.split(ops.grouped_matmul(rows, params["gate_up"], group_sizes), 2, axis=-1)
-    out_rows = ops.grouped_matmul(jax.nn.silu(gate) * up, params["down"], group_sizes)
+    out_rows = swiglu(lambda a, w: ops.grouped_matmul(a, w, group_sizes), rows,
+                      params["gate_up"], params["down"])
     return ops.unpermute(out_rows, row_map, weights), jax.nn.softmax(logits), ids
 
 

@@ -23,7 +23,7 @@ from flax import nnx
 
 from nodrop.models.config import ModelConfig
 from nodrop.moe import MoEAux, MoEBlock
-from nodrop.moe.block import _swiglu
+from nodrop.moe.block import swiglu
 
 
 @jax.tree_util.register_dataclass
@@ -151,7 +151,7 @@ class DenseMLP(nnx.Module):
 
     def __call__(self, x):
         dtype = self.config.dtype
-        return _swiglu(jnp.dot, x.astype(dtype), self.gate_up[...].astype(dtype),
+        return swiglu(jnp.dot, x.astype(dtype), self.gate_up[...].astype(dtype),
                        self.down[...].astype(dtype))
 
 

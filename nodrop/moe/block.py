@@ -186,20 +186,20 @@ class MoEBlock(nnx.Module):
         if cfg.capacity_factor is None:
             rows, group_sizes, row_map = permute(tokens, ids, cfg.num_experts)
             matmul = grouped_matmul if cfg.matmul == "nodrop" else jax.lax.ragged_dot
-            out_rows = _swiglu(lambda a, w: matmul(a, w, group_sizes), rows, gate_up, down)
+            out_rows = swiglu(lambda a, w: matmul(a, w, group_sizes), rows, gate_up, down)
             y = unpermute(out_rows, row_map, weights)
             load = processed = group_sizes  # measured, not assumed: what the experts received
         else:
             capacity = capacity_rows(num_slots, cfg.num_experts, cfg.capacity_factor)
             rows, row_map = dispatch(tokens, ids, cfg.num_experts, capacity)
             buffers = rows.reshape(cfg.num_experts, capacity, cfg.hidden)
-            out = _swiglu(lambda a, w: jnp.einsum("ech,ehf->ecf", a, w), buffers, gate_up, down)
+            out = swiglu(lambda a, w: jnp.einsum("ech,ehf->ecf", a, w), buffers, gate_up, down)
             y = combine(out.reshape(rows.shape), row_map, weights)
             load = tokens_per_expert(ids, cfg.num_experts)
             processed = jnp.minimum(load, capacity)
 
         if cfg.shared_ffn:
-            y = y + _swiglu(jnp.dot, tokens, self.shared_gate_up[...].astype(cfg.dtype),
+            y = y + swiglu(jnp.dot, tokens, self.shared_gate_up[...].astype(cfg.dtype),
                             self.shared_down[...].astype(cfg.dtype))
 
         if cfg.score_function == "softmax":
@@ -216,7 +216,7 @@ class MoEBlock(nnx.Module):
         return y.astype(cfg.dtype).reshape(x.shape), aux
 
 
-def _swiglu(matmul, x, gate_up, down):
+def swiglu(matmul, x, gate_up, down):
     """down(silu(gate) * up), with gate and up computed by one matmul against [..., 2F]."""
     gate, up = jnp.split(matmul(x, gate_up), 2, axis=-1)
     return matmul(jax.nn.silu(gate) * up, down)

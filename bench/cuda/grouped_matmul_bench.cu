@@ -4,7 +4,7 @@
 //
 //   nodrop_cuda_bench [--iters=50] [--warmup=5] [--tiles=auto|all|sweep] [--csv=FILE]
 //
-// --tiles=all times both tiles; --tiles=sweep times the automatic tile under every raster order
+// --tiles=all times every tile; --tiles=sweep times the automatic tile under every raster order
 // and swizzle of the tile scheduler.
 //
 // Each timing is the median of `iters` single calls timed with CUDA events after `warmup` calls;
@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -62,6 +63,15 @@ const Shape kShapes[] = {
     {"Qwen3-30B-A3B", 131072, 2048, 768, 128},
     {"DeepSeek-V2-Lite", 98304, 2048, 1408, 64},
     {"DeepSeek-V3 EP8 rank", 8192, 7168, 2048, 32},
+    // One device's micro-batch: few rows per group, where tile choice matters most.
+    {"Mixtral-8x7B 2k tokens", 4096, 4096, 14336, 8},
+    {"Qwen3-30B-A3B 2k tokens", 16384, 2048, 768, 128},
+    {"DeepSeek-V2-Lite 1k tokens", 6144, 2048, 1408, 64},
+    // The two GEMMs of bench/gpu_moe.py's MoE layers: gate and up fused, then down.
+    {"Mixtral-8x7B layer gate+up", 16384, 4096, 28672, 8},
+    {"Mixtral-8x7B layer down", 16384, 14336, 4096, 8},
+    {"DeepSeek-V2-Lite layer gate+up", 98304, 2048, 2816, 64},
+    {"DeepSeek-V2-Lite layer down", 98304, 1408, 2048, 64},
 };
 
 enum class Mode { kForward, kInputGrad, kWeightGrad };
@@ -295,7 +305,8 @@ int main(int argc, char** argv) {
             mode == Mode::kWeightGrad);
         std::vector<GemmSchedule> schedules = {auto_tile};
         if (options.tiles == "all") {
-          schedules = {GemmTile::kCooperative128x256x64, GemmTile::kPingpong64x128x128};
+          schedules.assign(std::begin(nodrop::cuda::kGemmTiles),
+                           std::end(nodrop::cuda::kGemmTiles));
         } else if (options.tiles == "sweep") {
           schedules.clear();
           for (GemmRaster raster : {GemmRaster::kAlongM, GemmRaster::kAlongN}) {

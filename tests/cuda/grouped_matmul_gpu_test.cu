@@ -64,8 +64,10 @@ const char* dtype_short(DType dtype) {
 const char* tile_short(GemmTile tile) {
   switch (tile) {
     case GemmTile::kAuto: return "auto";
-    case GemmTile::kCooperative128x256x64: return "coop";
-    case GemmTile::kPingpong64x128x128: return "pingpong";
+    case GemmTile::kPingpong128x128x64Cluster1x2: return "pingpong1x2";
+    case GemmTile::kPingpong128x128x64Cluster2x1: return "pingpong2x1";
+    case GemmTile::kPingpong128x128x64Cluster1x1: return "pingpong1x1";
+    case GemmTile::kCooperative128x256x64Cluster1x1: return "coop1x1";
   }
   return "?";
 }
@@ -368,8 +370,8 @@ TEST(CudaGroupedMatmulGraph, ReplaysWithNewGroupSizesOnTheDevice) {
   const std::vector<Sizes> size_sets = {
       {128, 128, 128, 128, 128}, {0, 600, 0, 40, 0}, {-3, 700, 5, 9, 1}, {10, 20, 30, 40, 50}};
   const std::tuple<Mode, GemmTile> forms[] = {
-      {Mode::kRows, GemmTile::kCooperative128x256x64},
-      {Mode::kRowsTransposed, GemmTile::kPingpong64x128x128},
+      {Mode::kRows, GemmTile::kCooperative128x256x64Cluster1x1},
+      {Mode::kRowsTransposed, GemmTile::kPingpong128x128x64Cluster1x2},
       {Mode::kContract, GemmTile::kAuto}};
   for (const auto& [mode, tile] : forms) {
     SCOPED_TRACE(mode_name(mode));
@@ -449,14 +451,54 @@ INSTANTIATE_TEST_SUITE_P(
                                          std::pair{DType::kBFloat16, DType::kFloat32},
                                          std::pair{DType::kFloat16, DType::kFloat16},
                                          std::pair{DType::kFloat16, DType::kFloat32}),
-                       // Every raster order and swizzle walks the same tiles: each must be exact.
-                       ::testing::Values(GemmSchedule(GemmTile::kCooperative128x256x64),
-                                         GemmSchedule(GemmTile::kPingpong64x128x128),
-                                         GemmSchedule(GemmTile::kCooperative128x256x64,
-                                                      GemmRaster::kAlongN, 4),
-                                         GemmSchedule(GemmTile::kPingpong64x128x128,
-                                                      GemmRaster::kAlongM, 8))),
+                       // Every kernel, and raster orders and swizzles (which walk the same
+                       // tiles, rounded up to more of them): each must be exact.
+                       ::testing::Values(
+                           GemmSchedule(GemmTile::kPingpong128x128x64Cluster1x2),
+                           GemmSchedule(GemmTile::kPingpong128x128x64Cluster2x1),
+                           GemmSchedule(GemmTile::kPingpong128x128x64Cluster1x1),
+                           GemmSchedule(GemmTile::kCooperative128x256x64Cluster1x1),
+                           GemmSchedule(GemmTile::kCooperative128x256x64Cluster1x1,
+                                        GemmRaster::kAlongN, 4),
+                           GemmSchedule(GemmTile::kPingpong128x128x64Cluster1x2,
+                                        GemmRaster::kAlongM, 8))),
     param_name);
+
+// ---- the automatic tile ----------------------------------------------------------------------
+
+// CUTLASS rounds each group's tiles up to whole clusters and runs the extra tiles empty. The
+// automatic choice pairs column tiles (1x2) whenever they pair up, and otherwise never takes a
+// cluster that would waste more than an eighth of the tiles.
+TEST(CudaGroupedMatmulTile, AutoClusterWastesLittle) {
+  using nodrop::cuda::grouped_matmul_tile;
+  auto waste = [](int64_t tiles, int64_t cluster) {
+    return static_cast<double>((tiles + cluster - 1) / cluster * cluster - tiles) / tiles;
+  };
+  for (int64_t M : {64, 4096, 131072}) {
+    for (int64_t K : {64, 1408, 2048, 7168}) {
+      for (int64_t N : {8, 384, 768, 1408, 14336}) {
+        for (int64_t G : {0, 1, 8, 128}) {
+          SCOPED_TRACE(std::to_string(M) + " " + std::to_string(K) + " " + std::to_string(N) +
+                       " " + std::to_string(G));
+          const int64_t col_tiles = (N + 127) / 128, row_tiles = (K + 127) / 128;
+          for (bool contract : {false, true}) {
+            const GemmTile tile = grouped_matmul_tile(M, K, N, G, contract);
+            EXPECT_NE(tile, GemmTile::kAuto);
+            if (tile == GemmTile::kPingpong128x128x64Cluster1x2) {
+              EXPECT_LE(waste(col_tiles, 2), 0.125);
+            }
+            if (tile == GemmTile::kPingpong128x128x64Cluster2x1 && contract) {
+              EXPECT_LE(waste(row_tiles, 2), 0.125);
+            }
+            if (col_tiles % 2 == 0 && tile != GemmTile::kCooperative128x256x64Cluster1x1) {
+              EXPECT_EQ(tile, GemmTile::kPingpong128x128x64Cluster1x2);
+            }
+          }
+        }
+      }
+    }
+  }
+}
 
 // ---- bad arguments ---------------------------------------------------------------------------
 
@@ -508,6 +550,12 @@ TEST(CudaGroupedMatmulArguments, ErrorsNameTheArgument) {
                                        ws_bytes, nullptr,
                                        {GemmTile::kAuto, GemmRaster::kAlongN, 3}),
                "schedule.swizzle = 3");
+  expect_error(grouped_matmul(lhs, rhs, bf16, sizes, 64, 64, 64, 2, false, out, bf16, ws, ws_bytes,
+                              nullptr, {static_cast<GemmTile>(9)}),
+               "schedule.tile = 9");
+  expect_error(grouped_matmul(lhs, rhs, bf16, sizes, 64, 64, 64, 2, false, out, bf16, ws, ws_bytes,
+                              nullptr, {GemmTile::kAuto, static_cast<GemmRaster>(-1)}),
+               "schedule.raster = -1");
 }
 
 }  // namespace

@@ -66,7 +66,7 @@ struct GroupTable {
   size_t gemm_workspace_bytes = 0;
   int device = 0;
   int sm_count = 0;
-  GemmRaster raster = GemmRaster::kAlongM;  // the tile scheduler's walk (engine_cuda.h)
+  GemmRaster raster = GemmRaster::kAlongM;  // the tile scheduler's walk, never kAuto
   int swizzle = 1;
 };
 

@@ -58,23 +58,29 @@ struct FormLayouts<GemmForm::kContract> {
   using B = cutlass::layout::RowMajor;
 };
 
+template <int TileM, int TileN, int TileK, bool Pingpong, int ClusterM, int ClusterN>
+struct TileSpec {
+  using Shape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
+  using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
+  using MainloopSchedule =
+      std::conditional_t<Pingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+  using EpilogueSchedule =
+      std::conditional_t<Pingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+};
+
 template <GemmTile T>
 struct TileConfig;
 template <>
-struct TileConfig<GemmTile::kCooperative128x256x64> {
-  using Shape = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
+struct TileConfig<GemmTile::kPingpong128x128x64Cluster1x2> : TileSpec<128, 128, 64, true, 1, 2> {};
 template <>
-struct TileConfig<GemmTile::kPingpong64x128x128> {
-  using Shape = cute::Shape<cute::_64, cute::_128, cute::_128>;
-  using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
-
-// Two CTAs along M share each B tile through TMA multicast.
-using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+struct TileConfig<GemmTile::kPingpong128x128x64Cluster2x1> : TileSpec<128, 128, 64, true, 2, 1> {};
+template <>
+struct TileConfig<GemmTile::kPingpong128x128x64Cluster1x1> : TileSpec<128, 128, 64, true, 1, 1> {};
+template <>
+struct TileConfig<GemmTile::kCooperative128x256x64Cluster1x1>
+    : TileSpec<128, 256, 64, false, 1, 1> {};
 
 template <GemmForm F, DType In, DType Out, GemmTile T>
 struct GroupedGemm {
@@ -91,14 +97,16 @@ struct GroupedGemm {
 
   // D = acc: no C operand (void), alpha 1 and beta 0 by default.
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Tile::Shape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementAccumulator, void,
-      LayoutD*, kAlignmentOut, ElementOut, LayoutD*, kAlignmentOut, typename Tile::EpilogueSchedule,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Tile::Shape,
+      typename Tile::Cluster, cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator,
+      ElementAccumulator, void, LayoutD*, kAlignmentOut, ElementOut, LayoutD*, kAlignmentOut,
+      typename Tile::EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementOut, ElementAccumulator>>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn, LayoutA*, kAlignmentIn,
-      ElementIn, LayoutB*, kAlignmentIn, ElementAccumulator, typename Tile::Shape, ClusterShape,
+      ElementIn, LayoutB*, kAlignmentIn, ElementAccumulator, typename Tile::Shape,
+      typename Tile::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Tile::MainloopSchedule>::CollectiveOp;
@@ -113,10 +121,10 @@ struct GroupedGemm {
   static_assert(std::is_same_v<typename Kernel::InternalStrideD, typename FormStrides<F>::D>);
 };
 
-// How many 2-CTA clusters of this kernel fit on the device at once, asked once per device: a
+// How many clusters of this kernel fit on the device at once, asked once per device: a
 // persistent grid larger than that would leave some clusters waiting for a second wave.
 // Zero (the query failed) makes CUTLASS fall back to its own estimate.
-template <class Kernel>
+template <class Kernel, class ClusterShape>
 int max_active_clusters(int device) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> cache[kMaxDevices];  // zero-initialized: not asked yet
@@ -133,7 +141,8 @@ int max_active_clusters(int device) {
   cluster_dims.val.clusterDim.y = cute::size<1>(ClusterShape{});
   cluster_dims.val.clusterDim.z = cute::size<2>(ClusterShape{});
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(cute::size(ClusterShape{}), 1, 1);
+  config.gridDim = dim3(cute::size<0>(ClusterShape{}), cute::size<1>(ClusterShape{}),
+                        cute::size<2>(ClusterShape{}));  // one cluster
   config.blockDim = dim3(Kernel::MaxThreadsPerBlock, 1, 1);
   config.dynamicSmemBytes = smem_bytes;
   config.attrs = &cluster_dims;
@@ -169,7 +178,8 @@ Status run_grouped_gemm(const GroupTable& table, cudaStream_t stream) {
   args.epilogue.dD = static_cast<typename Kernel::InternalStrideD*>(table.stride_d);
   args.hw_info.device_id = table.device;
   args.hw_info.sm_count = table.sm_count;
-  args.hw_info.max_active_clusters = max_active_clusters<Kernel>(table.device);
+  args.hw_info.max_active_clusters =
+      max_active_clusters<Kernel, typename Config::Tile::Cluster>(table.device);
   using RasterOrder = decltype(args.scheduler.raster_order);
   args.scheduler.raster_order =
       table.raster == GemmRaster::kAlongN ? RasterOrder::AlongN : RasterOrder::AlongM;

@@ -1,5 +1,6 @@
 // CUDA grouped matmul: argument checks, workspace layout, and the three launches of a call
 // (group table, zero fill, CUTLASS grouped GEMM), all on the caller's stream.
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <initializer_list>
@@ -59,7 +60,13 @@ WorkspaceLayout workspace_layout(int64_t G) {
 }
 static_assert(sizeof(detail::StrideKMajor) == sizeof(detail::StrideMNMajor));
 
-GroupTable make_table(void* workspace, int64_t G, int device, int sm_count,
+// The device a call runs on (current_device).
+struct Device {
+  int id = 0, sm_count = 0, l2_bytes = 0;
+};
+
+// The table of one call; `schedule` is resolved (no kAuto).
+GroupTable make_table(void* workspace, int64_t G, const Device& device,
                       const GemmSchedule& schedule) {
   const WorkspaceLayout layout = workspace_layout(G);
   char* base =
@@ -76,8 +83,8 @@ GroupTable make_table(void* workspace, int64_t G, int device, int sm_count,
   table.stride_d = base + layout.stride_d;
   table.gemm_workspace = base + layout.gemm;
   table.gemm_workspace_bytes = kGemmWorkspaceBytes;
-  table.device = device;
-  table.sm_count = sm_count < kMaxSmCount ? sm_count : kMaxSmCount;
+  table.device = device.id;
+  table.sm_count = device.sm_count < kMaxSmCount ? device.sm_count : kMaxSmCount;
   table.raster = schedule.raster;
   table.swizzle = schedule.swizzle;
   return table;
@@ -133,6 +140,14 @@ Status check_arguments(const char* fn, DType in_dtype, DType out_dtype, int64_t 
 }
 
 Status check_schedule(const char* fn, const GemmSchedule& schedule) {
+  const auto tile = static_cast<int32_t>(schedule.tile);
+  if (tile < 0 || tile > static_cast<int32_t>(GemmTile::kCooperative128x256x64Cluster1x1)) {
+    return fail(fn, "schedule.tile = " + std::to_string(tile) + " is not a GemmTile");
+  }
+  const auto raster = static_cast<int32_t>(schedule.raster);
+  if (raster < 0 || raster > static_cast<int32_t>(GemmRaster::kAlongN)) {
+    return fail(fn, "schedule.raster = " + std::to_string(raster) + " is not a GemmRaster");
+  }
   const int swizzle = schedule.swizzle;
   if (swizzle != 1 && swizzle != 2 && swizzle != 4 && swizzle != 8) {
     return fail(fn, "schedule.swizzle = " + std::to_string(swizzle) + " must be 1, 2, 4 or 8");
@@ -165,22 +180,55 @@ Status cuda_status(const char* fn, const char* step, cudaError_t error) {
   return fail(fn, std::string(step) + ": " + cudaGetErrorString(error));
 }
 
-// The current device and its SM count (host queries; nothing waits on the GPU).
-Status current_device(const char* fn, int* device, int* sm_count) {
-  Status status = cuda_status(fn, "cudaGetDevice", cudaGetDevice(device));
-  if (!status.ok()) return status;
-  return cuda_status(fn, "cudaDeviceGetAttribute",
-                     cudaDeviceGetAttribute(sm_count, cudaDevAttrMultiProcessorCount, *device));
+// The current device, its SM count and L2 bytes (host queries; nothing waits on the GPU).
+Status current_device(const char* fn, Device* device) {
+  Status status = cuda_status(fn, "cudaGetDevice", cudaGetDevice(&device->id));
+  if (status.ok()) {
+    status = cuda_status(fn, "cudaDeviceGetAttribute",
+                         cudaDeviceGetAttribute(&device->sm_count,
+                                                cudaDevAttrMultiProcessorCount, device->id));
+  }
+  if (status.ok()) {
+    status = cuda_status(
+        fn, "cudaDeviceGetAttribute",
+        cudaDeviceGetAttribute(&device->l2_bytes, cudaDevAttrL2CacheSize, device->id));
+  }
+  return status;
+}
+
+// The schedule of one call with kAuto resolved (engine_cuda.h says how).
+GemmSchedule resolve_schedule(GemmSchedule schedule, int64_t M, int64_t K, int64_t N, int64_t G,
+                              bool contract, int64_t in_bytes, const Device& device) {
+  if (schedule.tile == GemmTile::kAuto) schedule.tile = grouped_matmul_tile(M, K, N, G, contract);
+  if (schedule.raster == GemmRaster::kAuto) {
+    const int64_t a_bytes = K * (M / (G > 0 ? G : 1)) * in_bytes;
+    const bool walk_n = contract && K > N && 2 * a_bytes > device.l2_bytes;
+    schedule.raster = walk_n ? GemmRaster::kAlongN : GemmRaster::kAlongM;
+  }
+  return schedule;
 }
 
 // ---- dispatch to the explicit instantiations ---------------------------------------------------
 
 template <GemmForm F, DType In, DType Out>
 Status run_tile(GemmTile tile, const GroupTable& table, cudaStream_t stream) {
-  if (tile == GemmTile::kPingpong64x128x128) {
-    return detail::run_grouped_gemm<F, In, Out, GemmTile::kPingpong64x128x128>(table, stream);
+  switch (tile) {
+    case GemmTile::kPingpong128x128x64Cluster1x2:
+      return detail::run_grouped_gemm<F, In, Out, GemmTile::kPingpong128x128x64Cluster1x2>(table,
+                                                                                         stream);
+    case GemmTile::kPingpong128x128x64Cluster2x1:
+      return detail::run_grouped_gemm<F, In, Out, GemmTile::kPingpong128x128x64Cluster2x1>(table,
+                                                                                         stream);
+    case GemmTile::kPingpong128x128x64Cluster1x1:
+      return detail::run_grouped_gemm<F, In, Out, GemmTile::kPingpong128x128x64Cluster1x1>(table,
+                                                                                         stream);
+    case GemmTile::kCooperative128x256x64Cluster1x1:
+      return detail::run_grouped_gemm<F, In, Out, GemmTile::kCooperative128x256x64Cluster1x1>(
+          table, stream);
+    case GemmTile::kAuto: break;  // resolved by the caller
   }
-  return detail::run_grouped_gemm<F, In, Out, GemmTile::kCooperative128x256x64>(table, stream);
+  return Status::Error("grouped GEMM: no kernel for tile " +
+                       std::to_string(static_cast<int32_t>(tile)));
 }
 
 template <GemmForm F, DType In>
@@ -214,23 +262,48 @@ Status run_gemm(GemmForm form, DType in_dtype, DType out_dtype, GemmTile tile,
 }  // namespace
 
 const char* gemm_raster_name(GemmRaster raster) {
-  return raster == GemmRaster::kAlongN ? "along N" : "along M";
+  switch (raster) {
+    case GemmRaster::kAuto: return "auto";
+    case GemmRaster::kAlongM: return "along M";
+    case GemmRaster::kAlongN: return "along N";
+  }
+  return "unknown";
 }
 
 const char* gemm_tile_name(GemmTile tile) {
   switch (tile) {
     case GemmTile::kAuto: return "auto";
-    case GemmTile::kCooperative128x256x64: return "cooperative 128x256x64";
-    case GemmTile::kPingpong64x128x128: return "pingpong 64x128x128";
+    case GemmTile::kPingpong128x128x64Cluster1x2: return "pingpong 128x128x64, cluster 1x2";
+    case GemmTile::kPingpong128x128x64Cluster2x1: return "pingpong 128x128x64, cluster 2x1";
+    case GemmTile::kPingpong128x128x64Cluster1x1: return "pingpong 128x128x64, cluster 1x1";
+    case GemmTile::kCooperative128x256x64Cluster1x1: return "cooperative 128x256x64, cluster 1x1";
   }
   return "unknown";
 }
 
-// PyTorch's rule for the same kernels: ping-pong's 64x128 tiles when the average group GEMM
-// has at most 128 rows or columns, where a 128x256 tile would be mostly padding.
+// From the H200 benchmark of every tile at eleven MoE shapes and three routings:
+//   - A long contraction (over 2048) favours the cooperative 128x256 tile, whose operand tiles
+//     feed twice the math per byte; a very short one (at most 256 rows of a weight gradient)
+//     does too, as its fewer, wider tiles pay fewer prologues. Everything else runs faster on
+//     ping-pong 128x128, whose two warpgroups hide each other's epilogue.
+//   - A 2-CTA cluster (multicast) beats none by a few percent, unless CUTLASS's rounding of each
+//     group's tiles up to whole clusters runs too many tiles empty. 1x2 wastes nothing when the
+//     column tiles pair up, else one column tile in `col_tiles`; 2x1 wastes nothing on a weight
+//     gradient's static, even row tiles, and on ragged rows half a tile per group on average.
 GemmTile grouped_matmul_tile(int64_t M, int64_t K, int64_t N, int64_t G, bool contract) {
-  const int64_t rows = contract ? K : M / (G > 0 ? G : 1);
-  return rows <= 128 || N <= 128 ? GemmTile::kPingpong64x128x128 : GemmTile::kCooperative128x256x64;
+  const int64_t rows_per_group = M / (G > 0 ? G : 1);
+  const int64_t depth = contract ? rows_per_group : K;
+  if (contract ? depth <= 256 : depth > 2048) return GemmTile::kCooperative128x256x64Cluster1x1;
+  auto tiles = [](int64_t extent) { return extent > 128 ? (extent + 127) / 128 : int64_t{1}; };
+  const int64_t col_tiles = tiles(N);
+  if (col_tiles % 2 == 0) return GemmTile::kPingpong128x128x64Cluster1x2;
+  const double waste_1x2 = 1.0 / col_tiles;
+  const int64_t row_tiles = tiles(contract ? K : rows_per_group);
+  const double waste_2x1 = contract ? (row_tiles % 2 == 0 ? 0.0 : 1.0 / row_tiles)
+                                    : 0.5 / row_tiles;
+  if (std::min(waste_1x2, waste_2x1) > 0.125) return GemmTile::kPingpong128x128x64Cluster1x1;
+  return waste_2x1 < waste_1x2 ? GemmTile::kPingpong128x128x64Cluster2x1
+                               : GemmTile::kPingpong128x128x64Cluster1x2;
 }
 
 size_t grouped_matmul_workspace_bytes(int64_t G) { return workspace_layout(G).bytes; }
@@ -254,10 +327,12 @@ Status grouped_matmul(const void* lhs, const void* rhs, DType in_dtype, const in
   if (K == 0 || G == 0) {  // nothing to contract, or no group owns a row
     return cuda_status(fn, "cudaMemsetAsync", cudaMemsetAsync(out, 0, M * row_bytes, stream));
   }
-  int device = 0, sm_count = 0;
-  status = current_device(fn, &device, &sm_count);
+  Device device;
+  status = current_device(fn, &device);
   if (!status.ok()) return status;
-  const GroupTable table = make_table(workspace, G, device, sm_count, schedule);
+  schedule = resolve_schedule(schedule, M, K, N, G, /*contract=*/false, dtype_size(in_dtype),
+                              device);
+  const GroupTable table = make_table(workspace, G, device, schedule);
   const GemmForm form = transpose_rhs ? GemmForm::kRowsTransposed : GemmForm::kRows;
   const detail::Operands ops{lhs, rhs, out, dtype_size(in_dtype), dtype_size(out_dtype)};
   status =
@@ -267,10 +342,7 @@ Status grouped_matmul(const void* lhs, const void* rhs, DType in_dtype, const in
   status = cuda_status(fn, "zero tail rows",
                        detail::launch_zero_tail_rows(table, M, row_bytes, out, stream));
   if (!status.ok()) return status;
-  const GemmTile tile = schedule.tile == GemmTile::kAuto
-                            ? grouped_matmul_tile(M, K, N, G, /*contract=*/false)
-                            : schedule.tile;
-  return run_gemm(form, in_dtype, out_dtype, tile, table, stream);
+  return run_gemm(form, in_dtype, out_dtype, schedule.tile, table, stream);
 }
 
 Status grouped_matmul_contract(const void* lhs, const void* rhs, DType in_dtype,
@@ -293,10 +365,12 @@ Status grouped_matmul_contract(const void* lhs, const void* rhs, DType in_dtype,
   if (M == 0) {  // every group is empty
     return cuda_status(fn, "cudaMemsetAsync", cudaMemsetAsync(out, 0, G * group_bytes, stream));
   }
-  int device = 0, sm_count = 0;
-  status = current_device(fn, &device, &sm_count);
+  Device device;
+  status = current_device(fn, &device);
   if (!status.ok()) return status;
-  const GroupTable table = make_table(workspace, G, device, sm_count, schedule);
+  schedule = resolve_schedule(schedule, M, K, N, G, /*contract=*/true, dtype_size(in_dtype),
+                              device);
+  const GroupTable table = make_table(workspace, G, device, schedule);
   const detail::Operands ops{lhs, rhs, out, dtype_size(in_dtype), dtype_size(out_dtype)};
   status = cuda_status(fn, "group table",
                        detail::launch_build_group_table(GemmForm::kContract, group_sizes, M, K, N,
@@ -305,10 +379,7 @@ Status grouped_matmul_contract(const void* lhs, const void* rhs, DType in_dtype,
   status = cuda_status(fn, "zero empty groups",
                        detail::launch_zero_empty_groups(table, group_bytes, out, stream));
   if (!status.ok()) return status;
-  const GemmTile tile = schedule.tile == GemmTile::kAuto
-                            ? grouped_matmul_tile(M, K, N, G, /*contract=*/true)
-                            : schedule.tile;
-  return run_gemm(GemmForm::kContract, in_dtype, out_dtype, tile, table, stream);
+  return run_gemm(GemmForm::kContract, in_dtype, out_dtype, schedule.tile, table, stream);
 }
 
 }  // namespace nodrop::cuda

@@ -23,29 +23,41 @@
 
 namespace nodrop::cuda {
 
-// The CUTLASS grouped-GEMM kernel a call runs. kAuto picks from the static shapes
-// (grouped_matmul_tile); the others exist so that tests and benchmarks can pin one.
+// The CUTLASS grouped-GEMM kernel a call runs: schedule, tile (rows x cols x depth) and cluster
+// (rows x cols of CTAs that share operand tiles through TMA multicast). CUTLASS rounds each group's
+// tile count up to whole clusters, so a cluster along the ragged rows would run empty tiles.
+// kAuto picks from the static shapes (grouped_matmul_tile); the others exist so that tests and
+// benchmarks can pin one.
 enum class GemmTile : int32_t {
   kAuto = 0,
-  kCooperative128x256x64 = 1,  // two warpgroups share one 128x256 tile: large groups
-  kPingpong64x128x128 = 2,     // warpgroups alternate 64x128 tiles: small groups, narrow outputs
+  kPingpong128x128x64Cluster1x2 = 1,     // warpgroups alternate tiles, hiding the epilogue
+  kPingpong128x128x64Cluster2x1 = 2,     // the same where the column tiles do not pair up
+  kPingpong128x128x64Cluster1x1 = 3,     // the same where neither the rows nor columns do
+  kCooperative128x256x64Cluster1x1 = 4,  // two warpgroups share a tile: long contractions
 };
+inline constexpr GemmTile kGemmTiles[] = {
+    GemmTile::kPingpong128x128x64Cluster1x2, GemmTile::kPingpong128x128x64Cluster2x1,
+    GemmTile::kPingpong128x128x64Cluster1x1, GemmTile::kCooperative128x256x64Cluster1x1};
 
 const char* gemm_tile_name(GemmTile tile);
 
-// The tile kAuto resolves to. The GEMM of each group is (rows x cols), rows being the group's
-// rows for grouped_matmul (on average M / G) and K for grouped_matmul_contract, cols being N.
+// The tile kAuto resolves to, chosen from a benchmark of every tile on H200
+// (bench/results/2026-11-29-h200-gemm-tiles). The GEMM of each group is (rows x cols) with a
+// contraction of `depth`: for grouped_matmul rows are the group's (ragged, on average M / G),
+// cols N and depth K; for grouped_matmul_contract rows are K, cols N, depth the group's rows.
 GemmTile grouped_matmul_tile(int64_t M, int64_t K, int64_t N, int64_t G, bool contract);
 
 // How CUTLASS's persistent tile scheduler walks the output tiles of a group: along M (consecutive
-// tiles share a column of B) or along N (they share a row block of A), `swizzle` (1, 2, 4 or 8)
-// tiles wide. Run-time settings of the same kernels, for tests and benchmarks to sweep.
-enum class GemmRaster : int32_t { kAlongM = 0, kAlongN = 1 };
+// tiles share a column of B, and a wave reads the group's whole A) or along N (they share a row
+// block of A, and a wave reads the whole B), `swizzle` (1, 2, 4 or 8) tiles wide. kAuto walks
+// along M except for a weight gradient whose A (K x the group's rows) is both the larger operand
+// and over half the L2 cache, which would not stay resident for the next column.
+enum class GemmRaster : int32_t { kAuto = 0, kAlongM = 1, kAlongN = 2 };
 const char* gemm_raster_name(GemmRaster raster);
 
 // The kernel and tile order of one call. Implicit from a GemmTile so a call can pin just the tile.
 struct GemmSchedule {
-  GemmSchedule(GemmTile tile = GemmTile::kAuto, GemmRaster raster = GemmRaster::kAlongM,
+  GemmSchedule(GemmTile tile = GemmTile::kAuto, GemmRaster raster = GemmRaster::kAuto,
                int swizzle = 1)
       : tile(tile), raster(raster), swizzle(swizzle) {}
   GemmTile tile;

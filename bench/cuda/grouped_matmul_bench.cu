@@ -72,6 +72,10 @@ const Shape kShapes[] = {
     {"Mixtral-8x7B layer down", 16384, 14336, 4096, 8},
     {"DeepSeek-V2-Lite layer gate+up", 98304, 2048, 2816, 64},
     {"DeepSeek-V2-Lite layer down", 98304, 1408, 2048, 64},
+    // The `mixtral` training preset's expert GEMMs (16 x 2048 tokens, top-2 of 8 experts):
+    // 8192 rows per group, where a group's ragged last tile costs the least.
+    {"mixtral preset gate+up", 65536, 2048, 11264, 8},
+    {"mixtral preset down", 65536, 5632, 2048, 8},
 };
 
 enum class Mode { kForward, kInputGrad, kWeightGrad };

@@ -68,6 +68,7 @@ const char* tile_short(GemmTile tile) {
     case GemmTile::kPingpong128x128x64Cluster2x1: return "pingpong2x1";
     case GemmTile::kPingpong128x128x64Cluster1x1: return "pingpong1x1";
     case GemmTile::kCooperative128x256x64Cluster1x1: return "coop1x1";
+    case GemmTile::kCooperative256x192x64Cluster1x2: return "coop256x192_1x2";
   }
   return "?";
 }
@@ -458,6 +459,7 @@ INSTANTIATE_TEST_SUITE_P(
                            GemmSchedule(GemmTile::kPingpong128x128x64Cluster2x1),
                            GemmSchedule(GemmTile::kPingpong128x128x64Cluster1x1),
                            GemmSchedule(GemmTile::kCooperative128x256x64Cluster1x1),
+                           GemmSchedule(GemmTile::kCooperative256x192x64Cluster1x2),
                            GemmSchedule(GemmTile::kCooperative128x256x64Cluster1x1,
                                         GemmRaster::kAlongN, 4),
                            GemmSchedule(GemmTile::kPingpong128x128x64Cluster1x2,
@@ -474,7 +476,7 @@ TEST(CudaGroupedMatmulTile, AutoClusterWastesLittle) {
   auto waste = [](int64_t tiles, int64_t cluster) {
     return static_cast<double>((tiles + cluster - 1) / cluster * cluster - tiles) / tiles;
   };
-  for (int64_t M : {64, 4096, 131072}) {
+  for (int64_t M : {64, 1024, 4096, 131072}) {
     for (int64_t K : {64, 1408, 2048, 7168}) {
       for (int64_t N : {8, 384, 768, 1408, 14336}) {
         for (int64_t G : {0, 1, 8, 128}) {
@@ -490,7 +492,12 @@ TEST(CudaGroupedMatmulTile, AutoClusterWastesLittle) {
             if (tile == GemmTile::kPingpong128x128x64Cluster2x1 && contract) {
               EXPECT_LE(waste(row_tiles, 2), 0.125);
             }
-            if (col_tiles % 2 == 0 && tile != GemmTile::kCooperative128x256x64Cluster1x1) {
+            if (tile == GemmTile::kCooperative256x192x64Cluster1x2) {
+              EXPECT_LE(waste((N + 191) / 192, 2), 0.125);
+            }
+            const bool pingpong = tile != GemmTile::kCooperative128x256x64Cluster1x1 &&
+                                  tile != GemmTile::kCooperative256x192x64Cluster1x2;
+            if (col_tiles % 2 == 0 && pingpong) {
               EXPECT_EQ(tile, GemmTile::kPingpong128x128x64Cluster1x2);
             }
           }
@@ -498,6 +505,26 @@ TEST(CudaGroupedMatmulTile, AutoClusterWastesLittle) {
       }
     }
   }
+}
+
+// Walking along N pays only for a weight gradient whose A operand (K x the group's rows) is the
+// larger one and would not stay in the L2 (H200: 60 MiB) while the scheduler walks a column.
+TEST(CudaGroupedMatmulTile, AutoRasterWalksAlongNOnlyForLargeWeightGradientA) {
+  using nodrop::cuda::grouped_matmul_raster;
+  const int64_t l2 = int64_t{60} << 20;
+  // Mixtral layer, 16384 tokens x top-2 over 8 experts: the down projection's weight gradient
+  // contracts 4096 rows per group against K = 14336 (A is 112 MiB).
+  EXPECT_EQ(grouped_matmul_raster(32768, 14336, 4096, 8, true, 2, l2), GemmRaster::kAlongN);
+  // Its gate/up weight gradient: A (K = 4096) is the smaller operand.
+  EXPECT_EQ(grouped_matmul_raster(32768, 4096, 28672, 8, true, 2, l2), GemmRaster::kAlongM);
+  // The same down projection on a GPU whose L2 holds twice A.
+  EXPECT_EQ(grouped_matmul_raster(32768, 14336, 4096, 8, true, 2, 4 * l2), GemmRaster::kAlongM);
+  // A few rows per group: A is small whatever K is.
+  EXPECT_EQ(grouped_matmul_raster(2048, 14336, 4096, 8, true, 2, l2), GemmRaster::kAlongM);
+  // Forward and input gradient never walk along N.
+  EXPECT_EQ(grouped_matmul_raster(32768, 14336, 4096, 8, false, 2, l2), GemmRaster::kAlongM);
+  // No groups: no division by zero, and the default order.
+  EXPECT_EQ(grouped_matmul_raster(0, 14336, 4096, 0, true, 2, l2), GemmRaster::kAlongM);
 }
 
 // ---- bad arguments ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ TILES = {
     "pingpong_2x1": "kPingpong128x128x64Cluster2x1",
     "pingpong_1x1": "kPingpong128x128x64Cluster1x1",
     "coop_1x1": "kCooperative128x256x64Cluster1x1",
+    "coop256x192_1x2": "kCooperative256x192x64Cluster1x2",
 }
 
 TEMPLATE = """\

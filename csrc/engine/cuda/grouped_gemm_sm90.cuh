@@ -81,6 +81,9 @@ struct TileConfig<GemmTile::kPingpong128x128x64Cluster1x1> : TileSpec<128, 128, 
 template <>
 struct TileConfig<GemmTile::kCooperative128x256x64Cluster1x1>
     : TileSpec<128, 256, 64, false, 1, 1> {};
+template <>
+struct TileConfig<GemmTile::kCooperative256x192x64Cluster1x2>
+    : TileSpec<256, 192, 64, false, 1, 2> {};
 
 template <GemmForm F, DType In, DType Out, GemmTile T>
 struct GroupedGemm {

@@ -141,7 +141,7 @@ Status check_arguments(const char* fn, DType in_dtype, DType out_dtype, int64_t 
 
 Status check_schedule(const char* fn, const GemmSchedule& schedule) {
   const auto tile = static_cast<int32_t>(schedule.tile);
-  if (tile < 0 || tile > static_cast<int32_t>(GemmTile::kCooperative128x256x64Cluster1x1)) {
+  if (tile < 0 || tile > static_cast<int32_t>(GemmTile::kCooperative256x192x64Cluster1x2)) {
     return fail(fn, "schedule.tile = " + std::to_string(tile) + " is not a GemmTile");
   }
   const auto raster = static_cast<int32_t>(schedule.raster);
@@ -201,9 +201,7 @@ GemmSchedule resolve_schedule(GemmSchedule schedule, int64_t M, int64_t K, int64
                               bool contract, int64_t in_bytes, const Device& device) {
   if (schedule.tile == GemmTile::kAuto) schedule.tile = grouped_matmul_tile(M, K, N, G, contract);
   if (schedule.raster == GemmRaster::kAuto) {
-    const int64_t a_bytes = K * (M / (G > 0 ? G : 1)) * in_bytes;
-    const bool walk_n = contract && K > N && 2 * a_bytes > device.l2_bytes;
-    schedule.raster = walk_n ? GemmRaster::kAlongN : GemmRaster::kAlongM;
+    schedule.raster = grouped_matmul_raster(M, K, N, G, contract, in_bytes, device.l2_bytes);
   }
   return schedule;
 }
@@ -224,6 +222,9 @@ Status run_tile(GemmTile tile, const GroupTable& table, cudaStream_t stream) {
                                                                                          stream);
     case GemmTile::kCooperative128x256x64Cluster1x1:
       return detail::run_grouped_gemm<F, In, Out, GemmTile::kCooperative128x256x64Cluster1x1>(
+          table, stream);
+    case GemmTile::kCooperative256x192x64Cluster1x2:
+      return detail::run_grouped_gemm<F, In, Out, GemmTile::kCooperative256x192x64Cluster1x2>(
           table, stream);
     case GemmTile::kAuto: break;  // resolved by the caller
   }
@@ -277,15 +278,18 @@ const char* gemm_tile_name(GemmTile tile) {
     case GemmTile::kPingpong128x128x64Cluster2x1: return "pingpong 128x128x64, cluster 2x1";
     case GemmTile::kPingpong128x128x64Cluster1x1: return "pingpong 128x128x64, cluster 1x1";
     case GemmTile::kCooperative128x256x64Cluster1x1: return "cooperative 128x256x64, cluster 1x1";
+    case GemmTile::kCooperative256x192x64Cluster1x2: return "cooperative 256x192x64, cluster 1x2";
   }
   return "unknown";
 }
 
-// From the H200 benchmark of every tile at eleven MoE shapes and three routings:
-//   - A long contraction (over 2048) favours the cooperative 128x256 tile, whose operand tiles
-//     feed twice the math per byte; a very short one (at most 256 rows of a weight gradient)
-//     does too, as its fewer, wider tiles pay fewer prologues. Everything else runs faster on
-//     ping-pong 128x128, whose two warpgroups hide each other's epilogue.
+// From the H200 benchmark of every tile at thirteen MoE shapes and three routings:
+//   - A long contraction (over 2048, ragged or not) favours the cooperative 128x256 tile, whose
+//     operand tiles feed twice the math per byte. A very short one (a weight gradient of at most
+//     256 rows per group) is bound by writing its K x N output: there wide tiles pay fewer
+//     prologues and epilogues, and at most 128 rows the 256x192 tile with its 1x2 cluster beats
+//     the 128x256 one by 4-9%. Everything else runs faster on ping-pong 128x128, whose two
+//     warpgroups hide each other's epilogue.
 //   - A 2-CTA cluster (multicast) beats none by a few percent, unless CUTLASS's rounding of each
 //     group's tiles up to whole clusters runs too many tiles empty. 1x2 wastes nothing when the
 //     column tiles pair up, else one column tile in `col_tiles`; 2x1 wastes nothing on a weight
@@ -293,17 +297,35 @@ const char* gemm_tile_name(GemmTile tile) {
 GemmTile grouped_matmul_tile(int64_t M, int64_t K, int64_t N, int64_t G, bool contract) {
   const int64_t rows_per_group = M / (G > 0 ? G : 1);
   const int64_t depth = contract ? rows_per_group : K;
-  if (contract ? depth <= 256 : depth > 2048) return GemmTile::kCooperative128x256x64Cluster1x1;
-  auto tiles = [](int64_t extent) { return extent > 128 ? (extent + 127) / 128 : int64_t{1}; };
-  const int64_t col_tiles = tiles(N);
+  auto tiles = [](int64_t extent, int64_t tile) {
+    return extent > tile ? (extent + tile - 1) / tile : int64_t{1};
+  };
+  const int64_t wide_col_tiles = tiles(N, 192);
+  if (contract && depth <= 128 && (wide_col_tiles % 2 == 0 || wide_col_tiles >= 8)) {
+    return GemmTile::kCooperative256x192x64Cluster1x2;
+  }
+  if (depth > 2048 || (contract && depth <= 256)) {
+    return GemmTile::kCooperative128x256x64Cluster1x1;
+  }
+  const int64_t col_tiles = tiles(N, 128);
   if (col_tiles % 2 == 0) return GemmTile::kPingpong128x128x64Cluster1x2;
   const double waste_1x2 = 1.0 / col_tiles;
-  const int64_t row_tiles = tiles(contract ? K : rows_per_group);
+  const int64_t row_tiles = tiles(contract ? K : rows_per_group, 128);
   const double waste_2x1 = contract ? (row_tiles % 2 == 0 ? 0.0 : 1.0 / row_tiles)
                                     : 0.5 / row_tiles;
   if (std::min(waste_1x2, waste_2x1) > 0.125) return GemmTile::kPingpong128x128x64Cluster1x1;
   return waste_2x1 < waste_1x2 ? GemmTile::kPingpong128x128x64Cluster2x1
                                : GemmTile::kPingpong128x128x64Cluster1x2;
+}
+
+// From the raster sweep (bench/results/2026-11-29-h200-gemm-tiles/raster-sweep.csv): walking
+// along N made the Mixtral layer's down-projection weight gradient 7-11% faster; no other case
+// gained consistently.
+GemmRaster grouped_matmul_raster(int64_t M, int64_t K, int64_t N, int64_t G, bool contract,
+                                 int64_t in_bytes, int64_t l2_bytes) {
+  const int64_t a_bytes = K * (M / (G > 0 ? G : 1)) * in_bytes;
+  const bool walk_n = contract && K > N && 2 * a_bytes > l2_bytes;
+  return walk_n ? GemmRaster::kAlongN : GemmRaster::kAlongM;
 }
 
 size_t grouped_matmul_workspace_bytes(int64_t G) { return workspace_layout(G).bytes; }

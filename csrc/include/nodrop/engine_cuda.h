@@ -34,10 +34,12 @@ enum class GemmTile : int32_t {
   kPingpong128x128x64Cluster2x1 = 2,     // the same where the column tiles do not pair up
   kPingpong128x128x64Cluster1x1 = 3,     // the same where neither the rows nor columns do
   kCooperative128x256x64Cluster1x1 = 4,  // two warpgroups share a tile: long contractions
+  kCooperative256x192x64Cluster1x2 = 5,  // fewer bytes per FLOP: thousands of rows per group
 };
 inline constexpr GemmTile kGemmTiles[] = {
     GemmTile::kPingpong128x128x64Cluster1x2, GemmTile::kPingpong128x128x64Cluster2x1,
-    GemmTile::kPingpong128x128x64Cluster1x1, GemmTile::kCooperative128x256x64Cluster1x1};
+    GemmTile::kPingpong128x128x64Cluster1x1, GemmTile::kCooperative128x256x64Cluster1x1,
+    GemmTile::kCooperative256x192x64Cluster1x2};
 
 const char* gemm_tile_name(GemmTile tile);
 
@@ -54,6 +56,10 @@ GemmTile grouped_matmul_tile(int64_t M, int64_t K, int64_t N, int64_t G, bool co
 // and over half the L2 cache, which would not stay resident for the next column.
 enum class GemmRaster : int32_t { kAuto = 0, kAlongM = 1, kAlongN = 2 };
 const char* gemm_raster_name(GemmRaster raster);
+
+// The raster order kAuto resolves to, for inputs of `in_bytes` each on a GPU with `l2_bytes` of L2.
+GemmRaster grouped_matmul_raster(int64_t M, int64_t K, int64_t N, int64_t G, bool contract,
+                                 int64_t in_bytes, int64_t l2_bytes);
 
 // The kernel and tile order of one call. Implicit from a GemmTile so a call can pin just the tile.
 struct GemmSchedule {

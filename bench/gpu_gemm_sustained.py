@@ -1,0 +1,164 @@
+"""Grouped-GEMM kernel time, cool and sustained: nodrop against torch._grouped_mm, step by step.
+
+    PYTHONPATH=.:bench python3 bench/gpu_gemm_sustained.py --out DIR [--shapes Mixtral-8x7B]
+                                                         [--steps 40] [--repeats 2]
+
+bench/gpu_moe.py times short windows, one implementation after the other, and at the H200's
+power limit the clock drops within tens of milliseconds. This records, for each implementation,
+the GPU kernel time of every forward+backward step of a longer run (CUPTI through the torch
+profiler, the same tracer for both): the first steps (a cool card) against the last ones (at
+the power limit), plus the span from the first kernel to the last, which adds the gaps between
+kernels. The two implementations alternate, so both see the same card state. Writes
+DIR/gemm-sustained.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import gpu_moe  # first: it sets JAX's memory fraction before JAX allocates
+import nodrop
+from nodrop.bench import forward_backward
+
+torch, TORCH_STATUS = gpu_moe.load_torch()
+
+COOL_STEPS = 5
+
+
+def kernel_events(profile, run, steps: int) -> list[tuple[str, float, float]]:
+    """(name, start ms, end ms) of every GPU kernel of `steps` calls of run(), in order."""
+    with profile() as prof:
+        for _ in range(steps):
+            result = run()
+        wait(result)
+    events = [(e.name, e.time_range.start / 1e3, e.time_range.end / 1e3) for e in prof.events()
+              if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(events, key=lambda event: event[1])
+
+
+def wait(result) -> None:
+    jax.block_until_ready(result)
+    torch.cuda.synchronize()
+
+
+def kernel_schedule(name: str) -> str:
+    """A CUTLASS kernel's schedule, from its mangled name (tile sizes do not survive mangling's
+    back-references reliably)."""
+    return "cooperative" if "Cooperative" in name else "ping-pong"
+
+
+def window(events, gemms_per_step: int, steps: int, last: bool) -> dict:
+    """Kernel ms per step over the first or last `steps` steps, and first-to-last-kernel span."""
+    gemms = [e for e in events if "GemmUniversal" in e[0]]
+    chosen = gemms[-gemms_per_step * steps:] if last else gemms[:gemms_per_step * steps]
+    start, end = chosen[0][1], chosen[-1][2]
+    inside = [e for e in events if e[1] >= start and e[2] <= end]
+    return dict(gemm_ms=sum(e[2] - e[1] for e in chosen) / steps,
+                all_kernels_ms=sum(e[2] - e[1] for e in inside) / steps,
+                span_ms=(end - start) / steps)
+
+
+def gpu_state() -> str:
+    """SM clock and power as nvidia-smi reads them now."""
+    try:
+        return subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"nvidia-smi: {error}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--shapes", default="Mixtral-8x7B")
+    parser.add_argument("--steps", type=gpu_moe.positive_int, default=40)
+    parser.add_argument("--repeats", type=gpu_moe.positive_int, default=2)
+    args = parser.parse_args()
+    if torch is None:
+        raise SystemExit(f"gpu_gemm_sustained.py compares against torch._grouped_mm: "
+                         f"{TORCH_STATUS}")
+    sustained_steps = max(1, args.steps // 2)
+
+    def profile():
+        return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+
+    rows = []
+    for name in args.shapes.split(","):
+        rows_m, k, n, groups = gpu_moe.GEMM_SHAPES[name]
+        keys = jax.random.split(jax.random.key(0), 3)
+        lhs = jax.random.normal(keys[0], (rows_m, k), gpu_moe.DTYPE)
+        rhs = jax.random.normal(keys[1], (groups, k, n), gpu_moe.DTYPE)
+        grad_out = jax.random.normal(keys[2], (rows_m, n), gpu_moe.DTYPE)
+        step = jax.jit(forward_backward(nodrop.ragged_dot))
+        options = dict(dtype=torch.bfloat16, device="cuda")
+        t_lhs = torch.randn(rows_m, k, **options, requires_grad=True)
+        t_rhs = torch.randn(groups, k, n, **options, requires_grad=True)
+        t_grad = torch.randn(rows_m, n, **options)
+        flops = 3 * 2 * rows_m * k * n
+        for repeat in range(args.repeats):
+            for kind in gpu_moe.GROUP_SIZE_KINDS:
+                sizes = gpu_moe.group_sizes(kind, rows_m, groups)
+                offs = torch.tensor(np.cumsum(sizes), dtype=torch.int32, device="cuda")
+                jax_sizes = jnp.asarray(sizes)
+
+                def torch_step(offs=offs):
+                    out = torch._grouped_mm(t_lhs, t_rhs, offs=offs)
+                    return torch.autograd.grad(out, (t_lhs, t_rhs), grad_outputs=t_grad)
+
+                runs = {"torch": torch_step,
+                        "nodrop": lambda s=jax_sizes: step(lhs, rhs, s, grad_out)}
+                for impl, run in runs.items():
+                    for _ in range(3):  # compile, then warm up
+                        wait(run())
+                    events = kernel_events(profile, run, args.steps)
+                    state = gpu_state()
+                    gemms = [e for e in events if "GemmUniversal" in e[0]]
+                    kernels = [kernel_schedule(e[0]) for e in gemms[-3:]]
+                    row = dict(shape=name, group_sizes=kind, repeat=repeat, impl=impl,
+                               cool=window(events, 3, COOL_STEPS, last=False),
+                               sustained=window(events, 3, sustained_steps, last=True),
+                               kernels=kernels, gpu_after=state)
+                    row["sustained_tflops"] = flops / row["sustained"]["span_ms"] / 1e9
+                    rows.append(row)
+                    print(f"{name} {kind} repeat {repeat} {impl}: cool {row['cool']['gemm_ms']:.3f}"
+                          f" ms, sustained {row['sustained']['gemm_ms']:.3f} ms GEMM, "
+                          f"{row['sustained']['span_ms']:.3f} ms span per step ({state})",
+                          flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gemm-sustained.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (args.out / "gemm-sustained.md").write_text(markdown(rows, args.steps, sustained_steps))
+    print(markdown(rows, args.steps, sustained_steps))
+    return 0
+
+
+def markdown(rows: list[dict], steps: int, sustained_steps: int) -> str:
+    lines = [
+        f"# Grouped GEMM forward+backward, cool and sustained ({jax.devices()[0].device_kind})\n",
+        f"{steps} steps per run, kernels traced with CUPTI (torch profiler) for both. Cool: GPU "
+        f"kernel ms per step over the first {COOL_STEPS} steps. Sustained: over the last "
+        f"{sustained_steps}; span runs from the first GEMM's start to the last one's end, so it "
+        "adds the gaps and the small kernels between them. nvidia-smi's SM clock and power are "
+        "read right after each run.\n",
+        "| shape | group sizes | repeat | impl | a step's 3 GEMMs | cool GEMM ms | sustained GEMM ms "
+        "| sustained span ms | sustained TFLOP/s | SM clock, power after |",
+        "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['shape']} | {r['group_sizes']} | {r['repeat']} | {r['impl']} | "
+            f"{', '.join(r['kernels'])} | {r['cool']['gemm_ms']:.3f} | "
+            f"{r['sustained']['gemm_ms']:.3f} | {r['sustained']['span_ms']:.3f} | "
+            f"{r['sustained_tflops']:.1f} | {r['gpu_after']} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

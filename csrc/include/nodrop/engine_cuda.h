@@ -34,7 +34,7 @@ enum class GemmTile : int32_t {
   kPingpong128x128x64Cluster2x1 = 2,     // the same where the column tiles do not pair up
   kPingpong128x128x64Cluster1x1 = 3,     // the same where neither the rows nor columns do
   kCooperative128x256x64Cluster1x1 = 4,  // two warpgroups share a tile: long contractions
-  kCooperative256x192x64Cluster1x2 = 5,  // fewer bytes per FLOP: thousands of rows per group
+  kCooperative256x192x64Cluster1x2 = 5,  // the widest: short weight gradients, output-bound
 };
 inline constexpr GemmTile kGemmTiles[] = {
     GemmTile::kPingpong128x128x64Cluster1x2, GemmTile::kPingpong128x128x64Cluster2x1,

@@ -54,13 +54,22 @@ def kernel_schedule(name: str) -> str:
     return "cooperative" if "Cooperative" in name else "ping-pong"
 
 
-def window(events, gemms_per_step: int, steps: int, last: bool) -> dict:
-    """Kernel ms per step over the first or last `steps` steps, and first-to-last-kernel span."""
+# A step's GEMMs in the order both implementations launch them (PyTorch's autograd computes
+# the lhs gradient before the rhs one; XLA keeps the same order for nodrop).
+STEP_GEMMS = ("forward", "input grad", "weight grad")
+
+
+def window(events, steps: int, last: bool) -> dict:
+    """Kernel ms per step over the first or last `steps` steps, each GEMM's share, and the span
+    from the first GEMM's start to the last one's end."""
     gemms = [e for e in events if "GemmUniversal" in e[0]]
-    chosen = gemms[-gemms_per_step * steps:] if last else gemms[:gemms_per_step * steps]
+    per_step = len(STEP_GEMMS)
+    chosen = gemms[-per_step * steps:] if last else gemms[:per_step * steps]
     start, end = chosen[0][1], chosen[-1][2]
     inside = [e for e in events if e[1] >= start and e[2] <= end]
-    return dict(gemm_ms=sum(e[2] - e[1] for e in chosen) / steps,
+    each = {gemm: sum(e[2] - e[1] for e in chosen[i::per_step]) / steps
+            for i, gemm in enumerate(STEP_GEMMS)}
+    return dict(gemm_ms=sum(e[2] - e[1] for e in chosen) / steps, each_gemm_ms=each,
                 all_kernels_ms=sum(e[2] - e[1] for e in inside) / steps,
                 span_ms=(end - start) / steps)
 
@@ -121,10 +130,10 @@ def main() -> int:
                     events = kernel_events(profile, run, args.steps)
                     state = gpu_state()
                     gemms = [e for e in events if "GemmUniversal" in e[0]]
-                    kernels = [kernel_schedule(e[0]) for e in gemms[-3:]]
+                    kernels = [kernel_schedule(e[0]) for e in gemms[-len(STEP_GEMMS):]]
                     row = dict(shape=name, group_sizes=kind, repeat=repeat, impl=impl,
-                               cool=window(events, 3, COOL_STEPS, last=False),
-                               sustained=window(events, 3, sustained_steps, last=True),
+                               cool=window(events, COOL_STEPS, last=False),
+                               sustained=window(events, sustained_steps, last=True),
                                kernels=kernels, gpu_after=state)
                     row["sustained_tflops"] = flops / row["sustained"]["span_ms"] / 1e9
                     rows.append(row)
@@ -157,6 +166,16 @@ def markdown(rows: list[dict], steps: int, sustained_steps: int) -> str:
             f"{', '.join(r['kernels'])} | {r['cool']['gemm_ms']:.3f} | "
             f"{r['sustained']['gemm_ms']:.3f} | {r['sustained']['span_ms']:.3f} | "
             f"{r['sustained_tflops']:.1f} | {r['gpu_after']} |")
+    lines += [
+        "\nEach GEMM, ms per step: cool / sustained.\n",
+        "| shape | group sizes | repeat | impl | " + " | ".join(STEP_GEMMS) + " |",
+        "| --- | --- | ---: | --- |" + " ---: |" * len(STEP_GEMMS),
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['shape']} | {r['group_sizes']} | {r['repeat']} | {r['impl']} | "
+            + " | ".join(f"{r['cool']['each_gemm_ms'][g]:.3f} / "
+                         f"{r['sustained']['each_gemm_ms'][g]:.3f}" for g in STEP_GEMMS) + " |")
     return "\n".join(lines) + "\n"
 
 

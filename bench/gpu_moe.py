@@ -62,9 +62,10 @@ BASELINE_CAPACITY = "capacity_1.0"  # the token-dropping peer of the ratios and 
 DTYPE = jnp.bfloat16
 
 # Timing: WARMUP calls (the first compiles), then the median over REPEATS of the mean time of
-# --iters calls queued back to back. Every case is compute-bound and its operands together
-# exceed the H200's 60 MB L2, so inputs are not rotated.
-WARMUP, REPEATS, DEFAULT_ITERS = 3, 3, 10
+# --iters calls queued back to back; implementations compared by a target take turns (see
+# side_by_side). Every case is compute-bound and its operands together exceed the H200's 60 MB
+# L2, so inputs are not rotated.
+WARMUP, REPEATS, DEFAULT_ITERS = 3, 5, 10
 CASE_BUDGET_S = 3.0  # a slow case (jax.lax.ragged_dot) gets fewer timed calls, to stay near this
 RAGGED_DOT_MAX_FORWARD_S = 2.0  # a slower jax.lax.ragged_dot forward skips its forward+backward
 CHECK_TOLERANCE = 1e-2  # nodrop's bf16 output vs a float32 jnp.dot, relative to max |dot|
@@ -89,37 +90,56 @@ START = time.perf_counter()
 
 
 def seconds_per_call(run, sync, iters: int) -> tuple[float, int]:
-    """(median seconds per call, calls per repeat) of run(); sync(result) waits for the device.
+    """(median seconds per call, calls per repeat) of run(); sync(result) waits for the device."""
+    (seconds, iters), = side_by_side({"": (run, sync)}, iters).values()
+    return seconds, iters
+
+
+def side_by_side(runs: dict, iters: int) -> dict:
+    """{name: (median seconds per call, calls per repeat)} for runs {name: (run, sync)}.
 
     Calls are queued back to back and synchronized once per repeat, as in a training step, so
-    host launch gaps are hidden.
+    host launch gaps are hidden. The runs take turns, repeat by repeat, in an order reversed
+    every other repeat: an H200 at its power limit loses clock within a fraction of a second,
+    so two implementations compared one after the other would meet different cards.
     """
-    for _ in range(WARMUP):
-        start = time.perf_counter()
-        sync(run())
-        call_s = time.perf_counter() - start
-    iters = max(1, min(iters, int(CASE_BUDGET_S / (REPEATS * call_s))))
-    samples = []
+    calls = {}
+    for name, (run, sync) in runs.items():
+        for _ in range(WARMUP):
+            start = time.perf_counter()
+            sync(run())
+            call_s = time.perf_counter() - start
+        calls[name] = max(1, min(iters, int(CASE_BUDGET_S / (REPEATS * call_s))))
+    samples = {name: [] for name in runs}
+    order = list(runs)
     for _ in range(REPEATS):
-        start = time.perf_counter()
-        for _ in range(iters):
-            result = run()
-        sync(result)
-        samples.append((time.perf_counter() - start) / iters)
-    return statistics.median(samples), iters
+        for name in order:
+            run, sync = runs[name]
+            start = time.perf_counter()
+            for _ in range(calls[name]):
+                result = run()
+            sync(result)
+            samples[name].append((time.perf_counter() - start) / calls[name])
+        order.reverse()
+    return {name: (statistics.median(samples[name]), calls[name]) for name in runs}
 
 
-def measure(run, sync, iters: int, flops: float) -> dict:
-    """Times run(); a failure (out of memory, say) is recorded instead of raised."""
+def measure(runs: dict, iters: int, flops: float) -> dict:
+    """{name: result} for runs {name: (run, sync)}, timed side by side. A failure (out of
+    memory, say) is recorded instead of raised; where a group fails, each run is retried alone
+    so that one failure does not cost the others their figures."""
     try:
-        seconds, iters = seconds_per_call(run, sync, iters)
+        timings = side_by_side(runs, iters)
     except Exception as error:  # XlaRuntimeError, torch.OutOfMemoryError, ...
+        if len(runs) > 1:
+            return {name: measure({name: run}, iters, flops)[name] for name, run in runs.items()}
         text = str(error)
         oom = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
-        return dict(status="OOM" if oom else "error", ms=None, tflops=None, iters=0,
-                    detail=f"{type(error).__name__}: {text[:500]}")
-    return dict(status="ok", ms=1e3 * seconds, tflops=flops / seconds / 1e12, iters=iters,
-                detail="")
+        return {name: dict(status="OOM" if oom else "error", ms=None, tflops=None, iters=0,
+                           detail=f"{type(error).__name__}: {text[:500]}") for name in runs}
+    return {name: dict(status="ok", ms=1e3 * seconds, tflops=flops / seconds / 1e12,
+                       iters=calls, detail="")
+            for name, (seconds, calls) in timings.items()}
 
 
 def log(case: dict) -> None:
@@ -192,8 +212,9 @@ def check_nodrop(forward, operands, sizes) -> float:
     return worst
 
 
-def jax_gemm_cases(name: str, dims, iters: int) -> list[dict]:
-    """nodrop.ragged_dot and jax.lax.ragged_dot per group sizes, then dense and capacity."""
+def gemm_cases_of(name: str, dims, iters: int, torch) -> list[dict]:
+    """Per group sizes and pass: nodrop.ragged_dot and torch._grouped_mm (where torch imports)
+    timed side by side, then jax.lax.ragged_dot; then dense and capacity."""
     rows, k, n, groups = dims
     keys = jax.random.split(jax.random.key(0), 3)
     lhs = jax.random.normal(keys[0], (rows, k), DTYPE)
@@ -204,6 +225,7 @@ def jax_gemm_cases(name: str, dims, iters: int) -> list[dict]:
     steps = {(impl, passes): jax.jit(make_step(matmul))
              for impl, matmul in GROUPED_MATMULS.items()
              for passes, (make_step, _) in PASSES.items()}
+    torch_steps = torch_grouped_mm_steps(torch, dims) if torch is not None else None
     common = dict(section="gemm", shape=name, dims=list(dims))
     cases = []
     for kind in GROUP_SIZE_KINDS:
@@ -214,17 +236,25 @@ def jax_gemm_cases(name: str, dims, iters: int) -> list[dict]:
         except Exception as error:  # recorded as a failed check; the timing says more
             print(f"nodrop output check failed: {type(error).__name__}: {error}", flush=True)
             check = None
+        if torch_steps is not None:
+            offs = torch.tensor(np.cumsum(sizes), dtype=torch.int32, device="cuda")
         ragged_forward_ms = 0.0
         for passes, (_, gemms) in PASSES.items():
-            for impl in GROUPED_MATMULS:
-                if impl == "ragged_dot" and ragged_forward_ms > 1e3 * RAGGED_DOT_MAX_FORWARD_S:
-                    result = dict(NOT_RUN, status="skipped",
-                                  detail=f"forward took {ragged_forward_ms:.0f} ms per call")
-                else:
-                    result = measure(functools.partial(steps[impl, passes], *operands),
-                                     jax.block_until_ready, iters, gemms * flops)
-                if (impl, passes) == ("ragged_dot", "forward") and result["status"] == "ok":
-                    ragged_forward_ms = result["ms"]
+            runs = {"nodrop": (functools.partial(steps["nodrop", passes], *operands),
+                               jax.block_until_ready)}
+            if torch_steps is not None:
+                runs["torch"] = (functools.partial(torch_steps[passes], offs), torch_sync(torch))
+            results = measure(runs, iters, gemms * flops)
+            if ragged_forward_ms > 1e3 * RAGGED_DOT_MAX_FORWARD_S:
+                detail = f"forward took {ragged_forward_ms:.0f} ms per call"
+                results["ragged_dot"] = dict(NOT_RUN, status="skipped", detail=detail)
+            else:  # alone: it is far slower than the others, and its verdicts have wide margins
+                results |= measure({"ragged_dot": (
+                    functools.partial(steps["ragged_dot", passes], *operands),
+                    jax.block_until_ready)}, iters, gemms * flops)
+            if passes == "forward" and results["ragged_dot"]["status"] == "ok":
+                ragged_forward_ms = results["ragged_dot"]["ms"]
+            for impl, result in results.items():
                 extra = dict(sizes=sizes.tolist(), check=check) if impl == "nodrop" else {}
                 add_case(cases, **common, group_sizes=kind, passes=passes, impl=impl, **result,
                          **extra)
@@ -238,9 +268,10 @@ def padded_gemm_cases(common: dict, lhs, rhs, grad_out, iters: int) -> list[dict
     dense_rhs = rhs[0]
     cases = []
     for passes, (make_step, gemms) in PASSES.items():
-        result = measure(functools.partial(jax.jit(make_step(dense_dot)), lhs, dense_rhs, None,
-                                           grad_out), jax.block_until_ready, iters, gemms * flops)
-        add_case(cases, **common, group_sizes="any", passes=passes, impl="dense", **result)
+        run = functools.partial(jax.jit(make_step(dense_dot)), lhs, dense_rhs, None, grad_out)
+        result = measure({"dense": (run, jax.block_until_ready)}, iters, gemms * flops)
+        add_case(cases, **common, group_sizes="any", passes=passes, impl="dense",
+                 **result["dense"])
     for cf in CAPACITY_FACTORS:
         capacity = capacity_rows(rows, groups, cf)
         keys = jax.random.split(jax.random.key(1), 2)
@@ -249,11 +280,11 @@ def padded_gemm_cases(common: dict, lhs, rhs, grad_out, iters: int) -> list[dict
         dropped = {kind: dropped_fraction(group_sizes(kind, rows, groups), capacity)
                    for kind in GROUP_SIZE_KINDS}
         for passes, (make_step, gemms) in PASSES.items():
-            result = measure(
-                functools.partial(jax.jit(make_step(capacity_einsum)), tokens, rhs, None,
-                                  grad_buffers), jax.block_until_ready, iters, gemms * flops)
+            run = functools.partial(jax.jit(make_step(capacity_einsum)), tokens, rhs, None,
+                                    grad_buffers)
+            result = measure({"capacity": (run, jax.block_until_ready)}, iters, gemms * flops)
             add_case(cases, **common, group_sizes="any", passes=passes, impl=f"capacity_{cf}",
-                     **result, capacity=capacity, dropped=dropped)
+                     **result["capacity"], capacity=capacity, dropped=dropped)
     return cases
 
 
@@ -270,11 +301,10 @@ def load_torch():
     return torch, ""
 
 
-def torch_gemm_cases(torch, name: str, dims, iters: int) -> list[dict]:
-    """torch._grouped_mm, lhs [M, K] and rhs [G, K, N] bf16, offs the cumulative group sizes.
-
-    Its tensors live only in this call; the caller empties torch's cache afterwards.
-    """
+def torch_grouped_mm_steps(torch, dims) -> dict:
+    """{pass: step(offs)} of torch._grouped_mm, lhs [M, K] and rhs [G, K, N] bf16, offs the
+    cumulative group sizes. Its tensors live as long as the steps; the caller empties torch's
+    cache afterwards."""
     rows, k, n, groups = dims
     options = dict(dtype=torch.bfloat16, device="cuda")
     lhs = torch.randn(rows, k, **options, requires_grad=True)
@@ -289,19 +319,12 @@ def torch_gemm_cases(torch, name: str, dims, iters: int) -> list[dict]:
         out = torch._grouped_mm(lhs, rhs, offs=offs)
         return out, torch.autograd.grad(out, (lhs, rhs), grad_outputs=grad_out)
 
-    def sync(_):
-        torch.cuda.synchronize()
+    return {"forward": forward, "forward+backward": forward_backward}
 
-    cases = []
-    for kind in GROUP_SIZE_KINDS:
-        offs = torch.tensor(np.cumsum(group_sizes(kind, rows, groups)), dtype=torch.int32,
-                            device="cuda")
-        for passes, (step, gemms) in {"forward": (forward, 1),
-                                      "forward+backward": (forward_backward, 3)}.items():
-            result = measure(functools.partial(step, offs), sync, iters, gemms * 2 * rows * k * n)
-            add_case(cases, section="gemm", shape=name, dims=list(dims), group_sizes=kind,
-                     passes=passes, impl="torch", **result)
-    return cases
+
+def torch_sync(torch):
+    """sync(result) for torch's steps: waits for the whole device."""
+    return lambda _: torch.cuda.synchronize()
 
 
 # --- MoE expert layer -------------------------------------------------------------------------
@@ -348,13 +371,12 @@ def layer_cases(name: str, dims, iters: int) -> list[dict]:
         capacity = capacity_rows(tokens * k, experts, cf)
         variants[f"capacity_{cf}"] = (capacity_ops(cf), dict(
             capacity=capacity, dropped=dropped_fraction(counts, capacity)))
+    runs = {impl: (functools.partial(jax.jit(demo.loss_and_grads(ops, k)), params, x, target),
+                   jax.block_until_ready) for impl, (ops, _) in variants.items()}
     cases = []
-    for impl, (ops, extra) in variants.items():
-        step = jax.jit(demo.loss_and_grads(ops, k))
-        result = measure(functools.partial(step, params, x, target), jax.block_until_ready,
-                         iters, flops)
+    for impl, result in measure(runs, iters, flops).items():
         add_case(cases, section="layer", shape=name, dims=list(dims), group_sizes="router",
-                 passes="forward+backward", impl=impl, **result, **extra)
+                 passes="forward+backward", impl=impl, **result, **variants[impl][1])
     return cases
 
 
@@ -518,7 +540,9 @@ def markdown(meta: dict, gemm_rows: list[dict], layer_rows: list[dict]) -> str:
         f"{versions}.",
         f"bf16 inputs, float32 accumulation, jitted; median over {timing['repeats']} repeats of "
         f"the mean of {timing['iters']} back-to-back calls (fewer where those would take over "
-        f"{CASE_BUDGET_S:g} s), after {timing['warmup']} warm-up calls.",
+        f"{CASE_BUDGET_S:g} s), after {timing['warmup']} warm-up calls. nodrop and "
+        "torch._grouped_mm, and the layer's three variants, take turns repeat by repeat, in an "
+        "order reversed every other repeat, so that each meets the card in the same state.",
     ]
     if gemm_rows:
         shapes = "; ".join(f"{name} {tuple(dims)}" for name, dims in dict(
@@ -648,9 +672,8 @@ def main(argv=None) -> int:
     gemm_cases, layer_results = [], []
     if args.only in ("gemm", "all"):
         for name, dims in chosen(GEMM_SHAPES).items():
-            gemm_cases += jax_gemm_cases(name, dims, args.iters)
-            if torch is not None:  # after this shape's JAX cases, whose arrays are freed now
-                gemm_cases += torch_gemm_cases(torch, name, dims, args.iters)
+            gemm_cases += gemm_cases_of(name, dims, args.iters, torch)
+            if torch is not None:  # this shape's torch tensors are freed now
                 torch.cuda.empty_cache()
     if args.only in ("layer", "all"):
         for name, dims in chosen(LAYER_SHAPES).items():

@@ -3,9 +3,10 @@
 // ceiling), printed as a table.
 //
 //   nodrop_cuda_bench [--iters=50] [--warmup=5] [--tiles=auto|all|sweep] [--csv=FILE]
+//                     [--shapes=NAME,NAME]
 //
 // --tiles=all times every tile; --tiles=sweep times the automatic tile under every raster order
-// and swizzle of the tile scheduler.
+// and swizzle of the tile scheduler. --shapes runs only the named shapes (default: all).
 //
 // Each timing is the median of `iters` single calls timed with CUDA events after `warmup` calls;
 // consecutive calls read different copies of the inputs, so they do not start in L2.
@@ -158,6 +159,7 @@ struct Options {
   int warmup = 5;
   std::string tiles = "auto";
   std::string csv;
+  std::vector<std::string> shapes;  // empty: every shape
 };
 
 Options parse(int argc, char** argv) {
@@ -176,15 +178,31 @@ Options parse(int argc, char** argv) {
       options.tiles = v;
     } else if (const char* v = value("--csv=")) {
       options.csv = v;
+    } else if (const char* v = value("--shapes=")) {
+      for (std::string rest = v; !rest.empty();) {
+        const size_t comma = rest.find(',');
+        options.shapes.push_back(rest.substr(0, comma));
+        rest = comma == std::string::npos ? "" : rest.substr(comma + 1);
+      }
     } else {
       options.tiles = "";  // unknown argument: print the usage below
     }
   }
   if (options.tiles != "auto" && options.tiles != "all" && options.tiles != "sweep") {
     std::fprintf(stderr,
-                 "usage: %s [--iters=N] [--warmup=N] [--tiles=auto|all|sweep] [--csv=FILE]\n",
+                 "usage: %s [--iters=N] [--warmup=N] [--tiles=auto|all|sweep] [--csv=FILE] "
+                 "[--shapes=NAME,NAME]\n",
                  argv[0]);
     std::exit(2);
+  }
+  for (const std::string& name : options.shapes) {
+    if (std::none_of(std::begin(kShapes), std::end(kShapes),
+                     [&](const Shape& s) { return name == s.name; })) {
+      std::fprintf(stderr, "--shapes: unknown shape \"%s\"; known:", name.c_str());
+      for (const Shape& s : kShapes) std::fprintf(stderr, " \"%s\"", s.name);
+      std::fprintf(stderr, "\n");
+      std::exit(2);
+    }
   }
   return options;
 }
@@ -278,6 +296,10 @@ int main(int argc, char** argv) {
   const Mode modes[] = {Mode::kForward, Mode::kInputGrad, Mode::kWeightGrad};
   std::vector<Row> rows;
   for (const Shape& s : kShapes) {
+    if (!options.shapes.empty() &&
+        std::find(options.shapes.begin(), options.shapes.end(), s.name) == options.shapes.end()) {
+      continue;
+    }
     // Enough input copies that the ones a call reads were evicted from L2 by the others.
     const size_t set_bytes = (s.M * s.K + s.G * s.K * s.N + s.M * s.N) * sizeof(bf16);
     const size_t copies = std::clamp<size_t>(4 * props.l2CacheSize / set_bytes + 1, 2, 8);

@@ -3,13 +3,12 @@
     PYTHONPATH=.:bench python3 bench/gpu_gemm_sustained.py --out DIR [--shapes Mixtral-8x7B]
                                                          [--steps 40] [--repeats 2]
 
-bench/gpu_moe.py times short windows, one implementation after the other, and at the H200's
-power limit the clock drops within tens of milliseconds. This records, for each implementation,
-the GPU kernel time of every forward+backward step of a longer run (CUPTI through the torch
-profiler, the same tracer for both): the first steps (a cool card) against the last ones (at
-the power limit), plus the span from the first kernel to the last, which adds the gaps between
-kernels. The two implementations alternate, so both see the same card state. Writes
-DIR/gemm-sustained.{md,json}.
+bench/gpu_moe.py times short windows of wall time. This records, for each implementation, the
+GPU kernel time of every forward+backward step of a longer run (CUPTI through the torch
+profiler, the same tracer for both): the first steps (a cool card) against the last ones (at the
+H200's power limit, which it reaches within a second), each GEMM of the step apart, plus the
+span from the first kernel to the last, which adds the gaps and small kernels between them. The
+two implementations alternate run by run. Writes DIR/gemm-sustained.{md,json}.
 """
 
 from __future__ import annotations
@@ -54,12 +53,16 @@ def kernel_schedule(name: str) -> str:
     return "cooperative" if "Cooperative" in name else "ping-pong"
 
 
-# A step's GEMMs in the order both implementations launch them (PyTorch's autograd computes
-# the lhs gradient before the rhs one; XLA keeps the same order for nodrop).
 STEP_GEMMS = ("forward", "input grad", "weight grad")
+# The order in which each implementation launches a step's GEMMs. XLA keeps the program order
+# for nodrop (its kernels' schedules confirm it); PyTorch's autograd computes the rhs gradient
+# first: at DeepSeek-V3-EP8, whose weight gradient takes 1.6 times the others, its second GEMM
+# is the slow one.
+LAUNCH_ORDER = {"nodrop": ("forward", "input grad", "weight grad"),
+                "torch": ("forward", "weight grad", "input grad")}
 
 
-def window(events, steps: int, last: bool) -> dict:
+def window(events, impl: str, steps: int, last: bool) -> dict:
     """Kernel ms per step over the first or last `steps` steps, each GEMM's share, and the span
     from the first GEMM's start to the last one's end."""
     gemms = [e for e in events if "GemmUniversal" in e[0]]
@@ -68,7 +71,7 @@ def window(events, steps: int, last: bool) -> dict:
     start, end = chosen[0][1], chosen[-1][2]
     inside = [e for e in events if e[1] >= start and e[2] <= end]
     each = {gemm: sum(e[2] - e[1] for e in chosen[i::per_step]) / steps
-            for i, gemm in enumerate(STEP_GEMMS)}
+            for i, gemm in enumerate(LAUNCH_ORDER[impl])}
     return dict(gemm_ms=sum(e[2] - e[1] for e in chosen) / steps, each_gemm_ms=each,
                 all_kernels_ms=sum(e[2] - e[1] for e in inside) / steps,
                 span_ms=(end - start) / steps)
@@ -130,10 +133,11 @@ def main() -> int:
                     events = kernel_events(profile, run, args.steps)
                     state = gpu_state()
                     gemms = [e for e in events if "GemmUniversal" in e[0]]
-                    kernels = [kernel_schedule(e[0]) for e in gemms[-len(STEP_GEMMS):]]
+                    kernels = dict(zip(LAUNCH_ORDER[impl],
+                                       (kernel_schedule(e[0]) for e in gemms[-len(STEP_GEMMS):])))
                     row = dict(shape=name, group_sizes=kind, repeat=repeat, impl=impl,
-                               cool=window(events, COOL_STEPS, last=False),
-                               sustained=window(events, sustained_steps, last=True),
+                               cool=window(events, impl, COOL_STEPS, last=False),
+                               sustained=window(events, impl, sustained_steps, last=True),
                                kernels=kernels, gpu_after=state)
                     row["sustained_tflops"] = flops / row["sustained"]["span_ms"] / 1e9
                     rows.append(row)
@@ -156,14 +160,15 @@ def markdown(rows: list[dict], steps: int, sustained_steps: int) -> str:
         f"{sustained_steps}; span runs from the first GEMM's start to the last one's end, so it "
         "adds the gaps and the small kernels between them. nvidia-smi's SM clock and power are "
         "read right after each run.\n",
-        "| shape | group sizes | repeat | impl | a step's 3 GEMMs | cool GEMM ms | sustained GEMM ms "
-        "| sustained span ms | sustained TFLOP/s | SM clock, power after |",
+        "| shape | group sizes | repeat | impl | schedules (" + ", ".join(STEP_GEMMS) + ") "
+        "| cool GEMM ms | sustained GEMM ms | sustained span ms | sustained TFLOP/s "
+        "| SM clock, power after |",
         "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r['shape']} | {r['group_sizes']} | {r['repeat']} | {r['impl']} | "
-            f"{', '.join(r['kernels'])} | {r['cool']['gemm_ms']:.3f} | "
+            f"{', '.join(r['kernels'][g] for g in STEP_GEMMS)} | {r['cool']['gemm_ms']:.3f} | "
             f"{r['sustained']['gemm_ms']:.3f} | {r['sustained']['span_ms']:.3f} | "
             f"{r['sustained_tflops']:.1f} | {r['gpu_after']} |")
     lines += [

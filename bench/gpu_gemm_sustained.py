@@ -55,9 +55,9 @@ def kernel_schedule(name: str) -> str:
 
 STEP_GEMMS = ("forward", "input grad", "weight grad")
 # The order in which each implementation launches a step's GEMMs. XLA keeps the program order
-# for nodrop (its kernels' schedules confirm it); PyTorch's autograd computes the rhs gradient
-# first: at DeepSeek-V3-EP8, whose weight gradient takes 1.6 times the others, its second GEMM
-# is the slow one.
+# for nodrop (its kernels' schedules confirm it). For PyTorch it is inferred from timings, not
+# from kernel names: at DeepSeek-V3-EP8, whose weight gradient (256 rows per group, output-bound)
+# takes 1.6 times the others in nodrop, PyTorch's second GEMM is the slow one.
 LAUNCH_ORDER = {"nodrop": ("forward", "input grad", "weight grad"),
                 "torch": ("forward", "weight grad", "input grad")}
 

@@ -55,9 +55,11 @@ def kernel_schedule(name: str) -> str:
 
 STEP_GEMMS = ("forward", "input grad", "weight grad")
 # The order in which each implementation launches a step's GEMMs. XLA keeps the program order
-# for nodrop (its kernels' schedules confirm it). For PyTorch it is inferred from timings, not
-# from kernel names: at DeepSeek-V3-EP8, whose weight gradient (256 rows per group, output-bound)
-# takes 1.6 times the others in nodrop, PyTorch's second GEMM is the slow one.
+# for nodrop (its kernels' schedules confirm it). PyTorch's backward runs the weight gradient
+# first: the setup kernel before each of its GEMMs names the operand strides in its template
+# arguments, and the second one's A is column-major (x transposed), the third one's B is
+# K-major (the weights transposed), at both the Mixtral and DeepSeek-V3-EP8 shapes
+# (bench/results/2026-11-30-h200-sustained-tiles/torch-launch-order).
 LAUNCH_ORDER = {"nodrop": ("forward", "input grad", "weight grad"),
                 "torch": ("forward", "weight grad", "input grad")}
 

@@ -3,10 +3,12 @@
 // ceiling), printed as a table.
 //
 //   nodrop_cuda_bench [--iters=50] [--warmup=5] [--tiles=auto|all|sweep] [--csv=FILE]
-//                     [--shapes=NAME,NAME]
+//                     [--shapes=NAME,NAME] [--sizes=NAME,NAME] [--raster=auto|M|N]
 //
 // --tiles=all times every tile; --tiles=sweep times the automatic tile under every raster order
 // and swizzle of the tile scheduler. --shapes runs only the named shapes (default: all).
+// --sizes runs only the named group-size distributions (uniform, router-like, zipf(1)).
+// --raster=M or N makes every timed kernel walk its tiles along M or N (default: the engine's).
 //
 // Each timing is the median of `iters` single calls timed with CUDA events after `warmup` calls;
 // consecutive calls read different copies of the inputs, so they do not start in L2.
@@ -158,9 +160,25 @@ struct Options {
   int iters = 50;
   int warmup = 5;
   std::string tiles = "auto";
+  std::string raster = "auto";
   std::string csv;
   std::vector<std::string> shapes;  // empty: every shape
+  std::vector<std::string> sizes;   // empty: every distribution
 };
+
+std::vector<std::string> split_commas(std::string rest) {
+  std::vector<std::string> names;
+  while (!rest.empty()) {
+    const size_t comma = rest.find(',');
+    names.push_back(rest.substr(0, comma));
+    rest = comma == std::string::npos ? "" : rest.substr(comma + 1);
+  }
+  return names;
+}
+
+bool selected(const std::vector<std::string>& names, const std::string& name) {
+  return names.empty() || std::find(names.begin(), names.end(), name) != names.end();
+}
 
 Options parse(int argc, char** argv) {
   Options options;
@@ -176,22 +194,26 @@ Options parse(int argc, char** argv) {
       options.warmup = std::max(0, std::atoi(v));
     } else if (const char* v = value("--tiles=")) {
       options.tiles = v;
+    } else if (const char* v = value("--raster=")) {
+      options.raster = v;
     } else if (const char* v = value("--csv=")) {
       options.csv = v;
     } else if (const char* v = value("--shapes=")) {
-      for (std::string rest = v; !rest.empty();) {
-        const size_t comma = rest.find(',');
-        options.shapes.push_back(rest.substr(0, comma));
-        rest = comma == std::string::npos ? "" : rest.substr(comma + 1);
-      }
+      options.shapes = split_commas(v);
+    } else if (const char* v = value("--sizes=")) {
+      options.sizes = split_commas(v);
     } else {
       options.tiles = "";  // unknown argument: print the usage below
     }
   }
-  if (options.tiles != "auto" && options.tiles != "all" && options.tiles != "sweep") {
+  const bool raster_known =
+      options.raster == "auto" || options.raster == "M" || options.raster == "N";
+  if ((options.tiles != "auto" && options.tiles != "all" && options.tiles != "sweep") ||
+      !raster_known || (options.tiles == "sweep" && options.raster != "auto")) {
     std::fprintf(stderr,
                  "usage: %s [--iters=N] [--warmup=N] [--tiles=auto|all|sweep] [--csv=FILE] "
-                 "[--shapes=NAME,NAME]\n",
+                 "[--shapes=NAME,NAME] [--sizes=NAME,NAME] [--raster=auto|M|N] (not with "
+                 "--tiles=sweep, which sweeps it)\n",
                  argv[0]);
     std::exit(2);
   }
@@ -201,6 +223,16 @@ Options parse(int argc, char** argv) {
       std::fprintf(stderr, "--shapes: unknown shape \"%s\"; known:", name.c_str());
       for (const Shape& s : kShapes) std::fprintf(stderr, " \"%s\"", s.name);
       std::fprintf(stderr, "\n");
+      std::exit(2);
+    }
+  }
+  const char* const distributions[] = {"uniform", "router-like", "zipf(1)"};
+  for (const std::string& name : options.sizes) {
+    if (std::none_of(std::begin(distributions), std::end(distributions),
+                     [&](const char* known) { return name == known; })) {
+      std::fprintf(stderr,
+                   "--sizes: unknown distribution \"%s\"; known: uniform router-like zipf(1)\n",
+                   name.c_str());
       std::exit(2);
     }
   }
@@ -296,10 +328,7 @@ int main(int argc, char** argv) {
   const Mode modes[] = {Mode::kForward, Mode::kInputGrad, Mode::kWeightGrad};
   std::vector<Row> rows;
   for (const Shape& s : kShapes) {
-    if (!options.shapes.empty() &&
-        std::find(options.shapes.begin(), options.shapes.end(), s.name) == options.shapes.end()) {
-      continue;
-    }
+    if (!selected(options.shapes, s.name)) continue;
     // Enough input copies that the ones a call reads were evicted from L2 by the others.
     const size_t set_bytes = (s.M * s.K + s.G * s.K * s.N + s.M * s.N) * sizeof(bf16);
     const size_t copies = std::clamp<size_t>(4 * props.l2CacheSize / set_bytes + 1, 2, 8);
@@ -323,16 +352,20 @@ int main(int argc, char** argv) {
           {"router-like", router_like_sizes(s.M, s.G)},
           {"zipf(1)", zipf_sizes(s.M, s.G)}};
       for (const auto& [dist, sizes] : distributions) {
+        if (!selected(options.sizes, dist)) continue;
         CHECK(cudaMemcpyAsync(sizes_buffer.data, sizes.data(), sizes.size() * sizeof(int32_t),
                               cudaMemcpyHostToDevice, stream));
         const auto* d_sizes = static_cast<const int32_t*>(sizes_buffer.data);
         const GemmTile auto_tile = nodrop::cuda::grouped_matmul_tile(
             s.M, mode == Mode::kInputGrad ? s.N : s.K, mode == Mode::kInputGrad ? s.K : s.N, s.G,
             mode == Mode::kWeightGrad);
-        std::vector<GemmSchedule> schedules = {auto_tile};
+        const GemmRaster forced_raster = options.raster == "M"   ? GemmRaster::kAlongM
+                                         : options.raster == "N" ? GemmRaster::kAlongN
+                                                                 : GemmRaster::kAuto;
+        std::vector<GemmSchedule> schedules = {{auto_tile, forced_raster}};
         if (options.tiles == "all") {
-          schedules.assign(std::begin(nodrop::cuda::kGemmTiles),
-                           std::end(nodrop::cuda::kGemmTiles));
+          schedules.clear();
+          for (GemmTile tile : nodrop::cuda::kGemmTiles) schedules.push_back({tile, forced_raster});
         } else if (options.tiles == "sweep") {
           schedules.clear();
           for (GemmRaster raster : {GemmRaster::kAlongM, GemmRaster::kAlongN}) {
@@ -348,7 +381,7 @@ int main(int argc, char** argv) {
           });
           std::string kernel = nodrop::cuda::gemm_tile_name(schedule.tile);
           if (schedule.tile == auto_tile) kernel += " (auto)";
-          if (options.tiles == "sweep") {
+          if (options.tiles == "sweep" || forced_raster != GemmRaster::kAuto) {
             kernel += std::string(", ") + nodrop::cuda::gemm_raster_name(schedule.raster) +
                       ", swizzle " + std::to_string(schedule.swizzle);
           }

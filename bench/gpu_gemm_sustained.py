@@ -65,8 +65,10 @@ LAUNCH_ORDER = {"nodrop": ("forward", "input grad", "weight grad"),
 
 
 def window(events, impl: str, steps: int, last: bool) -> dict:
-    """Kernel ms per step over the first or last `steps` steps, each GEMM's share, and the span
-    from the first GEMM's start to the last one's end."""
+    """Kernel ms per step over the first or last `steps` steps, each GEMM's share, the span
+    from the first GEMM's start to the last one's end (which adds the gaps and small kernels
+    between them), and the kernels between one step's last GEMM and the next step's first (by
+    name, ms per step)."""
     gemms = [e for e in events if "GemmUniversal" in e[0]]
     per_step = len(STEP_GEMMS)
     chosen = gemms[-per_step * steps:] if last else gemms[:per_step * steps]
@@ -74,9 +76,15 @@ def window(events, impl: str, steps: int, last: bool) -> dict:
     inside = [e for e in events if e[1] >= start and e[2] <= end]
     each = {gemm: sum(e[2] - e[1] for e in chosen[i::per_step]) / steps
             for i, gemm in enumerate(LAUNCH_ORDER[impl])}
+    between = {}
+    for i in range(1, steps):
+        gap_start, gap_end = chosen[per_step * i - 1][2], chosen[per_step * i][1]
+        for name, kernel_start, kernel_end in events:
+            if gap_start <= kernel_start < gap_end:
+                between[name] = between.get(name, 0.0) + (kernel_end - kernel_start) / steps
     return dict(gemm_ms=sum(e[2] - e[1] for e in chosen) / steps, each_gemm_ms=each,
                 all_kernels_ms=sum(e[2] - e[1] for e in inside) / steps,
-                span_ms=(end - start) / steps)
+                span_ms=(end - start) / steps, between_steps_ms=between)
 
 
 def gpu_state() -> str:
@@ -173,6 +181,20 @@ def markdown(rows: list[dict], steps: int, sustained_steps: int) -> str:
             f"{', '.join(r['kernels'][g] for g in STEP_GEMMS)} | {r['cool']['gemm_ms']:.3f} | "
             f"{r['sustained']['gemm_ms']:.3f} | {r['sustained']['span_ms']:.3f} | "
             f"{r['sustained_tflops']:.1f} | {r['gpu_after']} |")
+    lines += [
+        "\nSustained, per step: the span, the time in it that no kernel ran (span minus all "
+        "kernels), and the kernels between a step's last GEMM and the next step's first.\n",
+        "| shape | group sizes | repeat | impl | span ms | GPU idle ms | kernels between steps "
+        "(ms per step) |",
+        "| --- | --- | ---: | --- | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        w = r["sustained"]
+        between = "; ".join(f"`{name[:60]}` {ms:.4f}" for name, ms in
+                            sorted(w["between_steps_ms"].items(), key=lambda item: -item[1]))
+        lines.append(f"| {r['shape']} | {r['group_sizes']} | {r['repeat']} | {r['impl']} | "
+                     f"{w['span_ms']:.3f} | {w['span_ms'] - w['all_kernels_ms']:.3f} | "
+                     f"{between or 'none'} |")
     lines += [
         "\nEach GEMM, ms per step: cool / sustained.\n",
         "| shape | group sizes | repeat | impl | " + " | ".join(STEP_GEMMS) + " |",

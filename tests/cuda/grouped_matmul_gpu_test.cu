@@ -507,6 +507,26 @@ TEST(CudaGroupedMatmulTile, AutoClusterWastesLittle) {
   }
 }
 
+// At the power limit the cooperative tile also takes a contraction of 2048 over at most two row
+// tiles per group against many column tiles; other contractions of 2048 stay on ping-pong.
+TEST(CudaGroupedMatmulTile, AutoCooperativeWhereWeightsOutweighRows) {
+  using nodrop::cuda::grouped_matmul_tile;
+  // DeepSeek-V3, one EP8 rank: the input gradient contracts 2048 over 256 rows per group
+  // against 7168 columns.
+  EXPECT_EQ(grouped_matmul_tile(8192, 2048, 7168, 32, false),
+            GemmTile::kCooperative128x256x64Cluster1x1);
+  // The mixtral preset's down-projection input gradient: 8192 rows per group.
+  EXPECT_EQ(grouped_matmul_tile(65536, 2048, 5632, 8, false),
+            GemmTile::kPingpong128x128x64Cluster1x2);
+  // Qwen3-30B-A3B at 2k tokens: 128 rows per group, but only 768 columns.
+  EXPECT_EQ(grouped_matmul_tile(16384, 2048, 768, 128, false),
+            GemmTile::kPingpong128x128x64Cluster1x2);
+  // A weight gradient is never taken by this rule: DeepSeek-V3's contracts 256 rows per group
+  // (the short-contraction rule picks the same tile) and a 2048-row one stays on ping-pong.
+  EXPECT_EQ(grouped_matmul_tile(65536, 2048, 7168, 32, true),
+            GemmTile::kPingpong128x128x64Cluster1x2);
+}
+
 // Walking along N pays only for a weight gradient whose A operand (K x the group's rows) is the
 // larger one and would not stay in the L2 (H200: 60 MiB) while the scheduler walks a column.
 TEST(CudaGroupedMatmulTile, AutoRasterWalksAlongNOnlyForLargeWeightGradientA) {

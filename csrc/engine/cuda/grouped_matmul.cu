@@ -290,6 +290,12 @@ const char* gemm_tile_name(GemmTile tile) {
 //     prologues and epilogues, and at most 128 rows the 256x192 tile with its 1x2 cluster beats
 //     the 128x256 one by 4-9%. Everything else runs faster on ping-pong 128x128, whose two
 //     warpgroups hide each other's epilogue.
+//   - At the power limit, which a training step reaches within a second, one more case favours
+//     the cooperative tile (bench/results/2026-11-30-h200-sustained-tiles): a contraction of 2048
+//     over at most two row tiles per group against many column tiles, where the weights
+//     outweigh the rows read (DeepSeek-V3's input gradient on one EP8 rank: 3-8% faster with
+//     uniform and router-like sizes in three runs, within 1% with Zipf). Other contractions of
+//     2048 did not gain.
 //   - A 2-CTA cluster (multicast) beats none by a few percent, unless CUTLASS's rounding of each
 //     group's tiles up to whole clusters runs too many tiles empty. 1x2 wastes nothing when the
 //     column tiles pair up, else one column tile in `col_tiles`; 2x1 wastes nothing on a weight
@@ -304,10 +310,12 @@ GemmTile grouped_matmul_tile(int64_t M, int64_t K, int64_t N, int64_t G, bool co
   if (contract && depth <= 128 && (wide_col_tiles % 2 == 0 || wide_col_tiles >= 8)) {
     return GemmTile::kCooperative256x192x64Cluster1x2;
   }
-  if (depth > 2048 || (contract && depth <= 256)) {
+  const int64_t col_tiles = tiles(N, 128);
+  const bool weights_outweigh_rows =
+      !contract && depth >= 2048 && rows_per_group <= 256 && col_tiles >= 32;
+  if (depth > 2048 || (contract && depth <= 256) || weights_outweigh_rows) {
     return GemmTile::kCooperative128x256x64Cluster1x1;
   }
-  const int64_t col_tiles = tiles(N, 128);
   if (col_tiles % 2 == 0) return GemmTile::kPingpong128x128x64Cluster1x2;
   const double waste_1x2 = 1.0 / col_tiles;
   const int64_t row_tiles = tiles(contract ? K : rows_per_group, 128);

@@ -43,8 +43,9 @@ inline constexpr GemmTile kGemmTiles[] = {
 
 const char* gemm_tile_name(GemmTile tile);
 
-// The tile kAuto resolves to, chosen from a benchmark of every tile on H200
-// (bench/results/2026-11-29-h200-gemm-tiles). The GEMM of each group is (rows x cols) with a
+// The tile kAuto resolves to, chosen from benchmarks of every tile on H200, short ones
+// (bench/results/2026-11-29-h200-gemm-tiles) and at the power limit
+// (bench/results/2026-11-30-h200-sustained-tiles). The GEMM of each group is (rows x cols) with a
 // contraction of `depth`: for grouped_matmul rows are the group's (ragged, on average M / G),
 // cols N and depth K; for grouped_matmul_contract rows are K, cols N, depth the group's rows.
 GemmTile grouped_matmul_tile(int64_t M, int64_t K, int64_t N, int64_t G, bool contract);

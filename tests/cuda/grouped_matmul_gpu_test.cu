@@ -521,8 +521,8 @@ TEST(CudaGroupedMatmulTile, AutoCooperativeWhereWeightsOutweighRows) {
   // Qwen3-30B-A3B at 2k tokens: 128 rows per group, but only 768 columns.
   EXPECT_EQ(grouped_matmul_tile(16384, 2048, 768, 128, false),
             GemmTile::kPingpong128x128x64Cluster1x2);
-  // A weight gradient is never taken by this rule: DeepSeek-V3's contracts 256 rows per group
-  // (the short-contraction rule picks the same tile) and a 2048-row one stays on ping-pong.
+  // A weight gradient is never taken by this rule: one contracting 2048 rows per group into
+  // 2048 x 7168 stays on ping-pong.
   EXPECT_EQ(grouped_matmul_tile(65536, 2048, 7168, 32, true),
             GemmTile::kPingpong128x128x64Cluster1x2);
 }

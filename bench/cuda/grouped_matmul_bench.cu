@@ -122,6 +122,14 @@ Sizes zipf_sizes(int64_t M, int64_t G) {
   return sizes;
 }
 
+// The group-size distributions timed, under the names --sizes takes.
+struct Distribution {
+  const char* name;
+  Sizes (*sizes)(int64_t M, int64_t G);
+};
+const Distribution kDistributions[] = {
+    {"uniform", uniform_sizes}, {"router-like", router_like_sizes}, {"zipf(1)", zipf_sizes}};
+
 // Hash-based values in [-1, 1): never time zeros.
 __global__ void fill_random(bf16* data, int64_t count, uint32_t seed) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
@@ -226,13 +234,12 @@ Options parse(int argc, char** argv) {
       std::exit(2);
     }
   }
-  const char* const distributions[] = {"uniform", "router-like", "zipf(1)"};
   for (const std::string& name : options.sizes) {
-    if (std::none_of(std::begin(distributions), std::end(distributions),
-                     [&](const char* known) { return name == known; })) {
-      std::fprintf(stderr,
-                   "--sizes: unknown distribution \"%s\"; known: uniform router-like zipf(1)\n",
-                   name.c_str());
+    if (std::none_of(std::begin(kDistributions), std::end(kDistributions),
+                     [&](const Distribution& d) { return name == d.name; })) {
+      std::fprintf(stderr, "--sizes: unknown distribution \"%s\"; known:", name.c_str());
+      for (const Distribution& d : kDistributions) std::fprintf(stderr, " \"%s\"", d.name);
+      std::fprintf(stderr, "\n");
       std::exit(2);
     }
   }
@@ -347,12 +354,10 @@ int main(int argc, char** argv) {
       const double dense_ms = median_ms(options, stream, [&](int i) {
         dense_gemm(handle, mode, s, *sets[i % copies], out.data);
       });
-      const std::pair<const char*, Sizes> distributions[] = {
-          {"uniform", uniform_sizes(s.M, s.G)},
-          {"router-like", router_like_sizes(s.M, s.G)},
-          {"zipf(1)", zipf_sizes(s.M, s.G)}};
-      for (const auto& [dist, sizes] : distributions) {
+      for (const Distribution& distribution : kDistributions) {
+        const char* dist = distribution.name;
         if (!selected(options.sizes, dist)) continue;
+        const Sizes sizes = distribution.sizes(s.M, s.G);
         CHECK(cudaMemcpyAsync(sizes_buffer.data, sizes.data(), sizes.size() * sizeof(int32_t),
                               cudaMemcpyHostToDevice, stream));
         const auto* d_sizes = static_cast<const int32_t*>(sizes_buffer.data);

@@ -293,9 +293,9 @@ const char* gemm_tile_name(GemmTile tile) {
 //   - At the power limit, which a training step reaches within a second, one more case favours
 //     the cooperative tile (bench/results/2026-11-30-h200-sustained-tiles): a contraction of 2048
 //     over at most two row tiles per group against many column tiles, where the weights
-//     outweigh the rows read (DeepSeek-V3's input gradient on one EP8 rank: 3-8% faster with
-//     uniform and router-like sizes in three runs, within 1% with Zipf). Other contractions of
-//     2048 did not gain.
+//     outweigh the rows read (DeepSeek-V3's input gradient on one EP8 rank, in three runs: 3-9%
+//     faster with uniform and router-like sizes, from 1% slower to 2% faster with Zipf). Other
+//     contractions of 2048 did not gain.
 //   - A 2-CTA cluster (multicast) beats none by a few percent, unless CUTLASS's rounding of each
 //     group's tiles up to whole clusters runs too many tiles empty. 1x2 wastes nothing when the
 //     column tiles pair up, else one column tile in `col_tiles`; 2x1 wastes nothing on a weight

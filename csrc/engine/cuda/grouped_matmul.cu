@@ -365,12 +365,9 @@ Status grouped_matmul(const void* lhs, const void* rhs, DType in_dtype, const in
   const GroupTable table = make_table(workspace, G, device, schedule);
   const GemmForm form = transpose_rhs ? GemmForm::kRowsTransposed : GemmForm::kRows;
   const detail::Operands ops{lhs, rhs, out, dtype_size(in_dtype), dtype_size(out_dtype)};
-  status =
-      cuda_status(fn, "group table",
-                  detail::launch_build_group_table(form, group_sizes, M, K, N, ops, table, stream));
-  if (!status.ok()) return status;
-  status = cuda_status(fn, "zero tail rows",
-                       detail::launch_zero_tail_rows(table, M, row_bytes, out, stream));
+  status = cuda_status(
+      fn, "setup kernel",
+      detail::launch_prepare_grouped_gemm(form, group_sizes, M, K, N, ops, table, stream));
   if (!status.ok()) return status;
   return run_gemm(form, in_dtype, out_dtype, schedule.tile, table, stream);
 }
@@ -402,12 +399,9 @@ Status grouped_matmul_contract(const void* lhs, const void* rhs, DType in_dtype,
                               device);
   const GroupTable table = make_table(workspace, G, device, schedule);
   const detail::Operands ops{lhs, rhs, out, dtype_size(in_dtype), dtype_size(out_dtype)};
-  status = cuda_status(fn, "group table",
-                       detail::launch_build_group_table(GemmForm::kContract, group_sizes, M, K, N,
-                                                        ops, table, stream));
-  if (!status.ok()) return status;
-  status = cuda_status(fn, "zero empty groups",
-                       detail::launch_zero_empty_groups(table, group_bytes, out, stream));
+  status = cuda_status(fn, "setup kernel",
+                       detail::launch_prepare_grouped_gemm(GemmForm::kContract, group_sizes, M, K,
+                                                           N, ops, table, stream));
   if (!status.ok()) return status;
   return run_gemm(GemmForm::kContract, in_dtype, out_dtype, schedule.tile, table, stream);
 }

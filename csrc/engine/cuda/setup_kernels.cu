@@ -1,15 +1,15 @@
-// Group-table setup and zero-fill kernels (see setup_kernels.cuh).
+// The setup kernel of each grouped GEMM: the group table and the zero fill (setup_kernels.cuh).
 #include "engine/cuda/setup_kernels.cuh"
 
 #include <algorithm>
 
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
 namespace nodrop::cuda::detail {
 namespace {
 
-constexpr int kSetupThreads = 1024;
-constexpr int kFillThreads = 256;
+constexpr int kSetupThreads = 256;
 // Every zeroed region starts and ends on a multiple of 16 bytes (N % 8 == 0).
 constexpr int64_t kVectorBytes = 16;
 
@@ -47,15 +47,16 @@ __device__ void write_group(const GroupTable& t, int64_t g, int64_t begin, int64
   stride_d[g] = cute::make_stride(N, cute::_1{}, cute::_0{});
 }
 
-// Each thread takes a run of consecutive groups; one block-wide scan of the run totals gives
-// every group its clamped offset: min(M, sum of max(0, size) before it) equals the running
-// total clamped at M step by step, because the sizes added are never negative.
+using SizeScan = cub::BlockScan<int64_t, kSetupThreads>;
+using SizeSum = cub::BlockReduce<int64_t, kSetupThreads>;
+
+// Block 0 builds the table. Each thread takes a run of consecutive groups; one block-wide scan of
+// the run totals gives every group its clamped offset: min(M, sum of max(0, size) before it)
+// equals the running total clamped at M step by step, because the sizes added are never negative.
 template <GemmForm F>
-__global__ void __launch_bounds__(kSetupThreads)
-    build_group_table(const int32_t* __restrict__ group_sizes, int64_t M, int64_t K, int64_t N,
-                      Operands ops, GroupTable table) {
-  using Scan = cub::BlockScan<int64_t, kSetupThreads>;
-  __shared__ typename Scan::TempStorage scan_storage;
+__device__ void build_group_table(const int32_t* __restrict__ group_sizes, int64_t M, int64_t K,
+                                  int64_t N, const Operands& ops, const GroupTable& table,
+                                  typename SizeScan::TempStorage& scan_storage) {
   const int64_t G = table.num_groups;
   const int64_t per_thread = (G + kSetupThreads - 1) / kSetupThreads;
   const int64_t first = min(G, int64_t(threadIdx.x) * per_thread);
@@ -63,7 +64,7 @@ __global__ void __launch_bounds__(kSetupThreads)
   int64_t run_total = 0;
   for (int64_t g = first; g < last; ++g) run_total += max(group_sizes[g], 0);
   int64_t total_before = 0;
-  Scan(scan_storage).ExclusiveSum(run_total, total_before);
+  SizeScan(scan_storage).ExclusiveSum(run_total, total_before);
   if (threadIdx.x == 0) table.offsets[0] = 0;
   for (int64_t g = first; g < last; ++g) {
     const int64_t begin = min(M, total_before);
@@ -74,71 +75,112 @@ __global__ void __launch_bounds__(kSetupThreads)
   }
 }
 
-__global__ void __launch_bounds__(kFillThreads)
-    zero_tail_rows(const int64_t* __restrict__ rows_used, int64_t M, int64_t row_bytes, char* out) {
-  const int64_t begin = *rows_used * row_bytes / kVectorBytes;
-  const int64_t end = M * row_bytes / kVectorBytes;
-  uint4* vectors = reinterpret_cast<uint4*>(out);
-  const int64_t step = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = begin + blockIdx.x * blockDim.x + threadIdx.x; i < end; i += step) {
+// Sum of max(0, group_sizes[g]) over g in [0, end), known to every thread of the block.
+__device__ int64_t rows_before(const int32_t* __restrict__ group_sizes, int64_t end,
+                               typename SizeSum::TempStorage& sum_storage) {
+  int64_t partial = 0;
+  for (int64_t g = threadIdx.x; g < end; g += kSetupThreads) partial += max(group_sizes[g], 0);
+  __shared__ int64_t total;
+  const int64_t block_total = SizeSum(sum_storage).Sum(partial);
+  if (threadIdx.x == 0) total = block_total;
+  __syncthreads();
+  return total;
+}
+
+// Fill block `fill` of `fills`: zeroes its share of rows [min(M, total rows), M) of out
+// [M, N], which no group owns.
+__device__ void zero_tail_rows(const int32_t* __restrict__ group_sizes, int64_t M, int64_t N,
+                               const Operands& ops, int64_t G, int64_t fill, int64_t fills,
+                               typename SizeSum::TempStorage& sum_storage) {
+  const int64_t row_vectors = N * ops.out_size / kVectorBytes;
+  const int64_t begin = min(M, rows_before(group_sizes, G, sum_storage)) * row_vectors;
+  const int64_t end = M * row_vectors;
+  uint4* vectors = static_cast<uint4*>(ops.out);
+  const int64_t step = fills * kSetupThreads;
+  for (int64_t i = begin + fill * kSetupThreads + threadIdx.x; i < end; i += step) {
     vectors[i] = make_uint4(0, 0, 0, 0);
   }
 }
 
-// blockIdx.x is the group; blockIdx.y splits its output.
-__global__ void __launch_bounds__(kFillThreads)
-    zero_empty_groups(const int64_t* __restrict__ offsets, int64_t group_bytes, char* out) {
-  const int64_t g = blockIdx.x;
-  if (offsets[g + 1] != offsets[g]) return;
-  uint4* vectors = reinterpret_cast<uint4*>(out + g * group_bytes);
-  const int64_t count = group_bytes / kVectorBytes;
-  const int64_t step = int64_t(gridDim.y) * blockDim.x;
-  for (int64_t i = blockIdx.y * blockDim.x + threadIdx.x; i < count; i += step) {
-    vectors[i] = make_uint4(0, 0, 0, 0);
+// Fill block `fill` of `fills`: zeroes out[g] [K, N] of every group without rows within its
+// contiguous share of out [G, K, N]. CUTLASS 4.2 cannot run a GEMM with K = 0, so the table
+// gives such groups no tiles at all.
+__device__ void zero_empty_groups(const int32_t* __restrict__ group_sizes, int64_t M, int64_t K,
+                                  int64_t N, const Operands& ops, int64_t G, int64_t fill,
+                                  int64_t fills, typename SizeSum::TempStorage& sum_storage) {
+  const int64_t group_vectors = K * N * ops.out_size / kVectorBytes;
+  const int64_t all_vectors = G * group_vectors;
+  const int64_t share = (all_vectors + fills - 1) / fills;
+  const int64_t lo = fill * share;
+  const int64_t hi = min(all_vectors, lo + share);
+  if (lo >= hi) return;  // the whole block: lo and hi do not depend on the thread
+  uint4* vectors = static_cast<uint4*>(ops.out);
+  int64_t g = lo / group_vectors;
+  int64_t begin = rows_before(group_sizes, g, sum_storage);  // unclamped: empty once past M
+  for (; g * group_vectors < hi; ++g) {
+    const int64_t rows = max(group_sizes[g], 0);
+    const bool empty = rows == 0 || begin >= M;
+    begin += rows;
+    if (!empty) continue;
+    const int64_t to = min(hi, (g + 1) * group_vectors);
+    for (int64_t i = max(lo, g * group_vectors) + threadIdx.x; i < to; i += kSetupThreads) {
+      vectors[i] = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// One launch per grouped GEMM: block 0 builds the table, the other blocks zero the outputs that
+// no GEMM tile writes (rows past the groups, or the weight gradient of an empty group). Every
+// fill block reads the group sizes itself, so no block waits for another.
+template <GemmForm F>
+__global__ void __launch_bounds__(kSetupThreads)
+    prepare_grouped_gemm(const int32_t* __restrict__ group_sizes, int64_t M, int64_t K, int64_t N,
+                         Operands ops, GroupTable table) {
+  __shared__ union {
+    typename SizeScan::TempStorage scan;
+    typename SizeSum::TempStorage sum;
+  } storage;
+  if (blockIdx.x == 0) {
+    build_group_table<F>(group_sizes, M, K, N, ops, table, storage.scan);
+    return;
+  }
+  const int64_t fill = blockIdx.x - 1, fills = gridDim.x - 1;
+  if constexpr (F == GemmForm::kContract) {
+    zero_empty_groups(group_sizes, M, K, N, ops, table.num_groups, fill, fills, storage.sum);
+  } else {
+    zero_tail_rows(group_sizes, M, N, ops, table.num_groups, fill, fills, storage.sum);
   }
 }
 
 // Enough blocks to cover `bytes` with one 16-byte store per thread, at most `cap`.
 unsigned fill_blocks(int64_t bytes, int64_t cap) {
-  const int64_t per_block = kFillThreads * kVectorBytes;
+  const int64_t per_block = kSetupThreads * kVectorBytes;
   return static_cast<unsigned>(std::clamp<int64_t>((bytes + per_block - 1) / per_block, 1, cap));
 }
 
 }  // namespace
 
-cudaError_t launch_build_group_table(GemmForm form, const int32_t* group_sizes, int64_t M,
-                                     int64_t K, int64_t N, const Operands& ops,
-                                     const GroupTable& table, cudaStream_t stream) {
+cudaError_t launch_prepare_grouped_gemm(GemmForm form, const int32_t* group_sizes, int64_t M,
+                                        int64_t K, int64_t N, const Operands& ops,
+                                        const GroupTable& table, cudaStream_t stream) {
+  // The bytes the fill blocks may have to zero: every row of out, or every group's [K, N].
+  const int64_t out_bytes =
+      (form == GemmForm::kContract ? table.num_groups * K : M) * N * ops.out_size;
+  const unsigned blocks = 1 + fill_blocks(out_bytes, 4 * int64_t(table.sm_count));
   switch (form) {
     case GemmForm::kRows:
-      build_group_table<GemmForm::kRows>
-          <<<1, kSetupThreads, 0, stream>>>(group_sizes, M, K, N, ops, table);
+      prepare_grouped_gemm<GemmForm::kRows>
+          <<<blocks, kSetupThreads, 0, stream>>>(group_sizes, M, K, N, ops, table);
       break;
     case GemmForm::kRowsTransposed:
-      build_group_table<GemmForm::kRowsTransposed>
-          <<<1, kSetupThreads, 0, stream>>>(group_sizes, M, K, N, ops, table);
+      prepare_grouped_gemm<GemmForm::kRowsTransposed>
+          <<<blocks, kSetupThreads, 0, stream>>>(group_sizes, M, K, N, ops, table);
       break;
     case GemmForm::kContract:
-      build_group_table<GemmForm::kContract>
-          <<<1, kSetupThreads, 0, stream>>>(group_sizes, M, K, N, ops, table);
+      prepare_grouped_gemm<GemmForm::kContract>
+          <<<blocks, kSetupThreads, 0, stream>>>(group_sizes, M, K, N, ops, table);
       break;
   }
-  return cudaGetLastError();
-}
-
-cudaError_t launch_zero_tail_rows(const GroupTable& table, int64_t M, int64_t row_bytes, void* out,
-                                  cudaStream_t stream) {
-  const unsigned blocks = fill_blocks(M * row_bytes, 4 * int64_t(table.sm_count));
-  zero_tail_rows<<<blocks, kFillThreads, 0, stream>>>(table.offsets + table.num_groups, M,
-                                                      row_bytes, static_cast<char*>(out));
-  return cudaGetLastError();
-}
-
-cudaError_t launch_zero_empty_groups(const GroupTable& table, int64_t group_bytes, void* out,
-                                     cudaStream_t stream) {
-  const dim3 grid(table.num_groups, fill_blocks(group_bytes, 64));
-  zero_empty_groups<<<grid, kFillThreads, 0, stream>>>(table.offsets, group_bytes,
-                                                       static_cast<char*>(out));
   return cudaGetLastError();
 }
 

@@ -61,11 +61,14 @@ CAPACITY_FACTORS = (1.0, 1.25)
 BASELINE_CAPACITY = "capacity_1.0"  # the token-dropping peer of the ratios and the layer target
 DTYPE = jnp.bfloat16
 
-# Timing: WARMUP calls (the first compiles), then the median over REPEATS of the mean time of
-# --iters calls queued back to back; implementations compared by a target take turns (see
-# side_by_side). Every case is compute-bound and its operands together exceed the H200's 60 MB
-# L2, so inputs are not rotated.
+# Timing: WARMUP calls (the first compiles), HEAT_S seconds of calls, then the median over
+# REPEATS of the mean time of --iters calls queued back to back; implementations compared by a
+# target take turns (see side_by_side). Every case is compute-bound and its operands together
+# exceed the H200's 60 MB L2, so inputs are not rotated.
 WARMUP, REPEATS, DEFAULT_ITERS = 3, 5, 10
+# An H200 reaches its power limit, where a training step runs, about a second into back-to-back
+# work; 5 repeats of a short step (DeepSeek-V3 EP8: 0.15 s) would otherwise time the warm-up.
+HEAT_S = 1.5
 CASE_BUDGET_S = 3.0  # a slow case (jax.lax.ragged_dot) gets fewer timed calls, to stay near this
 RAGGED_DOT_MAX_FORWARD_S = 2.0  # a slower jax.lax.ragged_dot forward skips its forward+backward
 CHECK_TOLERANCE = 1e-2  # nodrop's bf16 output vs a float32 jnp.dot, relative to max |dot|
@@ -110,16 +113,25 @@ def side_by_side(runs: dict, iters: int) -> dict:
             sync(run())
             call_s = time.perf_counter() - start
         calls[name] = max(1, min(iters, int(CASE_BUDGET_S / (REPEATS * call_s))))
-    samples = {name: [] for name in runs}
+
+    def window(name: str) -> float:
+        """Seconds per call over one window of calls[name] calls."""
+        run, sync = runs[name]
+        start = time.perf_counter()
+        for _ in range(calls[name]):
+            result = run()
+        sync(result)
+        return (time.perf_counter() - start) / calls[name]
+
     order = list(runs)
+    heat_end = time.perf_counter() + HEAT_S
+    while time.perf_counter() < heat_end:  # untimed windows, in turns, up to the power limit
+        for name in order:
+            window(name)
+    samples = {name: [] for name in runs}
     for _ in range(REPEATS):
         for name in order:
-            run, sync = runs[name]
-            start = time.perf_counter()
-            for _ in range(calls[name]):
-                result = run()
-            sync(result)
-            samples[name].append((time.perf_counter() - start) / calls[name])
+            samples[name].append(window(name))
         order.reverse()
     return {name: (statistics.median(samples[name]), calls[name]) for name in runs}
 
@@ -540,9 +552,10 @@ def markdown(meta: dict, gemm_rows: list[dict], layer_rows: list[dict]) -> str:
         f"{versions}.",
         f"bf16 inputs, float32 accumulation, jitted; median over {timing['repeats']} repeats of "
         f"the mean of {timing['iters']} back-to-back calls (fewer where those would take over "
-        f"{CASE_BUDGET_S:g} s), after {timing['warmup']} warm-up calls. nodrop and "
-        "torch._grouped_mm, and the layer's three variants, take turns repeat by repeat, in an "
-        "order reversed every other repeat, so that each meets the card in the same state.",
+        f"{CASE_BUDGET_S:g} s), after {timing['warmup']} warm-up calls and {timing['heat_s']:g} s "
+        "of untimed calls that bring the card to its power limit, where training runs. nodrop "
+        "and torch._grouped_mm, and the layer's three variants, take turns repeat by repeat, in "
+        "an order reversed every other repeat, so that each meets the card in the same state.",
     ]
     if gemm_rows:
         shapes = "; ".join(f"{name} {tuple(dims)}" for name, dims in dict(
@@ -621,7 +634,8 @@ def metadata(torch, torch_status: str, iters: int) -> dict:
                       numpy=np.__version__, torch=torch.__version__ if torch else None),
         nodrop_engines=nodrop.backends(),
         xla_mem_fraction=os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"],
-        timing=dict(warmup=WARMUP, repeats=REPEATS, iters=iters, case_budget_s=CASE_BUDGET_S,
+        timing=dict(warmup=WARMUP, heat_s=HEAT_S, repeats=REPEATS, iters=iters,
+                    case_budget_s=CASE_BUDGET_S,
                     ragged_dot_max_forward_s=RAGGED_DOT_MAX_FORWARD_S),
         targets=dict(min_vs_torch=MIN_VS_TORCH, min_vs_dense=MIN_VS_DENSE,
                      min_vs_ragged_dot=MIN_VS_RAGGED_DOT, min_layer_speedup=MIN_LAYER_SPEEDUP,

@@ -85,6 +85,21 @@ template <>
 struct TileConfig<GemmTile::kCooperative256x192x64Cluster1x2>
     : TileSpec<256, 192, 64, false, 1, 2> {};
 
+// The epilogue stores a tile in rounds of this subtile, each behind a barrier of the consumer
+// warpgroups. CUTLASS's automatic choice for the cooperative kernel is 128x32: eight rounds per
+// 128x256 tile. A weight gradient over few rows per group stores a whole tile every four
+// k-blocks, so there the rounds cost about as much as the math. With a 16-bit output, 128x64
+// (four rounds in the same shared memory as 128x32 of float32, so still four mainloop stages)
+// made the weight gradient 9-12% faster at DeepSeek-V3 EP8 and 1-5% faster at the other
+// benchmark shapes, with bitwise the same results (bench/results/2026-11-30-h200-epilogue-tile/).
+// It was measured on weight gradients only, so only they take it.
+template <GemmForm F, DType Out, GemmTile T>
+using EpilogueTile =
+    std::conditional_t<F == GemmForm::kContract && Out != DType::kFloat32 &&
+                           T == GemmTile::kCooperative128x256x64Cluster1x1,
+                       cute::Shape<cute::_128, cute::_64>,
+                       cutlass::epilogue::collective::EpilogueTileAuto>;
+
 template <GemmForm F, DType In, DType Out, GemmTile T>
 struct GroupedGemm {
   using ElementIn = typename CutlassElement<In>::type;
@@ -101,7 +116,7 @@ struct GroupedGemm {
   // D = acc: no C operand (void), alpha 1 and beta 0 by default.
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Tile::Shape,
-      typename Tile::Cluster, cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator,
+      typename Tile::Cluster, EpilogueTile<F, Out, T>, ElementAccumulator,
       ElementAccumulator, void, LayoutD*, kAlignmentOut, ElementOut, LayoutD*, kAlignmentOut,
       typename Tile::EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementOut, ElementAccumulator>>::CollectiveOp;
@@ -113,6 +128,10 @@ struct GroupedGemm {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Tile::MainloopSchedule>::CollectiveOp;
+
+  // The wider epilogue subtile must not cost the weight gradient a mainloop stage.
+  static_assert(!std::is_same_v<EpilogueTile<F, Out, T>, cute::Shape<cute::_128, cute::_64>> ||
+                CollectiveMainloop::DispatchPolicy::Stages >= 4);
 
   using Kernel =
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;

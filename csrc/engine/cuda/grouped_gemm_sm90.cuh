@@ -90,8 +90,9 @@ struct TileConfig<GemmTile::kCooperative256x192x64Cluster1x2>
 // 128x256 tile. A weight gradient over few rows per group stores a whole tile every four
 // k-blocks, so there the rounds cost about as much as the math. With a 16-bit output, 128x64
 // (four rounds in the same shared memory as 128x32 of float32, so still four mainloop stages)
-// made the weight gradient 9-12% faster at DeepSeek-V3 EP8 and 1-5% faster at the other
-// benchmark shapes, with bitwise the same results (bench/results/2026-11-30-h200-epilogue-tile/).
+// made this kernel's weight gradient 9-12% faster at DeepSeek-V3 EP8 and 1-5% faster at the
+// other benchmark shapes (whose weight gradients nodrop runs on ping-pong), with bitwise the
+// same results (bench/results/2026-11-30-h200-epilogue-tile/).
 // It was measured on weight gradients only, so only they take it.
 template <GemmForm F, DType Out, GemmTile T>
 using EpilogueTile =

@@ -87,17 +87,17 @@ struct TileConfig<GemmTile::kCooperative256x192x64Cluster1x2>
 
 // The epilogue stores a tile in rounds of this subtile, each behind a barrier of the consumer
 // warpgroups. CUTLASS's automatic choice for the cooperative kernel is 128x32: eight rounds per
-// 128x256 tile. A weight gradient over few rows per group stores a whole tile every four
-// k-blocks, so there the rounds cost about as much as the math. With a 16-bit output, 128x64
-// (four rounds in the same shared memory as 128x32 of float32, so still four mainloop stages)
-// made this kernel's weight gradient 9-12% faster at DeepSeek-V3 EP8 and 1-5% faster at the
-// other benchmark shapes (whose weight gradients nodrop runs on ping-pong), with bitwise the
-// same results (bench/results/2026-11-30-h200-epilogue-tile/).
-// It was measured on weight gradients only, so only they take it.
-template <GemmForm F, DType Out, GemmTile T>
+// 128x256 tile. With a 16-bit output, 128x64 takes four rounds in the same shared memory as
+// 128x32 of float32, so the mainloop keeps its four stages, and the results are bitwise the same.
+//   - Weight gradients over few rows per group store a whole tile every four k-blocks, so there
+//     the rounds cost about as much as the math: 128x64 made DeepSeek-V3 EP8's 9-12% faster
+//     (bench/results/2026-11-30-h200-epilogue-tile/).
+//   - Forward and input gradients, timed in turns against CUTLASS's choice at Mixtral and
+//     DeepSeek-V3 EP8 with uniform and Zipf sizes: 0.93-1.05x the time per kernel, 0.982-0.998x
+//     for the two together (bench/results/2026-11-30-h200-round-4/probe/).
+template <DType Out, GemmTile T>
 using EpilogueTile =
-    std::conditional_t<F == GemmForm::kContract && Out != DType::kFloat32 &&
-                           T == GemmTile::kCooperative128x256x64Cluster1x1,
+    std::conditional_t<Out != DType::kFloat32 && T == GemmTile::kCooperative128x256x64Cluster1x1,
                        cute::Shape<cute::_128, cute::_64>,
                        cutlass::epilogue::collective::EpilogueTileAuto>;
 
@@ -117,7 +117,7 @@ struct GroupedGemm {
   // D = acc: no C operand (void), alpha 1 and beta 0 by default.
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Tile::Shape,
-      typename Tile::Cluster, EpilogueTile<F, Out, T>, ElementAccumulator,
+      typename Tile::Cluster, EpilogueTile<Out, T>, ElementAccumulator,
       ElementAccumulator, void, LayoutD*, kAlignmentOut, ElementOut, LayoutD*, kAlignmentOut,
       typename Tile::EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementOut, ElementAccumulator>>::CollectiveOp;
@@ -130,8 +130,8 @@ struct GroupedGemm {
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Tile::MainloopSchedule>::CollectiveOp;
 
-  // The wider epilogue subtile must not cost the weight gradient a mainloop stage.
-  static_assert(!std::is_same_v<EpilogueTile<F, Out, T>, cute::Shape<cute::_128, cute::_64>> ||
+  // The wider epilogue subtile must not cost the mainloop a stage.
+  static_assert(!std::is_same_v<EpilogueTile<Out, T>, cute::Shape<cute::_128, cute::_64>> ||
                 CollectiveMainloop::DispatchPolicy::Stages >= 4);
 
   using Kernel =

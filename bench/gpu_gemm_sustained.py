@@ -1,7 +1,7 @@
 """Grouped-GEMM kernel time, cool and sustained: nodrop against torch._grouped_mm, step by step.
 
-    PYTHONPATH=.:bench python3 bench/gpu_gemm_sustained.py --out DIR [--shapes Mixtral-8x7B]
-                                                         [--steps 40] [--repeats 2]
+    python bench/gpu_gemm_sustained.py --out DIR [--shapes Mixtral-8x7B] [--steps 40]
+                                       [--repeats 2]
 
 bench/gpu_moe.py times short windows of wall time. This records, for each implementation, the
 GPU kernel time of every forward+backward step of a longer run (CUPTI through the torch
@@ -22,27 +22,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import gpu_moe  # first: it sets JAX's memory fraction before JAX allocates
 import nodrop
-from nodrop.bench import forward_backward
+from nodrop.demo import positive_int
+from shapes import GEMM_SHAPES, GROUP_SIZE_KINDS, group_sizes
+from timing import forward_backward
+from torch_peer import load_torch, share_gpu_with_torch
 
-torch, TORCH_STATUS = gpu_moe.load_torch()
-
+DTYPE = jnp.bfloat16
 COOL_STEPS = 5
 
 
-def kernel_events(profile, run, steps: int) -> list[tuple[str, float, float]]:
+def kernel_events(torch, run, steps: int) -> list[tuple[str, float, float]]:
     """(name, start ms, end ms) of every GPU kernel of `steps` calls of run(), in order."""
-    with profile() as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             result = run()
-        wait(result)
+        wait(torch, result)
     events = [(e.name, e.time_range.start / 1e3, e.time_range.end / 1e3) for e in prof.events()
               if e.device_type == torch.autograd.DeviceType.CUDA]
     return sorted(events, key=lambda event: event[1])
 
 
-def wait(result) -> None:
+def wait(torch, result) -> None:
     jax.block_until_ready(result)
     torch.cuda.synchronize()
 
@@ -59,7 +60,8 @@ STEP_GEMMS = ("forward", "input grad", "weight grad")
 # first: the setup kernel before each of its GEMMs names the operand strides in its template
 # arguments, and the second one's A is column-major (x transposed), the third one's B is
 # K-major (the weights transposed), at both the Mixtral and DeepSeek-V3-EP8 shapes
-# (bench/results/2026-11-30-h200-sustained-tiles/torch-launch-order).
+# (bench/results/2026-11-30-h200-sustained-tiles/torch-launch-order; the probe that printed
+# them is in git history, commit 5231b42).
 LAUNCH_ORDER = {"nodrop": ("forward", "input grad", "weight grad"),
                 "torch": ("forward", "weight grad", "input grad")}
 
@@ -101,24 +103,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--shapes", default="Mixtral-8x7B")
-    parser.add_argument("--steps", type=gpu_moe.positive_int, default=40)
-    parser.add_argument("--repeats", type=gpu_moe.positive_int, default=2)
+    parser.add_argument("--steps", type=positive_int, default=40)
+    parser.add_argument("--repeats", type=positive_int, default=2)
     args = parser.parse_args()
+    share_gpu_with_torch()  # before JAX's first use of the GPU
+    torch, torch_status = load_torch()
     if torch is None:
         raise SystemExit(f"gpu_gemm_sustained.py compares against torch._grouped_mm: "
-                         f"{TORCH_STATUS}")
+                         f"{torch_status}")
     sustained_steps = max(1, args.steps // 2)
-
-    def profile():
-        return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
 
     rows = []
     for name in args.shapes.split(","):
-        rows_m, k, n, groups = gpu_moe.GEMM_SHAPES[name]
+        rows_m, k, n, groups = GEMM_SHAPES[name]
         keys = jax.random.split(jax.random.key(0), 3)
-        lhs = jax.random.normal(keys[0], (rows_m, k), gpu_moe.DTYPE)
-        rhs = jax.random.normal(keys[1], (groups, k, n), gpu_moe.DTYPE)
-        grad_out = jax.random.normal(keys[2], (rows_m, n), gpu_moe.DTYPE)
+        lhs = jax.random.normal(keys[0], (rows_m, k), DTYPE)
+        rhs = jax.random.normal(keys[1], (groups, k, n), DTYPE)
+        grad_out = jax.random.normal(keys[2], (rows_m, n), DTYPE)
         step = jax.jit(forward_backward(nodrop.ragged_dot))
         options = dict(dtype=torch.bfloat16, device="cuda")
         t_lhs = torch.randn(rows_m, k, **options, requires_grad=True)
@@ -126,8 +127,8 @@ def main() -> int:
         t_grad = torch.randn(rows_m, n, **options)
         flops = 3 * 2 * rows_m * k * n
         for repeat in range(args.repeats):
-            for kind in gpu_moe.GROUP_SIZE_KINDS:
-                sizes = gpu_moe.group_sizes(kind, rows_m, groups)
+            for kind in GROUP_SIZE_KINDS:
+                sizes = group_sizes(kind, rows_m, groups)
                 offs = torch.tensor(np.cumsum(sizes), dtype=torch.int32, device="cuda")
                 jax_sizes = jnp.asarray(sizes)
 
@@ -139,8 +140,8 @@ def main() -> int:
                         "nodrop": lambda s=jax_sizes: step(lhs, rhs, s, grad_out)}
                 for impl, run in runs.items():
                     for _ in range(3):  # compile, then warm up
-                        wait(run())
-                    events = kernel_events(profile, run, args.steps)
+                        wait(torch, run())
+                    events = kernel_events(torch, run, args.steps)
                     state = gpu_state()
                     gemms = [e for e in events if "GemmUniversal" in e[0]]
                     kernels = dict(zip(LAUNCH_ORDER[impl],

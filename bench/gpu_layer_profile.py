@@ -1,11 +1,11 @@
 """Where the MoE expert layer's time goes: GPU kernel time per step, nodrop against capacity 1.0.
 
-    PYTHONPATH=.:bench python3 bench/gpu_layer_profile.py --out DIR [--shapes Qwen3-30B-A3B]
+    python bench/gpu_layer_profile.py --out DIR [--shapes Qwen3-30B-A3B]
 
-Traces a few jitted forward+backward steps of bench/gpu_moe.py's layer (nodrop's ops, and the
-token-dropping ops at capacity factor 1.0) with the JAX profiler and sums the device time of
-each kernel. Prints, per shape, a table of the kernels that take the most time per step for each
-variant, and writes DIR/layer-profile.md plus the raw traces.
+Traces a few jitted forward+backward steps of bench/gpu_moe.py's layer (nodrop.moe.MoEBlock,
+dropless on nodrop's ops, and dropping tokens at capacity factor 1.0) with the JAX profiler and
+sums the device time of each kernel. Prints, per shape, a table of the kernels that take the
+most time per step for each variant, and writes DIR/layer-profile.md plus the raw traces.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import json
 import pathlib
 
 import jax
+from flax import nnx
 
-import nodrop
 from nodrop import demo
-
-import gpu_moe
+from nodrop.moe import MoEBlock
+from shapes import LAYER_SEED, LAYER_SHAPES, layer_config
+from timing import seconds_per_call
 
 STEPS = 5
 TOP = 14
@@ -53,7 +54,7 @@ def device_kernel_ms(trace_dir: pathlib.Path, steps: int) -> tuple[dict[str, flo
 def profile(step, args, trace_dir: pathlib.Path) -> tuple[float, dict[str, float], list[str]]:
     for _ in range(3):
         jax.block_until_ready(step(*args))
-    wall_ms = gpu_moe.seconds_per_call(lambda: step(*args), jax.block_until_ready, 10)[0] * 1e3
+    wall_ms = seconds_per_call(lambda: step(*args), jax.block_until_ready, 10)[0] * 1e3
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         for _ in range(STEPS):
             result = step(*args)
@@ -65,18 +66,19 @@ def profile(step, args, trace_dir: pathlib.Path) -> tuple[float, dict[str, float
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, required=True)
-    parser.add_argument("--shapes", default=",".join(gpu_moe.LAYER_SHAPES))
+    parser.add_argument("--shapes", default=",".join(LAYER_SHAPES))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     report = []
     for name in args.shapes.split(","):
-        tokens, hidden, ffn, experts, k = gpu_moe.LAYER_SHAPES[name]
-        params, x, target = demo.init(jax.random.key(2), tokens, hidden, ffn, experts,
-                                      gpu_moe.DTYPE)
-        variants = {"nodrop": nodrop, "capacity_1.0": gpu_moe.capacity_ops(1.0)}
+        tokens, hidden, ffn, experts, k = LAYER_SHAPES[name]
+        configs = {"nodrop": layer_config(name),
+                   "capacity_1.0": layer_config(name, capacity_factor=1.0)}
+        params = nnx.state(MoEBlock(configs["nodrop"], rngs=nnx.Rngs(LAYER_SEED)), nnx.Param)
+        x, target = demo.inputs(jax.random.key(LAYER_SEED), configs["nodrop"], tokens)
         report.append(f"## {name} (T={tokens}, H={hidden}, F={ffn}, E={experts}, k={k})\n")
-        for impl, ops in variants.items():
-            step = jax.jit(demo.loss_and_grads(ops, k))
+        for impl, config in configs.items():
+            step = jax.jit(demo.loss_and_grads(MoEBlock(config, rngs=nnx.Rngs(LAYER_SEED))))
             wall_ms, kernels, lines = profile(step, (params, x, target),
                                               args.out / f"trace-{name}-{impl}")
             busy = sum(kernels.values())

@@ -1,7 +1,7 @@
 """GPU benchmark: nodrop against its peers, grouped matmul and a whole MoE expert layer.
 
-    PYTHONPATH=. python3 bench/gpu_moe.py --out DIR [--iters 10] [--only gemm|layer|all]
-                                          [--shapes Mixtral-8x7B,Qwen3-30B-A3B]
+    python bench/gpu_moe.py --out DIR [--iters 10] [--only gemm|layer|all]
+                              [--shapes Mixtral-8x7B,Qwen3-30B-A3B]
 
 Everything runs in this one process: bf16 inputs, float32 accumulation, jitted.
 
@@ -10,8 +10,11 @@ Everything runs in this one process: bf16 inputs, float32 accumulation, jitted.
    jax.lax.ragged_dot, the token-dropping batched einsum at capacity factors 1.0 and 1.25 (useful
    FLOPs only, with the fraction of token slots it would drop), torch._grouped_mm where torch
    imports, and a dense jnp.dot of the same FLOPs (the ceiling).
-2. An MoE expert layer (top-k softmax router, SwiGLU experts, combine), forward+backward:
-   nodrop's ops against the same layer written the token-dropping way (capacity 1.0 and 1.25).
+2. An MoE expert layer, nodrop.moe.MoEBlock (top-k softmax router, SwiGLU experts, combine),
+   forward+backward: dropless on nodrop's ops against the same block dropping tokens
+   (MoEConfig(capacity_factor=1.0) and 1.25).
+
+Shapes and group sizes: bench/shapes.py. Timing: bench/timing.py (side_by_side).
 
 Writes DIR/gpu-moe.json (every number), DIR/gpu-moe.md (the tables) and DIR/gpu-moe.png
 (forward+backward TFLOP/s). Exit status 1 if a target (see below) fails.
@@ -27,49 +30,26 @@ import json
 import os
 import pathlib
 import platform
-import statistics
 import time
-import types
 
-# JAX takes 75% of the GPU when it starts; leave half of it to torch._grouped_mm in this process.
-os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.5"
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-import jax  # noqa: E402  (the line above must run before jax is imported)
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import nodrop
+from nodrop import demo
+from nodrop.demo import positive_int, relative_difference
+from nodrop.moe import MoEBlock
+from nodrop.moe.capacity import capacity_rows
+from shapes import (GEMM_SHAPES, GROUP_SIZE_KINDS, LAYER_SEED, LAYER_SHAPES, group_sizes,
+                    layer_config)
+from timing import CASE_BUDGET_S, DEFAULT_ITERS, HEAT_S, PASSES, REPEATS, WARMUP, side_by_side
+from torch_peer import load_torch, share_gpu_with_torch, torch_grouped_mm_steps, torch_sync
 
-import nodrop  # noqa: E402
-from nodrop import demo  # noqa: E402
-from nodrop.bench import PASSES, positive_int, relative_difference  # noqa: E402
-from nodrop.moe import capacity as moe_capacity  # noqa: E402
-from nodrop.moe.capacity import capacity_rows  # noqa: E402
-from nodrop.ops import reference  # noqa: E402
-
-GEMM_SHAPES = {  # name: (rows M, K, N, groups G)
-    "Mixtral-8x7B": (16384, 4096, 14336, 8),
-    "Qwen3-30B-A3B": (131072, 2048, 768, 128),
-    "DeepSeek-V2-Lite": (98304, 2048, 1408, 64),
-    "DeepSeek-V3-EP8": (8192, 7168, 2048, 32),  # one rank of 8-way expert parallelism
-}
-LAYER_SHAPES = {  # name: (tokens T, hidden H, expert FFN F, experts E, experts per token k)
-    "Mixtral-8x7B": (8192, 4096, 14336, 8, 2),
-    "Qwen3-30B-A3B": (16384, 2048, 768, 128, 8),
-    "DeepSeek-V2-Lite": (16384, 2048, 1408, 64, 6),
-}
-GROUP_SIZE_KINDS = ("uniform", "zipf")
 CAPACITY_FACTORS = (1.0, 1.25)
 BASELINE_CAPACITY = "capacity_1.0"  # the token-dropping peer of the ratios and the layer target
 DTYPE = jnp.bfloat16
-
-# Timing: WARMUP calls (the first compiles), HEAT_S seconds of calls, then the median over
-# REPEATS of the mean time of --iters calls queued back to back; implementations compared by a
-# target take turns (see side_by_side). Every case is compute-bound and its operands together
-# exceed the H200's 60 MB L2, so inputs are not rotated.
-WARMUP, REPEATS, DEFAULT_ITERS = 3, 5, 10
-# An H200 reaches its power limit, where a training step runs, about a second into back-to-back
-# work; 5 repeats of a short step (DeepSeek-V3 EP8: 0.15 s) would otherwise time the warm-up.
-HEAT_S = 1.5
-CASE_BUDGET_S = 3.0  # a slow case (jax.lax.ragged_dot) gets fewer timed calls, to stay near this
 RAGGED_DOT_MAX_FORWARD_S = 2.0  # a slower jax.lax.ragged_dot forward skips its forward+backward
 CHECK_TOLERANCE = 1e-2  # nodrop's bf16 output vs a float32 jnp.dot, relative to max |dot|
 
@@ -89,51 +69,7 @@ NOT_RUN = dict(status="not run", ms=None, tflops=None, iters=0, detail="")
 START = time.perf_counter()
 
 
-# --- timing -----------------------------------------------------------------------------------
-
-
-def seconds_per_call(run, sync, iters: int) -> tuple[float, int]:
-    """(median seconds per call, calls per repeat) of run(); sync(result) waits for the device."""
-    (seconds, iters), = side_by_side({"": (run, sync)}, iters).values()
-    return seconds, iters
-
-
-def side_by_side(runs: dict, iters: int) -> dict:
-    """{name: (median seconds per call, calls per repeat)} for runs {name: (run, sync)}.
-
-    Calls are queued back to back and synchronized once per repeat, as in a training step, so
-    host launch gaps are hidden. The runs take turns, repeat by repeat, in an order reversed
-    every other repeat: an H200 at its power limit loses clock within a fraction of a second,
-    so two implementations compared one after the other would meet different cards.
-    """
-    calls = {}
-    for name, (run, sync) in runs.items():
-        for _ in range(WARMUP):
-            start = time.perf_counter()
-            sync(run())
-            call_s = time.perf_counter() - start
-        calls[name] = max(1, min(iters, int(CASE_BUDGET_S / (REPEATS * call_s))))
-
-    def window(name: str) -> float:
-        """Seconds per call over one window of calls[name] calls."""
-        run, sync = runs[name]
-        start = time.perf_counter()
-        for _ in range(calls[name]):
-            result = run()
-        sync(result)
-        return (time.perf_counter() - start) / calls[name]
-
-    order = list(runs)
-    heat_end = time.perf_counter() + HEAT_S
-    while time.perf_counter() < heat_end:  # untimed windows, in turns, up to the power limit
-        for name in order:
-            window(name)
-    samples = {name: [] for name in runs}
-    for _ in range(REPEATS):
-        for name in order:
-            samples[name].append(window(name))
-        order.reverse()
-    return {name: (statistics.median(samples[name]), calls[name]) for name in runs}
+# --- timing: bench/timing.py; here, failures recorded as results --------------------------------
 
 
 def measure(runs: dict, iters: int, flops: float) -> dict:
@@ -179,14 +115,6 @@ def add_case(cases: list, **case) -> None:
 
 
 # --- grouped matmul ---------------------------------------------------------------------------
-
-
-def group_sizes(kind: str, rows: int, groups: int) -> np.ndarray:
-    """[groups] int32 summing to rows: equal, or Zipf(1) (group g gets a share 1/(g+1))."""
-    share = np.ones(groups) if kind == "uniform" else 1.0 / np.arange(1, groups + 1)
-    sizes = np.floor(rows * share / share.sum()).astype(np.int32)
-    sizes[0] += rows - sizes.sum()
-    return sizes
 
 
 def dropped_fraction(sizes, capacity: int) -> float:
@@ -300,95 +228,31 @@ def padded_gemm_cases(common: dict, lhs, rhs, grad_out, iters: int) -> list[dict
     return cases
 
 
-def load_torch():
-    """(torch, "") when it imports, sees a GPU and has _grouped_mm; else (None, why not)."""
-    try:
-        import torch
-    except (ImportError, OSError) as error:
-        return None, f"torch does not import: {error}"
-    if not torch.cuda.is_available():
-        return None, "torch sees no GPU"
-    if not hasattr(torch, "_grouped_mm"):
-        return None, f"torch {torch.__version__} has no _grouped_mm"
-    return torch, ""
-
-
-def torch_grouped_mm_steps(torch, dims) -> dict:
-    """{pass: step(offs)} of torch._grouped_mm, lhs [M, K] and rhs [G, K, N] bf16, offs the
-    cumulative group sizes. Its tensors live as long as the steps; the caller empties torch's
-    cache afterwards."""
-    rows, k, n, groups = dims
-    options = dict(dtype=torch.bfloat16, device="cuda")
-    lhs = torch.randn(rows, k, **options, requires_grad=True)
-    rhs = torch.randn(groups, k, n, **options, requires_grad=True)
-    grad_out = torch.randn(rows, n, **options)
-
-    @torch.no_grad()
-    def forward(offs):
-        return torch._grouped_mm(lhs, rhs, offs=offs)
-
-    def forward_backward(offs):
-        out = torch._grouped_mm(lhs, rhs, offs=offs)
-        return out, torch.autograd.grad(out, (lhs, rhs), grad_outputs=grad_out)
-
-    return {"forward": forward, "forward+backward": forward_backward}
-
-
-def torch_sync(torch):
-    """sync(result) for torch's steps: waits for the whole device."""
-    return lambda _: torch.cuda.synchronize()
-
-
 # --- MoE expert layer -------------------------------------------------------------------------
 
 
-def dispatch(x, ids, num_experts: int, *, capacity_factor: float):
-    """nodrop.moe.capacity.dispatch in the permute op's shape: (rows, no group sizes, row_map)."""
-    capacity = capacity_rows(ids.size, num_experts, capacity_factor)
-    rows, row_map = moe_capacity.dispatch(x, ids, num_experts, capacity)
-    return rows, None, row_map
-
-
-def expert_einsum(rows, weights, group_sizes):
-    """[E*C, K] rows, [E, K, N] weights -> [E*C, N]: one batched matmul over the buffers."""
-    del group_sizes
-    num_experts = weights.shape[0]
-    buffers = rows.reshape(num_experts, -1, rows.shape[1])
-    return jnp.einsum("eck,ekn->ecn", buffers, weights).reshape(rows.shape[0], -1)
-
-
-def capacity_ops(capacity_factor: float) -> types.SimpleNamespace:
-    """The ops of demo.moe_layer written the token-dropping way."""
-    return types.SimpleNamespace(
-        topk_router=reference.topk_router,  # softmax, then jax.lax.top_k
-        permute=functools.partial(dispatch, capacity_factor=capacity_factor),
-        grouped_matmul=expert_einsum, unpermute=moe_capacity.combine)
-
-
-def expert_counts(params, x, k: int, experts: int) -> np.ndarray:
-    """Token copies the layer's router sends to each expert (the same for every variant)."""
-    logits = jnp.dot(x, params["router"], preferred_element_type=jnp.float32)
-    _, ids = reference.topk_router(logits, k)
-    return np.bincount(np.asarray(ids).ravel(), minlength=experts)
-
-
-def layer_cases(name: str, dims, iters: int) -> list[dict]:
-    """demo.moe_layer's loss and gradients, on nodrop's ops and the capacity-factor ops."""
-    tokens, hidden, ffn, experts, k = dims
-    params, x, target = demo.init(jax.random.key(2), tokens, hidden, ffn, experts, DTYPE)
-    counts = expert_counts(params, x, k, experts)
+def layer_cases(name: str, iters: int) -> list[dict]:
+    """nodrop.demo's loss and gradients of nodrop.moe.MoEBlock at LAYER_SHAPES[name]: dropless
+    and at each capacity factor, on the same weights and data, timed side by side."""
+    tokens, hidden, ffn, experts, k = dims = LAYER_SHAPES[name]
+    configs = {"nodrop": layer_config(name)}
+    configs |= {f"capacity_{cf}": layer_config(name, capacity_factor=cf) for cf in CAPACITY_FACTORS}
+    params = nnx.state(MoEBlock(configs["nodrop"], rngs=nnx.Rngs(LAYER_SEED)), nnx.Param)
+    x, target = demo.inputs(jax.random.key(LAYER_SEED), configs["nodrop"], tokens)
     flops = 3 * 6 * tokens * k * hidden * ffn  # 3 GEMMs of 2*T*k*H*F forward, twice that backward
-    variants = {"nodrop": (nodrop, {})}
-    for cf in CAPACITY_FACTORS:
-        capacity = capacity_rows(tokens * k, experts, cf)
-        variants[f"capacity_{cf}"] = (capacity_ops(cf), dict(
-            capacity=capacity, dropped=dropped_fraction(counts, capacity)))
-    runs = {impl: (functools.partial(jax.jit(demo.loss_and_grads(ops, k)), params, x, target),
-                   jax.block_until_ready) for impl, (ops, _) in variants.items()}
+    runs, extra = {}, {}
+    for impl, config in configs.items():
+        block = MoEBlock(config, rngs=nnx.Rngs(LAYER_SEED))  # the weights of `params`
+        step = jax.jit(demo.loss_and_grads(block))
+        runs[impl] = (functools.partial(step, params, x, target), jax.block_until_ready)
+        if config.capacity_factor is not None:
+            aux = nnx.jit(lambda block, x: block(x)[1])(block, x)
+            extra[impl] = dict(capacity=capacity_rows(tokens * k, experts, config.capacity_factor),
+                               dropped=float(aux.dropped_fraction))
     cases = []
     for impl, result in measure(runs, iters, flops).items():
         add_case(cases, section="layer", shape=name, dims=list(dims), group_sizes="router",
-                 passes="forward+backward", impl=impl, **result, **variants[impl][1])
+                 passes="forward+backward", impl=impl, **result, **extra.get(impl, {}))
     return cases
 
 
@@ -572,12 +436,13 @@ def markdown(meta: dict, gemm_rows: list[dict], layer_rows: list[dict]) -> str:
     if layer_rows:
         lines += [
             "", "## MoE expert layer, forward+backward", "",
-            "Top-k softmax router, SwiGLU experts (gate and up as one grouped GEMM against "
-            "[E, H, 2F], then down), combine, MSE plus load-balancing loss; gradients of every "
-            "weight and the tokens. nodrop: topk_router, permute, grouped_matmul x2 forward (x4 "
-            "backward), unpermute. Capacity: top_k, slot positions "
-            "by a cumsum over a one-hot mask, scatter into [E, C, H] buffers, batched einsums, "
-            "gather back. TFLOP/s counts the useful 18*T*k*H*F FLOPs.",
+            "nodrop.moe.MoEBlock in bf16, weights too: top-k softmax router, SwiGLU experts "
+            "(gate and up as one grouped GEMM against [E, H, 2F], then down), combine; MSE plus "
+            "load-balancing loss (nodrop.demo.loss_and_grads); gradients of every weight and "
+            "the tokens. nodrop: dropless, topk_router, permute, grouped_matmul x2 forward (x4 "
+            "backward), unpermute. Capacity: MoEConfig(capacity_factor=...), the same router, "
+            "slot positions by a cumsum over a one-hot mask, scatter into [E, C, H] buffers, "
+            "batched einsums, gather back. TFLOP/s counts the useful 18*T*k*H*F FLOPs.",
             "", *layer_table(layer_rows)]
     targets = target_lines(gemm_rows, layer_rows)
     failed = [line for line in targets if "FAIL" in line]
@@ -672,6 +537,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    share_gpu_with_torch()  # before JAX's first use of the GPU, just below
     if jax.default_backend() == "gpu" and not nodrop.backends()["cuda"]:
         raise SystemExit("nodrop has no CUDA engine (nodrop/libnodrop_ffi_cuda.so): build it")
     torch, torch_status = load_torch()
@@ -690,8 +556,8 @@ def main(argv=None) -> int:
             if torch is not None:  # this shape's torch tensors are freed now
                 torch.cuda.empty_cache()
     if args.only in ("layer", "all"):
-        for name, dims in chosen(LAYER_SHAPES).items():
-            layer_results += layer_cases(name, dims, args.iters)
+        for name in chosen(LAYER_SHAPES):
+            layer_results += layer_cases(name, args.iters)
 
     gemm_rows, layer_rows = gemm_summary(gemm_cases), layer_summary(layer_results)
     table = markdown(meta, gemm_rows, layer_rows)

@@ -1,5 +1,6 @@
-"""The nodrop command line: `nodrop train`, `nodrop compare`, `nodrop demo`, `nodrop bench`,
-`nodrop info`."""
+"""The nodrop command line: `nodrop train`, `nodrop compare`, `nodrop demo`, `nodrop info`.
+
+The benchmarks are programs of their own, in bench/ (bench/README.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import jax
 
 import nodrop
-from nodrop import _ffi, bench, demo
+from nodrop import _ffi, demo
 
 
 def info(args: argparse.Namespace) -> int:
@@ -103,10 +104,6 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="MoE layer forward+backward: check against the references, time it")
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(run=demo.run, parser=demo_parser)
-    bench_parser = commands.add_parser(
-        "bench", help="CPU grouped-matmul benchmark against jax.lax.ragged_dot and jnp.dot")
-    bench.add_arguments(bench_parser)
-    bench_parser.set_defaults(run=bench.run)
     commands.add_parser("info", help="versions, FFI targets and backends").set_defaults(run=info)
     return parser
 

@@ -25,6 +25,8 @@ cp "$bin/libnodrop_ffi_cuda.so" nodrop/
 # cuBLAS (the dense ceiling of the GEMM benchmark) may live in the Python packages only.
 cublas=$(find / -xdev -name 'libcublas.so.13' 2>/dev/null | head -1)
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${cublas:+$(dirname "$cublas"):}${LD_LIBRARY_PATH:-}
+# nodrop from this tree, with the library copied above; bench/*.py find their shared modules
+# (bench/shapes.py, timing.py, torch_peer.py) next to themselves.
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 python=$(command -v python3)
 

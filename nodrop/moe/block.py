@@ -3,7 +3,9 @@
 Dropless by default: every (token, slot) pair reaches its expert, so a token's output depends on
 that token alone. With `capacity_factor` set, the block instead drops tokens the way most JAX
 training runs do today (nodrop/moe/capacity.py), with the experts as one batched einsum over
-[E, C, H] buffers; it is kept as the baseline to compare against.
+[E, C, H] buffers; it is kept as the baseline to compare against. With `ops="reference"` the
+same block runs on the pure-JAX references of nodrop's ops (nodrop/ops/reference.py): `nodrop
+demo` checks one against the other.
 """
 
 from __future__ import annotations
@@ -18,11 +20,20 @@ from flax import nnx
 from nodrop._fields import is_finite_number, is_int, requirer
 from nodrop.moe.capacity import capacity_rows, combine, dispatch
 from nodrop.moe.losses import load_balancing_loss, router_z_loss, tokens_per_expert
-from nodrop.ops import grouped_matmul, permute, topk_router, unpermute
+from nodrop.ops import reference
 from nodrop.ops._checks import FLOAT_DTYPES
-from nodrop.ops.router import SCORE_FUNCTIONS
+from nodrop.ops.grouped_matmul import grouped_matmul
+from nodrop.ops.permute import permute, unpermute
+from nodrop.ops.router import SCORE_FUNCTIONS, topk_router
 
 EXPERT_MATMULS = ("nodrop", "ragged_dot")
+# config.ops -> the implementation of each op the block calls.
+OPS = {
+    "nodrop": dict(topk_router=topk_router, permute=permute, grouped_matmul=grouped_matmul,
+                   unpermute=unpermute),
+    "reference": dict(topk_router=reference.topk_router, permute=reference.permute,
+                      grouped_matmul=reference.grouped_matmul, unpermute=reference.unpermute),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +49,9 @@ class MoEConfig:
       and drops the rest.
     matmul: the dropless experts' grouped matmul: "nodrop" (nodrop's grouped GEMM) or
       "ragged_dot" (`jax.lax.ragged_dot`, XLA's own lowering; kept as a peer to measure against).
+    ops: the implementation of the router, permute, grouped matmul ("nodrop" matmul) and
+      unpermute: "nodrop" (nodrop's ops, on its C++/CUDA engine) or "reference" (their pure-JAX
+      references in nodrop/ops/reference.py, to check the former against).
     dtype: compute dtype (bfloat16 is the GPU setting). param_dtype: master weights.
     """
 
@@ -53,6 +67,7 @@ class MoEConfig:
     shared_ffn: int = 0
     capacity_factor: float | None = None
     matmul: str = "nodrop"
+    ops: str = "nodrop"
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
 
@@ -83,6 +98,7 @@ class MoEConfig:
             is_finite_number(self.capacity_factor) and self.capacity_factor > 0),
             "capacity_factor", "None (dropless) or a positive finite number")
         require(self.matmul in EXPERT_MATMULS, "matmul", f"one of {EXPERT_MATMULS}")
+        require(self.ops in OPS, "ops", f"one of {tuple(OPS)}")
         for field in ("dtype", "param_dtype"):
             try:
                 dtype = jnp.dtype(getattr(self, field))
@@ -175,7 +191,8 @@ class MoEBlock(nnx.Module):
         # to bf16 would flip near-tied expert choices.
         logits = jnp.dot(flat.astype(jnp.float32), self.router[...].astype(jnp.float32),
                          precision=jax.lax.Precision.HIGHEST)
-        weights, ids = topk_router(
+        ops = OPS[cfg.ops]
+        weights, ids = ops["topk_router"](
             logits, cfg.k, score_function=cfg.score_function,
             expert_bias=self.expert_bias[...], num_groups=cfg.num_groups,
             topk_groups=cfg.topk_groups, renormalize=cfg.renormalize,
@@ -184,10 +201,10 @@ class MoEBlock(nnx.Module):
         down = self.down[...].astype(cfg.dtype)
 
         if cfg.capacity_factor is None:
-            rows, group_sizes, row_map = permute(tokens, ids, cfg.num_experts)
-            matmul = grouped_matmul if cfg.matmul == "nodrop" else jax.lax.ragged_dot
+            rows, group_sizes, row_map = ops["permute"](tokens, ids, cfg.num_experts)
+            matmul = ops["grouped_matmul"] if cfg.matmul == "nodrop" else jax.lax.ragged_dot
             out_rows = swiglu(lambda a, w: matmul(a, w, group_sizes), rows, gate_up, down)
-            y = unpermute(out_rows, row_map, weights)
+            y = ops["unpermute"](out_rows, row_map, weights)
             load = processed = group_sizes  # measured, not assumed: what the experts received
         else:
             capacity = capacity_rows(num_slots, cfg.num_experts, cfg.capacity_factor)

@@ -207,6 +207,30 @@ def test_ragged_dot_experts_equal_nodrop_experts():
 
 
 @pytest.mark.parametrize("config", list(CONFIGS.values()), ids=list(CONFIGS))
+def test_reference_ops_compute_the_same_block(config):
+    """MoEConfig(ops="reference") runs the block on nodrop.ops.reference (what `nodrop demo`
+    checks nodrop's ops against): the same loss, loads and gradients."""
+    reference_config = dataclasses.replace(config, ops="reference")
+    x = random_normal(np.random.default_rng(8), (24, config.hidden))
+
+    def run(block):
+        def loss(block, x):
+            y, aux = block(x)
+            return jnp.sum(jnp.square(y)) + aux.load_balancing_loss, aux
+        return nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(block, x)
+
+    (value, aux), (block_grads, x_grad) = run(make_block(config))
+    (value_ref, aux_ref), (block_grads_ref, x_grad_ref) = run(make_block(reference_config))
+    assert_close(value_ref, value, F32_TOL, "loss")
+    np.testing.assert_array_equal(np.asarray(aux_ref.tokens_per_expert),
+                                  np.asarray(aux.tokens_per_expert))
+    assert_close(x_grad_ref, x_grad, F32_TOL, "x gradient")
+    for name in ("gate_up", "down", "router"):
+        assert_close(getattr(block_grads_ref, name)[...], getattr(block_grads, name)[...],
+                     F32_TOL, f"{name} gradient")
+
+
+@pytest.mark.parametrize("config", list(CONFIGS.values()), ids=list(CONFIGS))
 def test_reported_statistics(config):
     rng = np.random.default_rng(5)
     block = make_block(config)
@@ -273,8 +297,8 @@ BAD_CONFIGS = [
     ("num_experts", 0), ("k", 9), ("k", 0), ("hidden", -1), ("ffn", 2.5),
     ("score_function", "relu"), ("num_groups", 3), ("topk_groups", 5), ("renormalize", 1),
     ("scaling_factor", 0.0), ("shared_ffn", -4), ("capacity_factor", 0.0),
-    ("capacity_factor", float("inf")), ("matmul", "einsum"), ("dtype", jnp.int32),
-    ("param_dtype", "float64"),
+    ("capacity_factor", float("inf")), ("matmul", "einsum"), ("ops", "cuda"),
+    ("dtype", jnp.int32), ("param_dtype", "float64"),
 ]
 
 

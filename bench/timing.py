@@ -1,0 +1,122 @@
+"""What the benchmarks time and how: grouped-matmul passes, timing loops, checks.
+
+Two timing loops. `median_ms` (the CPU benchmark): the median wall time of single jitted calls,
+each waited for. `side_by_side` (the GPU benchmarks): calls queued back to back as in a training
+step, implementations taking turns so that each meets the card in the same state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def relative_difference(actual, expected) -> float:
+    """max |actual - expected| / max |expected|, computed in float32."""
+    actual = np.asarray(jnp.asarray(actual, jnp.float32))
+    expected = np.asarray(jnp.asarray(expected, jnp.float32))
+    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
+
+
+# --- grouped-matmul passes ----------------------------------------------------------------------
+
+
+def forward(matmul):
+    """step(lhs, rhs, group_sizes, grad_out) -> matmul(lhs, rhs, group_sizes)."""
+    return lambda lhs, rhs, group_sizes, grad_out: matmul(lhs, rhs, group_sizes)
+
+
+def forward_backward(matmul):
+    """step(lhs, rhs, group_sizes, grad_out) -> (output, (grad lhs, grad rhs)) for the output
+    gradient grad_out: 3 GEMMs."""
+    def step(lhs, rhs, group_sizes, grad_out):
+        out, vjp = jax.vjp(lambda lhs, rhs: matmul(lhs, rhs, group_sizes), lhs, rhs)
+        return out, vjp(grad_out)
+    return step
+
+
+PASSES = {"forward": (forward, 1), "forward+backward": (forward_backward, 3)}  # (step, GEMMs)
+
+
+# --- CPU: single calls --------------------------------------------------------------------------
+
+
+def median_ms(fn, args, iters: int, warmup: int = 2) -> float:
+    """Median wall time of jit(fn)(*args) in milliseconds, after `warmup` calls (which compile)."""
+    fn = jax.jit(fn)
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+# --- GPU: windows of calls, side by side ---------------------------------------------------------
+
+# WARMUP calls (the first compiles), HEAT_S seconds of calls, then the median over REPEATS of the
+# mean time of `iters` calls queued back to back. Every case of bench/gpu_moe.py is compute-bound
+# and its operands together exceed the H200's 60 MB L2, so inputs are not rotated.
+WARMUP, REPEATS, DEFAULT_ITERS = 3, 5, 10
+# An H200 reaches its power limit, where a training step runs, about a second into back-to-back
+# work; 5 repeats of a short step (DeepSeek-V3 EP8: 0.15 s) would otherwise time the warm-up.
+HEAT_S = 1.5
+CASE_BUDGET_S = 3.0  # a slow case (jax.lax.ragged_dot) gets fewer timed calls, to stay near this
+
+
+def seconds_per_call(run, sync, iters: int) -> tuple[float, int]:
+    """(median seconds per call, calls per repeat) of run(); sync(result) waits for the device."""
+    (seconds, iters), = side_by_side({"": (run, sync)}, iters).values()
+    return seconds, iters
+
+
+def side_by_side(runs: dict, iters: int) -> dict:
+    """{name: (median seconds per call, calls per repeat)} for runs {name: (run, sync)}.
+
+    Calls are queued back to back and synchronized once per repeat, as in a training step, so
+    host launch gaps are hidden. The runs take turns, repeat by repeat, in an order reversed
+    every other repeat: an H200 at its power limit loses clock within a fraction of a second,
+    so two implementations compared one after the other would meet different cards.
+    """
+    calls = {}
+    for name, (run, sync) in runs.items():
+        for _ in range(WARMUP):
+            start = time.perf_counter()
+            sync(run())
+            call_s = time.perf_counter() - start
+        calls[name] = max(1, min(iters, int(CASE_BUDGET_S / (REPEATS * call_s))))
+
+    def window(name: str) -> float:
+        """Seconds per call over one window of calls[name] calls."""
+        run, sync = runs[name]
+        start = time.perf_counter()
+        for _ in range(calls[name]):
+            result = run()
+        sync(result)
+        return (time.perf_counter() - start) / calls[name]
+
+    order = list(runs)
+    heat_end = time.perf_counter() + HEAT_S
+    while time.perf_counter() < heat_end:  # untimed windows, in turns, up to the power limit
+        for name in order:
+            window(name)
+    samples = {name: [] for name in runs}
+    for _ in range(REPEATS):
+        for name in order:
+            samples[name].append(window(name))
+        order.reverse()
+    return {name: (statistics.median(samples[name]), calls[name]) for name in runs}

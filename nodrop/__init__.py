@@ -3,8 +3,10 @@
 from nodrop import _ffi
 from nodrop._ffi import backends
 from nodrop.moe.losses import load_balancing_loss, router_z_loss, tokens_per_expert
-from nodrop.ops import (checks, checks_enabled, grouped_matmul, grouped_matmul_contract,
-                        permute, ragged_dot, topk_router, unpermute)
+from nodrop.ops._checks import checks, checks_enabled
+from nodrop.ops.grouped_matmul import grouped_matmul, grouped_matmul_contract, ragged_dot
+from nodrop.ops.permute import permute, unpermute
+from nodrop.ops.router import topk_router
 
 __version__ = "0.1.0"
 __all__ = [

@@ -2,28 +2,27 @@
 
 `libnodrop_ffi_cpu.so` (the CPU engine) is always built; `libnodrop_ffi_cuda.so` (the Hopper
 engine) when the build found nvcc and CUTLASS. Each exports one handler symbol per target; the
-same target name is registered for platform "cpu" and for "CUDA", and `call` lowers whichever
-the computation runs on.
+same target name is registered for platform "cpu" and for "CUDA". `on_platform` is the one place
+that chooses between them.
 """
 
 from __future__ import annotations
 
 import ctypes
 import pathlib
+import sys
 import warnings
 
 import jax
 import jax.numpy as jnp
-
-_PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 
 # target name -> exported handler symbol (without its Cpu / Cuda suffix), one per FFI handler.
 TARGETS = {
     "nodrop_grouped_matmul": "NodropGroupedMatmul",
     "nodrop_grouped_matmul_contract": "NodropGroupedMatmulContract",
     "nodrop_permute": "NodropPermute",
-    "nodrop_scatter_rows": "NodropScatterRows",
-    "nodrop_gather_rows": "NodropGatherRows",
+    "nodrop_permute_rows": "NodropPermuteRows",
+    "nodrop_unpermute": "NodropUnpermute",
     "nodrop_gather_row_dots": "NodropGatherRowDots",
     "nodrop_topk_router": "NodropTopkRouter",
     "nodrop_topk_router_grad": "NodropTopkRouterGrad",
@@ -33,14 +32,17 @@ CUDA_TARGETS = {target: symbol + "Cuda" for target, symbol in TARGETS.items()}
 
 
 def _load(name: str) -> ctypes.CDLL | None:
-    path = _PACKAGE_DIR / name
-    if not path.exists():
-        return None
-    try:
-        return ctypes.CDLL(str(path))
-    except OSError as error:  # e.g. a GPU machine without the CPU engine's oneDNN
-        warnings.warn(f"nodrop: cannot load {path.name}: {error}", stacklevel=3)
-        return None
+    # The package's folders: this one for an installed wheel; in an editable install (the
+    # README's set-up) also the site-packages folder where pip put the built libraries.
+    for folder in sys.modules[__package__].__path__:
+        path = pathlib.Path(folder) / name
+        if path.exists():
+            try:
+                return ctypes.CDLL(str(path))
+            except OSError as error:  # e.g. a GPU machine without the CPU engine's oneDNN
+                warnings.warn(f"nodrop: cannot load {path}: {error}", stacklevel=3)
+                return None
+    return None
 
 
 def _register(lib: ctypes.CDLL, symbols: dict[str, str], platform: str) -> None:
@@ -53,8 +55,9 @@ _cpu_lib = _load("libnodrop_ffi_cpu.so")
 _cuda_lib = _load("libnodrop_ffi_cuda.so")
 if _cpu_lib is None and _cuda_lib is None:
     raise ImportError(
-        f"nodrop: no engine library in {_PACKAGE_DIR}; the package was not built. Install it "
-        "with `pip install .` (see README), which compiles the C++ engine.")
+        "nodrop: its C++ engine is not built (no libnodrop_ffi_cpu.so in "
+        f"{', '.join(sys.modules[__package__].__path__)}). Run `make setup` in the repository "
+        "(or `pip install .`), which compiles it.")
 if _cpu_lib is not None:
     _register(_cpu_lib, CPU_TARGETS, "cpu")
 if _cuda_lib is not None:
@@ -78,27 +81,39 @@ def sort_by_expert_workspace_bytes(num_tokens: int, k: int, num_experts: int) ->
     return _cuda_lib.NodropSortByExpertWorkspaceBytes(num_tokens, k, num_experts)
 
 
-def call(target: str, result_types, *args, cuda_workspace=None, **attrs):
-    """`jax.ffi.ffi_call` of `target` on the platform the computation runs on.
+def on_platform(*operands, cpu, cuda):
+    """cpu(*operands) where the computation runs on the CPU, cuda(*operands) on a GPU."""
+    if _cuda_lib is None:
+        return cpu(*operands)
+    return jax.lax.platform_dependent(*operands, cpu=cpu, cuda=cuda)
 
-    cuda_workspace: a function giving the workspace bytes of the CUDA handler, which returns the
-    workspace as one more (uint8) result; it is dropped here. Results are as `result_types`.
+
+def engine_call(target: str, result_types, *, workspace_bytes=None, **attrs):
+    """The function of the operands that runs `target`'s handler (`jax.ffi.ffi_call`).
+
+    workspace_bytes: for a CUDA handler, a function giving its workspace size; the handler
+    returns the workspace as one more (uint8) result, dropped here. Results are as
+    `result_types` (one, or a tuple).
     """
     single = not isinstance(result_types, (tuple, list))
     results = (result_types,) if single else tuple(result_types)
 
-    def lower(extra_results):
-        def run(*operands):
-            out = jax.ffi.ffi_call(target, results + extra_results,
-                                   vmap_method="sequential")(*operands, **attrs)
-            out = tuple(out)[:len(results)]
-            return out[0] if single else out
-        return run
+    def run(*operands):
+        workspace = ()  # sized when traced: only the CUDA branch asks the CUDA library
+        if workspace_bytes is not None:
+            workspace = (jax.ShapeDtypeStruct((workspace_bytes(),), jnp.uint8),)
+        out = jax.ffi.ffi_call(target, results + workspace,
+                               vmap_method="sequential")(*operands, **attrs)
+        out = tuple(out)[:len(results)]
+        return out[0] if single else out
+    return run
 
-    cpu = lower(())
-    if _cuda_lib is None:
-        return cpu(*args)
-    workspace = ()
-    if cuda_workspace is not None:
-        workspace = (jax.ShapeDtypeStruct((cuda_workspace(),), jnp.uint8),)
-    return jax.lax.platform_dependent(*args, cpu=cpu, cuda=lower(workspace))
+
+def call(target: str, result_types, *operands, cuda_workspace=None, **attrs):
+    """`target` on the platform the computation runs on, the same handler name on both.
+
+    cuda_workspace: the CUDA handler's workspace size function (see `engine_call`).
+    """
+    return on_platform(
+        *operands, cpu=engine_call(target, result_types, **attrs),
+        cuda=engine_call(target, result_types, workspace_bytes=cuda_workspace, **attrs))

@@ -56,7 +56,10 @@ if command -v nvcc >/dev/null 2>&1; then
 else
   say "building and installing nodrop (CPU engine, FFI handlers, C++ tests); no nvcc: no CUDA engine"
 fi
+# Editable: the package's Python files are the ones in this folder (so `python -m nodrop`, pytest
+# and notebooks in the repository root run them); the built libraries go to site-packages.
 .venv/bin/pip install -v --no-build-isolation \
-  -C build-dir=build/wheel -C cmake.define.NODROP_BUILD_TESTS=ON ".[test]" \
+  -C build-dir=build/wheel -C cmake.define.NODROP_BUILD_TESTS=ON \
+  -e ".[test]" \
   || die "building nodrop failed (see the compiler output above)"
 say "ready"

@@ -1,5 +1,5 @@
-// Benchmark of the CUDA routing and permutation kernels: GB/s of permute (scatter_rows) and
-// un-permute (gather_rows with the router weights, and its backward gather_row_dots) at
+// Benchmark of the CUDA routing and permutation kernels: GB/s of permute (permute_rows) and
+// un-permute (unpermute with the router weights, and its backward gather_row_dots) at
 // T*k = 65536 rows of H = 4096 bfloat16, each next to cudaMemcpyAsync device-to-device of the
 // same bytes; then the times of sort_by_expert and of the router kernels.
 //
@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "nodrop/engine_cuda_moe.h"
+#include "nodrop/engine_cuda.h"
 
 namespace {
 
@@ -172,7 +172,7 @@ void bench_row_movers() {
 
     // permute: read each token row k times, write every permuted row once
     const double scatter = median_us([&](int i) {
-      CHECK(nodrop::cuda::scatter_rows(token_copy(tokens, i), DType::kBFloat16,
+      CHECK(nodrop::cuda::permute_rows(token_copy(tokens, i), DType::kBFloat16,
                                        row_map.as<int32_t>(), nullptr, T, k, kHidden, row_copy(i),
                                        g_stream));
     });
@@ -182,7 +182,7 @@ void bench_row_movers() {
     const int64_t gather_bytes = row_bytes + token_bytes;
     const double copy = memcpy_us(gather_bytes / 2);
     const double gather = median_us([&](int i) {
-      CHECK(nodrop::cuda::gather_rows(row_copy(i), DType::kBFloat16, row_map.as<int32_t>(),
+      CHECK(nodrop::cuda::unpermute(row_copy(i), DType::kBFloat16, row_map.as<int32_t>(),
                                       weights.as<float>(), T, k, kHidden, token_copy(out, i),
                                       g_stream));
     });

@@ -1,23 +1,20 @@
 // Shared helpers of the FFI handlers: dtype mapping, shape checks, engine Status -> ffi::Error.
 //
-// The JAX ops check shapes and dtypes at trace time; handlers check again because a target can
-// be called directly with jax.ffi.ffi_call, and a wrong shape must never reach the engine.
+// Each op family has a header (grouped_matmul.h, permute.h, router.h) that decodes and validates
+// its buffers and attributes and declares its operands once, and one handler source per platform
+// (<family>_cpu.cc, <family>_cuda.cc) that only calls the engine. The JAX ops check shapes and
+// dtypes at trace time; handlers check again because a target can be called directly with
+// jax.ffi.ffi_call, and a wrong shape must never reach the engine.
 #pragma once
 
-#include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
-#include <functional>
-#include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 
 #include "nodrop/engine.h"
 #include "xla/ffi/api/ffi.h"
 
-namespace nodrop::ffi_glue {
+namespace nodrop::handlers {
 
 namespace ffi = xla::ffi;
 
@@ -51,11 +48,10 @@ ffi::Error require_rank(const char* name, const Buffer& buffer, size_t rank) {
 template <typename Buffer>
 ffi::Error require_dim(const char* name, const Buffer& buffer, size_t axis, int64_t expected) {
   if (buffer.dimensions()[axis] == expected) return ffi::Error::Success();
-  return ffi::Error::InvalidArgument(std::string(name) + " has " +
-                                     std::to_string(buffer.dimensions()[axis]) + " at axis " +
-                                     std::to_string(axis) + " but expected " +
-                                     std::to_string(expected) + " (shape " +
-                                     shape_string(buffer.dimensions()) + ")");
+  return ffi::Error::InvalidArgument(
+      std::string(name) + " has " + std::to_string(buffer.dimensions()[axis]) + " at axis " +
+      std::to_string(axis) + " but expected " + std::to_string(expected) + " (shape " +
+      shape_string(buffer.dimensions()) + ")");
 }
 
 // Float dtype of `buffer`, or an error naming it.
@@ -64,54 +60,17 @@ inline ffi::ErrorOr<DType> require_float(const char* name, const ffi::AnyBuffer&
   return ffi::Error::InvalidArgument(std::string(name) + " must be float32, float16 or bfloat16");
 }
 
-// The engine's ParallelRunner over XLA's intra-op thread pool. The calling thread takes items
-// too, so a loop finishes even when every pool thread is busy; helpers that start after the
-// last item only find the (shared, still alive) counter exhausted.
-class XlaThreadPoolRunner final : public ParallelRunner {
- public:
-  explicit XlaThreadPoolRunner(ffi::ThreadPool pool) : pool_(pool) {}
+inline ffi::Error require_same_dtype(const char* name, const ffi::AnyBuffer& buffer,
+                                     const char* like, const ffi::AnyBuffer& reference) {
+  if (buffer.element_type() == reference.element_type()) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(name) + " must have the dtype of " + like);
+}
 
-  int64_t num_workers() const override {
-    return std::max<int64_t>(1, const_cast<ffi::ThreadPool&>(pool_).num_threads());
-  }
-
-  void parallel_for(int64_t n, const std::function<void(int64_t)>& fn) override {
-    struct Loop {
-      std::atomic<int64_t> next{0}, done{0};
-      int64_t n = 0;
-      const std::function<void(int64_t)>* fn = nullptr;
-      std::mutex mu;
-      std::condition_variable finished;
-    };
-    auto loop = std::make_shared<Loop>();
-    loop->n = n;
-    loop->fn = &fn;
-    auto work = [](Loop& l) {
-      for (int64_t i; (i = l.next.fetch_add(1)) < l.n;) {
-        (*l.fn)(i);
-        if (l.done.fetch_add(1) + 1 == l.n) {
-          std::lock_guard<std::mutex> lock(l.mu);
-          l.finished.notify_all();
-        }
-      }
-    };
-    for (int64_t h = 1; h < std::min(n, num_workers()); ++h) {
-      pool_.Schedule([loop, work] { work(*loop); });
-    }
-    work(*loop);
-    std::unique_lock<std::mutex> lock(loop->mu);
-    loop->finished.wait(lock, [&] { return loop->done.load() == n; });
-  }
-
- private:
-  ffi::ThreadPool pool_;
-};
-
-}  // namespace nodrop::ffi_glue
+}  // namespace nodrop::handlers
 
 // Returns from the enclosing handler when `expr` (an ffi::Error) is a failure.
-#define NODROP_RETURN_IF_ERROR(expr)               \
-  do {                                             \
-    ::xla::ffi::Error nodrop_error_ = (expr);      \
+#define NODROP_RETURN_IF_ERROR(expr)                   \
+  do {                                                 \
+    ::xla::ffi::Error nodrop_error_ = (expr);          \
     if (nodrop_error_.failure()) return nodrop_error_; \
   } while (0)

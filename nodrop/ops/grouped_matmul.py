@@ -100,23 +100,23 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
 # --- differentiable cores over the FFI calls ------------------------------------------------
 
 
-def _engine_rows(lhs, rhs, group_sizes, transpose_rhs, out_dtype):
+def _engine_rows(lhs, rhs, group_sizes, transpose_rhs, out_dtype, *, cuda=False):
     num_cols = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    return _ffi.call(
+    workspace = (lambda: _ffi.grouped_matmul_workspace_bytes(rhs.shape[0])) if cuda else None
+    return _ffi.engine_call(
         "nodrop_grouped_matmul", jax.ShapeDtypeStruct((lhs.shape[0], num_cols), out_dtype),
-        lhs, rhs, group_sizes,
-        cuda_workspace=lambda: _ffi.grouped_matmul_workspace_bytes(rhs.shape[0]),
-        transpose_rhs=_checks.attr_bool(transpose_rhs),
-        checked=_checks.attr_bool(_checks.checks_enabled()))
+        workspace_bytes=workspace, transpose_rhs=_checks.attr_bool(transpose_rhs),
+        checked=_checks.attr_bool(_checks.checks_enabled()))(lhs, rhs, group_sizes)
 
 
-def _engine_contract(lhs, rhs, group_sizes, out_dtype):
-    return _ffi.call(
+def _engine_contract(lhs, rhs, group_sizes, out_dtype, *, cuda=False):
+    num_groups = group_sizes.shape[0]
+    workspace = (lambda: _ffi.grouped_matmul_workspace_bytes(num_groups)) if cuda else None
+    return _ffi.engine_call(
         "nodrop_grouped_matmul_contract",
-        jax.ShapeDtypeStruct((group_sizes.shape[0], lhs.shape[1], rhs.shape[1]), out_dtype),
-        lhs, rhs, group_sizes,
-        cuda_workspace=lambda: _ffi.grouped_matmul_workspace_bytes(group_sizes.shape[0]),
-        checked=_checks.attr_bool(_checks.checks_enabled()))
+        jax.ShapeDtypeStruct((num_groups, lhs.shape[1], rhs.shape[1]), out_dtype),
+        workspace_bytes=workspace,
+        checked=_checks.attr_bool(_checks.checks_enabled()))(lhs, rhs, group_sizes)
 
 
 def _pad_axis(x, axis: int, size: int):
@@ -149,7 +149,7 @@ def _cuda_rows(lhs, rhs, group_sizes, transpose_rhs, out_dtype):
     if k % _TMA_ELEMENTS or n % _TMA_ELEMENTS:
         lhs = _pad_axis(lhs, 1, _tma_size(k))
         rhs = _pad_axis(_pad_axis(rhs, k_axis, _tma_size(k)), n_axis, _tma_size(n))
-    return _engine_rows(lhs, rhs, group_sizes, transpose_rhs, out_dtype)[:, :n]
+    return _engine_rows(lhs, rhs, group_sizes, transpose_rhs, out_dtype, cuda=True)[:, :n]
 
 
 def _cuda_contract(lhs, rhs, group_sizes, out_dtype):
@@ -166,21 +166,15 @@ def _cuda_contract(lhs, rhs, group_sizes, out_dtype):
     k, n = lhs.shape[1], rhs.shape[1]
     if k % _TMA_ELEMENTS or n % _TMA_ELEMENTS:
         lhs, rhs = _pad_axis(lhs, 1, _tma_size(k)), _pad_axis(rhs, 1, _tma_size(n))
-    return _engine_contract(lhs, rhs, group_sizes, out_dtype)[:, :k, :n]
-
-
-def _on_engine(engine, cuda, *args):
-    """engine(*args) on the CPU, cuda(*args) on the GPU."""
-    if not _ffi.backends()["cuda"]:
-        return engine(*args)
-    return jax.lax.platform_dependent(*args, cpu=engine, cuda=cuda)
+    return _engine_contract(lhs, rhs, group_sizes, out_dtype, cuda=True)[:, :k, :n]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _grouped_matmul(lhs, rhs, group_sizes, transpose_rhs, out_dtype):
-    return _on_engine(
-        lambda *args: _engine_rows(*args, transpose_rhs, out_dtype),
-        lambda *args: _cuda_rows(*args, transpose_rhs, out_dtype), lhs, rhs, group_sizes)
+    return _ffi.on_platform(
+        lhs, rhs, group_sizes,
+        cpu=lambda *args: _engine_rows(*args, transpose_rhs, out_dtype),
+        cuda=lambda *args: _cuda_rows(*args, transpose_rhs, out_dtype))
 
 
 def _grouped_matmul_fwd(lhs, rhs, group_sizes, transpose_rhs, out_dtype):
@@ -204,9 +198,9 @@ _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _grouped_matmul_contract(lhs, rhs, group_sizes, out_dtype):
-    return _on_engine(
-        lambda *args: _engine_contract(*args, out_dtype),
-        lambda *args: _cuda_contract(*args, out_dtype), lhs, rhs, group_sizes)
+    return _ffi.on_platform(
+        lhs, rhs, group_sizes, cpu=lambda *args: _engine_contract(*args, out_dtype),
+        cuda=lambda *args: _cuda_contract(*args, out_dtype))
 
 
 def _grouped_matmul_contract_fwd(lhs, rhs, group_sizes, out_dtype):

@@ -62,7 +62,7 @@ def unpermute(rows, row_map, weights):
     _checks.require_dim("row_map", row_map, 0, num_slots, "entries (T*k from weights)")
     _checks.require_dim("rows", rows, 0, num_slots, "rows (T*k from weights)")
     row_map = _checks.as_int32("row_map", row_map)
-    return _gather_rows(rows, row_map, weights.astype(jnp.float32))
+    return _unpermute(rows, row_map, weights.astype(jnp.float32))
 
 
 # --- differentiable cores over the FFI calls ------------------------------------------------
@@ -90,49 +90,49 @@ def _permute_bwd(num_experts, residuals, grads):
     row_map, k = residuals
     grad_rows = grads[0]
     ones = jnp.ones((row_map.shape[0] // k, k), jnp.float32)
-    return _gather_rows(grad_rows, row_map, ones), None
+    return _unpermute(grad_rows, row_map, ones), None
 
 
 _permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 @jax.custom_vjp
-def _gather_rows(rows, row_map, weights):
+def _unpermute(rows, row_map, weights):
     out_type = jax.ShapeDtypeStruct((weights.shape[0], rows.shape[1]), rows.dtype)
-    return _ffi.call("nodrop_gather_rows", out_type, rows, row_map, weights)
+    return _ffi.call("nodrop_unpermute", out_type, rows, row_map, weights)
 
 
-def _gather_rows_fwd(rows, row_map, weights):
-    return _gather_rows(rows, row_map, weights), (rows, row_map, weights)
+def _unpermute_fwd(rows, row_map, weights):
+    return _unpermute(rows, row_map, weights), (rows, row_map, weights)
 
 
-def _gather_rows_bwd(residuals, grad):
+def _unpermute_bwd(residuals, grad):
     rows, row_map, weights = residuals
-    return (_scatter_rows(grad, row_map, weights).astype(rows.dtype), None,
+    return (_permute_rows(grad, row_map, weights).astype(rows.dtype), None,
             _gather_row_dots(grad.astype(rows.dtype), rows, row_map, weights.shape[1]))
 
 
-_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+_unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
 
 
 @jax.custom_vjp
-def _scatter_rows(src, row_map, weights):
+def _permute_rows(src, row_map, weights):
     out_type = jax.ShapeDtypeStruct((row_map.shape[0], src.shape[1]), src.dtype)
-    return _ffi.call("nodrop_scatter_rows", out_type, src, row_map, weights)
+    return _ffi.call("nodrop_permute_rows", out_type, src, row_map, weights)
 
 
-def _scatter_rows_fwd(src, row_map, weights):
-    return _scatter_rows(src, row_map, weights), (src, row_map, weights)
+def _permute_rows_fwd(src, row_map, weights):
+    return _permute_rows(src, row_map, weights), (src, row_map, weights)
 
 
-def _scatter_rows_bwd(residuals, grad):
+def _permute_rows_bwd(residuals, grad):
     src, row_map, weights = residuals
     grad = grad.astype(src.dtype)
-    return (_gather_rows(grad, row_map, weights), None,
+    return (_unpermute(grad, row_map, weights), None,
             _gather_row_dots(src, grad, row_map, weights.shape[1]))
 
 
-_scatter_rows.defvjp(_scatter_rows_fwd, _scatter_rows_bwd)
+_permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -147,8 +147,8 @@ def _gather_row_dots_fwd(a, rows, row_map, k):
 
 def _gather_row_dots_bwd(k, residuals, grad):
     a, rows, row_map = residuals
-    return (_gather_rows(rows, row_map, grad).astype(a.dtype),
-            _scatter_rows(a, row_map, grad).astype(rows.dtype), None)
+    return (_unpermute(rows, row_map, grad).astype(a.dtype),
+            _permute_rows(a, row_map, grad).astype(rows.dtype), None)
 
 
 _gather_row_dots.defvjp(_gather_row_dots_fwd, _gather_row_dots_bwd)

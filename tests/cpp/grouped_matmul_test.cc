@@ -9,7 +9,7 @@
 #include <tuple>
 #include <vector>
 
-#include "nodrop/engine.h"
+#include "nodrop/engine_cpu.h"
 #include "test_util.h"
 
 namespace {

@@ -1,4 +1,4 @@
-// Tests of sort_by_expert, scatter_rows, gather_rows and gather_row_dots against naive loops,
+// Tests of sort_by_expert, permute_rows, unpermute and gather_row_dots against naive loops,
 // serial and on a parallel runner.
 
 #include <gtest/gtest.h>
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "nodrop/engine.h"
+#include "nodrop/engine_cpu.h"
 #include "test_util.h"
 
 namespace {
@@ -186,13 +186,13 @@ TEST(SortByExpert, CheckedRejectsOutOfRangeIdsNamingIds) {
   }
 }
 
-// ---- scatter_rows ----------------------------------------------------------------------------
+// ---- permute_rows ----------------------------------------------------------------------------
 
 // Row maps come from the naive sort (with dropped slots), so these tests do not depend on the
 // engine's sort.
-class ScatterRowsDtypes : public testing::TestWithParam<DType> {};
+class PermuteRowsDtypes : public testing::TestWithParam<DType> {};
 
-TEST_P(ScatterRowsDtypes, MatchesNaiveReferenceAndZeroesUnmappedRows) {
+TEST_P(PermuteRowsDtypes, MatchesNaiveReferenceAndZeroesUnmappedRows) {
   const DType dtype = GetParam();
   std::mt19937 rng(200);
   for (const Shape& sh : shapes()) {
@@ -203,7 +203,7 @@ TEST_P(ScatterRowsDtypes, MatchesNaiveReferenceAndZeroesUnmappedRows) {
       const Array src = random_array(dtype, T * H, rng);
       const std::vector<float> w = random_floats(T * k, rng, 0.0, 1.0);
       Array dst(dtype, T * k * H);
-      nodrop::cpu::scatter_rows(src.data(), dtype, row_map.data(), weighted ? w.data() : nullptr,
+      nodrop::cpu::permute_rows(src.data(), dtype, row_map.data(), weighted ? w.data() : nullptr,
                                 T, k, H, dst.data());
       EXPECT_TRUE(dst.canaries_intact());
       const auto want = naive_scatter(src, row_map, weighted ? w.data() : nullptr, T, k, H);
@@ -218,24 +218,24 @@ TEST_P(ScatterRowsDtypes, MatchesNaiveReferenceAndZeroesUnmappedRows) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(AllDtypes, ScatterRowsDtypes, testing::ValuesIn(kAllDtypes),
+INSTANTIATE_TEST_SUITE_P(AllDtypes, PermuteRowsDtypes, testing::ValuesIn(kAllDtypes),
                          [](const testing::TestParamInfo<DType>& i) { return short_name(i.param); });
 
-TEST(ScatterRows, WithoutWeightsCopiesRowsBitExactly) {
+TEST(PermuteRows, WithoutWeightsCopiesRowsBitExactly) {
   std::mt19937 rng(201);
   const int64_t T = 11, k = 2, E = 4, H = 9;
   for (DType dtype : kAllDtypes) {
     const Ints row_map = naive_sort(random_ids(T, k, E, rng), E).row_map;
     const Array src = random_array(dtype, T * H, rng);
     Array dst(dtype, T * k * H);
-    nodrop::cpu::scatter_rows(src.data(), dtype, row_map.data(), nullptr, T, k, H, dst.data());
+    nodrop::cpu::permute_rows(src.data(), dtype, row_map.data(), nullptr, T, k, H, dst.data());
     for (int64_t i = 0; i < T * k; ++i)
       for (int64_t h = 0; h < H; ++h)
         ASSERT_EQ(dst.at(row_map[i] * H + h), src.at((i / k) * H + h)) << short_name(dtype);
   }
 }
 
-TEST(ScatterRows, SkipsRowMapEntriesOutsideTheRows) {
+TEST(PermuteRows, SkipsRowMapEntriesOutsideTheRows) {
   // Entries -1, T*k, INT32_MIN, INT32_MAX must be skipped: nothing written outside dst, and the
   // rows they would have filled stay zero.
   const int64_t T = 4, k = 2, H = 5;
@@ -246,7 +246,7 @@ TEST(ScatterRows, SkipsRowMapEntriesOutsideTheRows) {
     const std::vector<float> w = random_floats(T * k, rng, 0.5, 1.0);
     const Fenced src_f(src), map_f(row_map), w_f(w);
     Array dst(dtype, T * k * H);
-    nodrop::cpu::scatter_rows(src_f.data(), dtype, map_f.as<int32_t>(), w_f.as<float>(), T, k, H,
+    nodrop::cpu::permute_rows(src_f.data(), dtype, map_f.as<int32_t>(), w_f.as<float>(), T, k, H,
                               dst.data());
     EXPECT_TRUE(dst.canaries_intact());
     const auto got = dst.values();
@@ -255,17 +255,17 @@ TEST(ScatterRows, SkipsRowMapEntriesOutsideTheRows) {
   }
 }
 
-TEST(ScatterRows, NoTokensIsANoOp) {
+TEST(PermuteRows, NoTokensIsANoOp) {
   Array src(DType::kFloat32, 0), dst(DType::kFloat32, 0);
-  nodrop::cpu::scatter_rows(src.data(), DType::kFloat32, nullptr, nullptr, 0, 2, 8, dst.data());
+  nodrop::cpu::permute_rows(src.data(), DType::kFloat32, nullptr, nullptr, 0, 2, 8, dst.data());
   EXPECT_TRUE(dst.canaries_intact());
 }
 
-// ---- gather_rows -------------------------------------------------------------------------------
+// ---- unpermute -------------------------------------------------------------------------------
 
-class GatherRowsDtypes : public testing::TestWithParam<DType> {};
+class UnpermuteDtypes : public testing::TestWithParam<DType> {};
 
-TEST_P(GatherRowsDtypes, MatchesNaiveReference) {
+TEST_P(UnpermuteDtypes, MatchesNaiveReference) {
   const DType dtype = GetParam();
   std::mt19937 rng(300);
   for (const Shape& sh : shapes()) {
@@ -276,7 +276,7 @@ TEST_P(GatherRowsDtypes, MatchesNaiveReference) {
       const Array src = random_array(dtype, T * k * H, rng);
       const std::vector<float> w = random_floats(T * k, rng, -1.0, 1.0);
       Array dst(dtype, T * H);
-      nodrop::cpu::gather_rows(src.data(), dtype, row_map.data(), weighted ? w.data() : nullptr,
+      nodrop::cpu::unpermute(src.data(), dtype, row_map.data(), weighted ? w.data() : nullptr,
                                T, k, H, dst.data());
       EXPECT_TRUE(dst.canaries_intact());
       EXPECT_LE(rel_error(dst.values(),
@@ -286,10 +286,10 @@ TEST_P(GatherRowsDtypes, MatchesNaiveReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(AllDtypes, GatherRowsDtypes, testing::ValuesIn(kAllDtypes),
+INSTANTIATE_TEST_SUITE_P(AllDtypes, UnpermuteDtypes, testing::ValuesIn(kAllDtypes),
                          [](const testing::TestParamInfo<DType>& i) { return short_name(i.param); });
 
-TEST(GatherRows, SkipsRowMapEntriesOutsideTheRows) {
+TEST(Unpermute, SkipsRowMapEntriesOutsideTheRows) {
   // Token 2 has only out-of-range entries: its row must be exactly zero.
   const int64_t T = 4, k = 2, H = 5;
   const Ints row_map = {3, -1, 0, 8, INT32_MIN, INT32_MAX, 1, 2};
@@ -299,7 +299,7 @@ TEST(GatherRows, SkipsRowMapEntriesOutsideTheRows) {
     const std::vector<float> w = random_floats(T * k, rng, 0.5, 1.0);
     const Fenced src_f(src), map_f(row_map), w_f(w);  // a read past any input crashes
     Array dst(dtype, T * H);
-    nodrop::cpu::gather_rows(src_f.data(), dtype, map_f.as<int32_t>(), w_f.as<float>(), T, k, H,
+    nodrop::cpu::unpermute(src_f.data(), dtype, map_f.as<int32_t>(), w_f.as<float>(), T, k, H,
                              dst.data());
     EXPECT_TRUE(dst.canaries_intact());
     const auto got = dst.values();
@@ -308,7 +308,7 @@ TEST(GatherRows, SkipsRowMapEntriesOutsideTheRows) {
   }
 }
 
-TEST(GatherRows, AccumulatesHalfPrecisionInFloat32) {
+TEST(Unpermute, AccumulatesHalfPrecisionInFloat32) {
   // 1 + tiny + tiny: each partial sum 1 + tiny rounds back to 1 in the storage type, but the
   // float32 sum 1 + 2*tiny is exactly representable there. tiny is half an ulp of 1.
   for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
@@ -320,14 +320,14 @@ TEST(GatherRows, AccumulatesHalfPrecisionInFloat32) {
     src.set(2, tiny);
     const Ints row_map = {0, 1, 2};
     Array dst(dtype, 1);
-    nodrop::cpu::gather_rows(src.data(), dtype, row_map.data(), nullptr, T, k, H, dst.data());
+    nodrop::cpu::unpermute(src.data(), dtype, row_map.data(), nullptr, T, k, H, dst.data());
     EXPECT_EQ(dst.at(0), 1.0 + 2 * tiny) << short_name(dtype);
   }
 }
 
-TEST(GatherRows, NoTokensIsANoOp) {
+TEST(Unpermute, NoTokensIsANoOp) {
   Array src(DType::kBFloat16, 0), dst(DType::kBFloat16, 0);
-  nodrop::cpu::gather_rows(src.data(), DType::kBFloat16, nullptr, nullptr, 0, 3, 8, dst.data());
+  nodrop::cpu::unpermute(src.data(), DType::kBFloat16, nullptr, nullptr, 0, 3, 8, dst.data());
   EXPECT_TRUE(dst.canaries_intact());
 }
 
@@ -388,9 +388,9 @@ TEST(Permute, SortScatterGatherGivesTheWeightedSumOverKeptSlots) {
   ASSERT_TRUE(nodrop::cpu::sort_by_expert(ids.data(), T, k, E, false, row_map.data(),
                                           sizes.data()).ok());
   Array rows(DType::kFloat32, T * k * H), out(DType::kFloat32, T * H);
-  nodrop::cpu::scatter_rows(x.data(), DType::kFloat32, row_map.data(), nullptr, T, k, H,
+  nodrop::cpu::permute_rows(x.data(), DType::kFloat32, row_map.data(), nullptr, T, k, H,
                             rows.data());
-  nodrop::cpu::gather_rows(rows.data(), DType::kFloat32, row_map.data(), w.data(), T, k, H,
+  nodrop::cpu::unpermute(rows.data(), DType::kFloat32, row_map.data(), w.data(), T, k, H,
                            out.data());
   std::vector<double> want(T * H, 0.0);
   for (int64_t i = 0; i < T * k; ++i)
@@ -413,11 +413,11 @@ TEST(Permute, TwoCallsGiveBitwiseIdenticalOutputs) {
     const Array x = random_array(dtype, T * H, rng);
     const Array rows = random_array(dtype, T * k * H, rng);
     Array sa(dtype, T * k * H), sb(dtype, T * k * H), ga(dtype, T * H), gb(dtype, T * H);
-    nodrop::cpu::scatter_rows(x.data(), dtype, row_map.data(), w.data(), T, k, H, sa.data());
-    nodrop::cpu::scatter_rows(x.data(), dtype, row_map.data(), w.data(), T, k, H, sb.data());
+    nodrop::cpu::permute_rows(x.data(), dtype, row_map.data(), w.data(), T, k, H, sa.data());
+    nodrop::cpu::permute_rows(x.data(), dtype, row_map.data(), w.data(), T, k, H, sb.data());
     EXPECT_EQ(sa.raw(), sb.raw());
-    nodrop::cpu::gather_rows(rows.data(), dtype, row_map.data(), w.data(), T, k, H, ga.data());
-    nodrop::cpu::gather_rows(rows.data(), dtype, row_map.data(), w.data(), T, k, H, gb.data());
+    nodrop::cpu::unpermute(rows.data(), dtype, row_map.data(), w.data(), T, k, H, ga.data());
+    nodrop::cpu::unpermute(rows.data(), dtype, row_map.data(), w.data(), T, k, H, gb.data());
     EXPECT_EQ(ga.raw(), gb.raw());
     Guarded<float> da(T * k, 0.f), db(T * k, 0.f);
     nodrop::cpu::gather_row_dots(x.data(), rows.data(), dtype, row_map.data(), T, k, H, da.data());
@@ -439,14 +439,14 @@ TEST(Permute, ParallelRunnerGivesTheSerialResult) {
     const Array rows = random_array(dtype, T * k * H, rng);
     ThreadRunner runner(4);
     Array serial_s(dtype, T * k * H), parallel_s(dtype, T * k * H);
-    nodrop::cpu::scatter_rows(x.data(), dtype, row_map.data(), w.data(), T, k, H, serial_s.data());
-    nodrop::cpu::scatter_rows(x.data(), dtype, row_map.data(), w.data(), T, k, H,
+    nodrop::cpu::permute_rows(x.data(), dtype, row_map.data(), w.data(), T, k, H, serial_s.data());
+    nodrop::cpu::permute_rows(x.data(), dtype, row_map.data(), w.data(), T, k, H,
                               parallel_s.data(), &runner);
     EXPECT_EQ(serial_s.raw(), parallel_s.raw());
     Array serial_g(dtype, T * H), parallel_g(dtype, T * H);
-    nodrop::cpu::gather_rows(rows.data(), dtype, row_map.data(), w.data(), T, k, H,
+    nodrop::cpu::unpermute(rows.data(), dtype, row_map.data(), w.data(), T, k, H,
                              serial_g.data());
-    nodrop::cpu::gather_rows(rows.data(), dtype, row_map.data(), w.data(), T, k, H,
+    nodrop::cpu::unpermute(rows.data(), dtype, row_map.data(), w.data(), T, k, H,
                              parallel_g.data(), &runner);
     EXPECT_EQ(serial_g.raw(), parallel_g.raw());
     Guarded<float> dots(T * k, std::numeric_limits<float>::quiet_NaN());

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "nodrop/engine.h"
+#include "nodrop/engine_cpu.h"
 #include "test_util.h"
 
 namespace {

@@ -18,7 +18,7 @@
 #include <thread>
 #include <vector>
 
-#include "nodrop/engine.h"
+#include "nodrop/engine_cpu.h"
 
 namespace nodrop_test {
 

@@ -25,8 +25,8 @@
 #include <string>
 #include <vector>
 
-#include "nodrop/engine.h"
-#include "nodrop/engine_cuda_moe.h"
+#include "nodrop/engine_cpu.h"
+#include "nodrop/engine_cuda.h"
 
 namespace {
 
@@ -419,7 +419,7 @@ TEST_P(RowMovers, ScatterEqualsCpu) {
   const DeviceBuffer d_row_map = to_device(sorted.row_map), d_weights = to_device(weights);
   for (bool weighted : {false, true}) {
     Bytes want(slots() * c.H * bytes_of(dtype()));
-    nodrop::cpu::scatter_rows(src.data(), dtype(), sorted.row_map.data(),
+    nodrop::cpu::permute_rows(src.data(), dtype(), sorted.row_map.data(),
                               weighted ? weights.data() : nullptr, c.T, c.k, c.H, want.data());
     for (size_t shift : kShifts) {
       SCOPED_TRACE(std::string(weighted ? "weighted" : "unweighted") + ", shift " +
@@ -428,7 +428,7 @@ TEST_P(RowMovers, ScatterEqualsCpu) {
       const DeviceBuffer dst(want.size(), shift * bytes_of(dtype()));
       run_twice(
           [&] {
-            return nodrop::cuda::scatter_rows(d_src.get(), dtype(), d_row_map.as<int32_t>(),
+            return nodrop::cuda::permute_rows(d_src.get(), dtype(), d_row_map.as<int32_t>(),
                                               weighted ? d_weights.as<float>() : nullptr, c.T,
                                               c.k, c.H, dst.get(), stream());
           },
@@ -446,7 +446,7 @@ TEST_P(RowMovers, GatherEqualsCpu) {
   const DeviceBuffer d_row_map = to_device(sorted.row_map), d_weights = to_device(weights);
   for (bool weighted : {false, true}) {
     Bytes want(c.T * c.H * bytes_of(dtype()));
-    nodrop::cpu::gather_rows(src.data(), dtype(), sorted.row_map.data(),
+    nodrop::cpu::unpermute(src.data(), dtype(), sorted.row_map.data(),
                              weighted ? weights.data() : nullptr, c.T, c.k, c.H, want.data());
     for (size_t shift : kShifts) {
       SCOPED_TRACE(std::string(weighted ? "weighted" : "unweighted") + ", shift " +
@@ -455,7 +455,7 @@ TEST_P(RowMovers, GatherEqualsCpu) {
       const DeviceBuffer dst(want.size(), shift * bytes_of(dtype()));
       run_twice(
           [&] {
-            return nodrop::cuda::gather_rows(d_src.get(), dtype(), d_row_map.as<int32_t>(),
+            return nodrop::cuda::unpermute(d_src.get(), dtype(), d_row_map.as<int32_t>(),
                                              weighted ? d_weights.as<float>() : nullptr, c.T, c.k,
                                              c.H, dst.get(), stream());
           },
@@ -518,12 +518,12 @@ TEST(RowMoversArbitraryRowMap, StayInBoundsAndKeepTheirContracts) {
   const DeviceBuffer d_x = to_device(x), d_rows = to_device(rows);
 
   Bytes want_gather(T * H * 2);
-  nodrop::cpu::gather_rows(rows.data(), dtype, row_map.data(), weights.data(), T, k, H,
+  nodrop::cpu::unpermute(rows.data(), dtype, row_map.data(), weights.data(), T, k, H,
                            want_gather.data());
   const DeviceBuffer gathered(want_gather.size());
   run_twice(
       [&] {
-        return nodrop::cuda::gather_rows(d_rows.get(), dtype, d_row_map.as<int32_t>(),
+        return nodrop::cuda::unpermute(d_rows.get(), dtype, d_row_map.as<int32_t>(),
                                          d_weights.as<float>(), T, k, H, gathered.get(), stream());
       },
       {&gathered});
@@ -544,11 +544,11 @@ TEST(RowMoversArbitraryRowMap, StayInBoundsAndKeepTheirContracts) {
 
   // Duplicates make scatter's result order-dependent, so it runs once here.
   Bytes want_scatter(slots * H * 2);
-  nodrop::cpu::scatter_rows(x.data(), dtype, row_map.data(), weights.data(), T, k, H,
+  nodrop::cpu::permute_rows(x.data(), dtype, row_map.data(), weights.data(), T, k, H,
                             want_scatter.data());
   const DeviceBuffer scattered(want_scatter.size());
   scattered.poison();
-  const Status status = nodrop::cuda::scatter_rows(d_x.get(), dtype, d_row_map.as<int32_t>(),
+  const Status status = nodrop::cuda::permute_rows(d_x.get(), dtype, d_row_map.as<int32_t>(),
                                                    d_weights.as<float>(), T, k, H,
                                                    scattered.get(), stream());
   ASSERT_TRUE(status.ok()) << status.message();
@@ -573,9 +573,9 @@ TEST(RowMoversArbitraryRowMap, StayInBoundsAndKeepTheirContracts) {
 TEST(RowMoversArgs, RejectBadShapes) {
   const DeviceBuffer buffer(4096);
   const int32_t* row_map = buffer.as<int32_t>();
-  EXPECT_FALSE(nodrop::cuda::scatter_rows(buffer.get(), DType::kFloat32, row_map, nullptr, 2, 2,
+  EXPECT_FALSE(nodrop::cuda::permute_rows(buffer.get(), DType::kFloat32, row_map, nullptr, 2, 2,
                                           -1, buffer.get(), stream()).ok());
-  EXPECT_FALSE(nodrop::cuda::gather_rows(buffer.get(), DType::kFloat32, row_map, nullptr,
+  EXPECT_FALSE(nodrop::cuda::unpermute(buffer.get(), DType::kFloat32, row_map, nullptr,
                                          int64_t(1) << 31, 1, 4, buffer.get(), stream()).ok());
   EXPECT_FALSE(nodrop::cuda::gather_row_dots(buffer.get(), buffer.get(), static_cast<DType>(7),
                                              row_map, 2, 2, 4, buffer.as<float>(), stream()).ok());

@@ -99,10 +99,10 @@ def check_permute():
 PERMUTATION = np.asarray([4, 0, 5, 1, 2, 3])  # row_map of 3 tokens with k=2
 
 
-def check_scatter_rows():
+def check_permute_rows():
     rng = np.random.default_rng(3)
     src, weights = random_normal(rng, (3, 5)), random_normal(rng, (3, 2))
-    out = ffi("nodrop_scatter_rows", jax.ShapeDtypeStruct((6, 5), jnp.float32),
+    out = ffi("nodrop_permute_rows", jax.ShapeDtypeStruct((6, 5), jnp.float32),
               src, int32(PERMUTATION), weights)
     expected = np.zeros((6, 5))
     for slot, row in enumerate(PERMUTATION):
@@ -110,10 +110,10 @@ def check_scatter_rows():
     np.testing.assert_allclose(as_f64(out), expected, rtol=1e-6)
 
 
-def check_gather_rows():
+def check_unpermute():
     rng = np.random.default_rng(4)
     rows, weights = random_normal(rng, (6, 5)), random_normal(rng, (3, 2))
-    out = ffi("nodrop_gather_rows", jax.ShapeDtypeStruct((3, 5), jnp.float32),
+    out = ffi("nodrop_unpermute", jax.ShapeDtypeStruct((3, 5), jnp.float32),
               rows, int32(PERMUTATION), weights)
     picked = as_f64(rows)[PERMUTATION].reshape(3, 2, 5)
     expected = np.einsum("tkh,tk->th", picked, as_f64(weights))
@@ -164,8 +164,8 @@ CHECKS = {
     "nodrop_grouped_matmul": check_grouped_matmul,
     "nodrop_grouped_matmul_contract": check_grouped_matmul_contract,
     "nodrop_permute": check_permute,
-    "nodrop_scatter_rows": check_scatter_rows,
-    "nodrop_gather_rows": check_gather_rows,
+    "nodrop_permute_rows": check_permute_rows,
+    "nodrop_unpermute": check_unpermute,
     "nodrop_gather_row_dots": check_gather_row_dots,
     "nodrop_topk_router": check_topk_router,
     "nodrop_topk_router_grad": check_topk_router_grad,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +17,7 @@ from jax.test_util import check_grads
 import nodrop
 from nodrop.ops import reference
 
-# The module, which nodrop.ops.grouped_matmul (the function) shadows as an attribute.
-gmm_module = importlib.import_module("nodrop.ops.grouped_matmul")
+from nodrop.ops import grouped_matmul as gmm_module
 
 # name -> (M, K, N, group_sizes)
 EDGE_CASES = {

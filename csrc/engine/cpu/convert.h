@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "nodrop/engine.h"
+#include "nodrop/engine_cpu.h"
 
 namespace nodrop::cpu {
 

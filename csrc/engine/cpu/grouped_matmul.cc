@@ -5,8 +5,8 @@
 // run-time dimensions, so every group and every block reuses it. The work is cut into blocks
 // (rows of a group; output rows of a weight-gradient group) that the runner spreads over its
 // workers; each block is one single-threaded oneDNN call, and every output element is written by
-// exactly one block, so there are no atomics. float16 has no oneDNN CPU GEMM: it is widened to
-// float32.
+// exactly one block, so there are no atomics. float16 has no oneDNN CPU GEMM, and bfloat16 has
+// none on CPUs without AVX-512 (oneDNN 2.6): those are widened to float32.
 #include <algorithm>
 #include <cstring>
 #include <exception>
@@ -20,7 +20,7 @@
 
 #include "engine/cpu/convert.h"
 #include "engine/cpu/parallel.h"
-#include "nodrop/engine.h"
+#include "nodrop/engine_cpu.h"
 
 namespace nodrop::cpu {
 namespace {
@@ -42,7 +42,31 @@ memory::data_type to_dnnl(DType dtype) {
   return memory::data_type::undef;
 }
 
-// Inputs in the dtype oneDNN computes with: bf16 and f32 as they are, f16 widened to f32.
+// oneDNN 3 dropped the operation descriptors of 2.x (Debian 12 ships 2.6).
+dnnl::matmul make_matmul(const memory::desc& src, const memory::desc& wei, const memory::desc& dst) {
+#if DNNL_VERSION_MAJOR >= 3
+  return dnnl::matmul(dnnl::matmul::primitive_desc(cpu_engine(), src, wei, dst));
+#else
+  return dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, dst), cpu_engine()));
+#endif
+}
+
+// Whether this CPU has a oneDNN bf16 matmul (asked once).
+bool bf16_matmul_available() {
+  static const bool available = [] {
+    const memory::desc bf16({8, 8}, memory::data_type::bf16, memory::format_tag::ab);
+    try {
+      make_matmul(bf16, bf16, bf16);
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return available;
+}
+
+// Inputs in the dtype oneDNN computes with: f32 as it is, bf16 too where the CPU has a bf16
+// matmul, anything else widened to f32.
 struct ComputeInputs {
   DType dtype;
   const void* lhs;
@@ -52,7 +76,10 @@ struct ComputeInputs {
   ComputeInputs(const void* lhs_in, int64_t lhs_elems, const void* rhs_in, int64_t rhs_elems,
                 DType in_dtype)
       : dtype(in_dtype), lhs(lhs_in), rhs(rhs_in) {
-    if (in_dtype != DType::kFloat16) return;
+    if (in_dtype == DType::kFloat32 ||
+        (in_dtype == DType::kBFloat16 && bf16_matmul_available())) {
+      return;
+    }
     dtype = DType::kFloat32;
     lhs_f32.resize(lhs_elems);
     rhs_f32.resize(rhs_elems);
@@ -85,15 +112,6 @@ struct ComputeOutput {
     if (!staging.empty()) from_float(staging.data(), elems, final_dtype, final_data);
   }
 };
-
-// oneDNN 3 dropped the operation descriptors of 2.x (Debian 12 ships 2.6).
-dnnl::matmul make_matmul(const memory::desc& src, const memory::desc& wei, const memory::desc& dst) {
-#if DNNL_VERSION_MAJOR >= 3
-  return dnnl::matmul(dnnl::matmul::primitive_desc(cpu_engine(), src, wei, dst));
-#else
-  return dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, dst), cpu_engine()));
-#endif
-}
 
 void zero(void* data, DType dtype, int64_t elems) {
   if (elems > 0) std::memset(data, 0, elems * dtype_size(dtype));

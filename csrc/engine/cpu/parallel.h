@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "nodrop/engine.h"
+#include "nodrop/engine_cpu.h"
 
 namespace nodrop::cpu {
 

@@ -8,7 +8,7 @@
 
 #include "engine/cpu/convert.h"
 #include "engine/cpu/parallel.h"
-#include "nodrop/engine.h"
+#include "nodrop/engine_cpu.h"
 
 namespace nodrop::cpu {
 namespace {
@@ -83,7 +83,7 @@ Status sort_by_expert(const int32_t* ids, int64_t T, int64_t k, int64_t E, bool 
   return Status::Ok();
 }
 
-void scatter_rows(const void* src, DType dtype, const int32_t* row_map, const float* weights,
+void permute_rows(const void* src, DType dtype, const int32_t* row_map, const float* weights,
                   int64_t T, int64_t k, int64_t H, void* dst, ParallelRunner* runner) {
   const int64_t num_rows = T * k;
   // Rows no slot maps to (dropped slots) must read as zero.
@@ -115,7 +115,7 @@ void scatter_rows(const void* src, DType dtype, const int32_t* row_map, const fl
   });
 }
 
-void gather_rows(const void* src, DType dtype, const int32_t* row_map, const float* weights,
+void unpermute(const void* src, DType dtype, const int32_t* row_map, const float* weights,
                  int64_t T, int64_t k, int64_t H, void* dst, ParallelRunner* runner) {
   const int64_t num_rows = T * k;
   dispatch(dtype, [&](auto tag) {

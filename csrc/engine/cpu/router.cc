@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "engine/cpu/parallel.h"
-#include "nodrop/engine.h"
+#include "nodrop/engine_cpu.h"
 
 namespace nodrop::cpu {
 namespace {

@@ -14,7 +14,7 @@
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
-#include "nodrop/engine_cuda_moe.h"
+#include "nodrop/engine_cuda.h"
 
 namespace nodrop::cuda {
 namespace {
@@ -187,10 +187,10 @@ __global__ void __launch_bounds__(kSortThreads)
 // ---- row movers --------------------------------------------------------------------------------
 
 constexpr int kScatterThreads = 256;
-// gather_rows keeps kUnroll * kN float32 sums per thread (about 100 registers for bfloat16):
+// unpermute keeps kUnroll * kN float32 sums per thread (about 100 registers for bfloat16):
 // smaller blocks fit more of them on an SM.
 constexpr int kGatherThreads = 128;
-constexpr int kUnroll = 4;  // chunks per thread of scatter_rows and gather_rows, loaded together
+constexpr int kUnroll = 4;  // chunks per thread of permute_rows and unpermute, loaded together
 constexpr int kZeroThreads = 1024;
 constexpr int kDotWarps = 8;
 
@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(kZeroThreads)
 // dst[row_map[i]] = w[i] * src[i / k], one slot per threadIdx.y.
 template <typename T, int kN>
 __global__ void __launch_bounds__(kScatterThreads)
-    scatter_rows_kernel(const Chunk<T, kN>* __restrict__ src, const int32_t* __restrict__ row_map,
+    permute_rows_kernel(const Chunk<T, kN>* __restrict__ src, const int32_t* __restrict__ row_map,
                         const float* __restrict__ weights, int64_t slots, int32_t k,
                         int64_t chunks, Chunk<T, kN>* __restrict__ dst) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(kScatterThreads)
 // threadIdx.y; each product and each sum rounded to float32 as on the CPU.
 template <typename T, int kN>
 __global__ void __launch_bounds__(kGatherThreads)
-    gather_rows_kernel(const Chunk<T, kN>* __restrict__ src, const int32_t* __restrict__ row_map,
+    unpermute_kernel(const Chunk<T, kN>* __restrict__ src, const int32_t* __restrict__ row_map,
                        const float* __restrict__ weights, int64_t tokens, int32_t k,
                        int64_t chunks, Chunk<T, kN>* __restrict__ dst) {
   const int64_t t = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
@@ -443,9 +443,9 @@ Status sort_by_expert(const int32_t* ids, int64_t T, int64_t k, int64_t E, int32
   return launch_status(fn);
 }
 
-Status scatter_rows(const void* src, DType dtype, const int32_t* row_map, const float* weights,
+Status permute_rows(const void* src, DType dtype, const int32_t* row_map, const float* weights,
                     int64_t T, int64_t k, int64_t H, void* dst, cudaStream_t stream) {
-  constexpr const char* fn = "scatter_rows";
+  constexpr const char* fn = "permute_rows";
   int64_t slots;
   Status status = check_row_args(fn, dtype, T, k, H, &slots);
   if (!status.ok()) return status;
@@ -466,16 +466,16 @@ Status scatter_rows(const void* src, DType dtype, const int32_t* row_map, const 
     zero_unmapped_rows<<<sm_count, kZeroThreads, 0, stream>>>(row_map, slots, chunks,
                                                               static_cast<C*>(dst));
     const dim3 block = row_block(chunks, kScatterThreads);
-    scatter_rows_kernel<<<unsigned((slots + block.y - 1) / block.y), block, 0, stream>>>(
+    permute_rows_kernel<<<unsigned((slots + block.y - 1) / block.y), block, 0, stream>>>(
         static_cast<const C*>(src), row_map, weights, slots, static_cast<int32_t>(k), chunks,
         static_cast<C*>(dst));
   });
   return launch_status(fn);
 }
 
-Status gather_rows(const void* src, DType dtype, const int32_t* row_map, const float* weights,
+Status unpermute(const void* src, DType dtype, const int32_t* row_map, const float* weights,
                    int64_t T, int64_t k, int64_t H, void* dst, cudaStream_t stream) {
-  constexpr const char* fn = "gather_rows";
+  constexpr const char* fn = "unpermute";
   int64_t slots;
   Status status = check_row_args(fn, dtype, T, k, H, &slots);
   if (!status.ok()) return status;
@@ -488,7 +488,7 @@ Status gather_rows(const void* src, DType dtype, const int32_t* row_map, const f
     using C = Chunk<decltype(tag), decltype(width)::value>;
     const int64_t chunks = row_bytes / sizeof(C);
     const dim3 block = row_block(chunks, kGatherThreads);
-    gather_rows_kernel<<<unsigned((T + block.y - 1) / block.y), block, 0, stream>>>(
+    unpermute_kernel<<<unsigned((T + block.y - 1) / block.y), block, 0, stream>>>(
         static_cast<const C*>(src), row_map, weights, T, static_cast<int32_t>(k), chunks,
         static_cast<C*>(dst));
   });

@@ -9,7 +9,7 @@
 #include <string>
 #include <type_traits>
 
-#include "nodrop/engine_cuda_moe.h"
+#include "nodrop/engine_cuda.h"
 
 namespace nodrop::cuda {
 namespace {

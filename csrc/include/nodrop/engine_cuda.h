@@ -1,17 +1,16 @@
-// nodrop CUDA engine (Hopper, sm_90a): the engine functions of engine.h on device pointers.
+// nodrop CUDA engine (Hopper, sm_90a): the functions of engine_cpu.h on device pointers.
 //
 // Same contracts as the nodrop::cpu functions of the same names, with these differences:
-//   - Every pointer is device memory; all work is queued on `stream` and nothing waits for it.
-//     Group sizes are read only on the device: no copy to the host, no stream sync, no
-//     allocation, so a call can be captured into a CUDA graph and replayed with new group sizes.
-//   - Invalid group sizes are always clamped as clamp_group_offsets says (negative counts as
-//     zero, the running total stops at M); there is no checked mode, which would need a host read.
-//   - The caller passes a device workspace of at least grouped_matmul_workspace_bytes(G) bytes
-//     (any alignment); it is scratch for one call and may be reused once the call has run.
-//   - Inputs are bfloat16 or float16 (lhs and rhs alike); the output is the input dtype or
-//     float32; accumulation is float32. K and N must be multiples of 8 and lhs, rhs and out
-//     16-byte aligned (TMA moves 16-byte rows); anything else is an error Status.
-//   - Deterministic: each output element is computed by one thread block, in a fixed order.
+//   - Every pointer is device memory; all work is queued on `stream` and nothing waits for it:
+//     no host read of device data (group sizes and expert ids are read only on the device), no
+//     stream sync, no allocation, so every call can be captured into a CUDA graph and replayed
+//     with new group sizes. A returned error is an argument error or a failed launch.
+//   - No checked mode, which would need a host read: invalid group sizes are always clamped as
+//     clamp_group_offsets says (negative counts as zero, the running total stops at M), and
+//     out-of-range expert ids are always dropped.
+//   - Workspaces are passed in by the caller, sized by the *_workspace_bytes functions (any
+//     alignment); one is scratch for one call and may be reused once the call has run.
+//   - Deterministic without floating-point atomics: the same inputs give the same bytes.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -23,31 +22,36 @@
 
 namespace nodrop::cuda {
 
-// The CUTLASS grouped-GEMM kernel a call runs: schedule, tile (rows x cols x depth) and cluster
-// (rows x cols of CTAs that share operand tiles through TMA multicast). CUTLASS rounds each group's
-// tile count up to whole clusters, so a cluster along the ragged rows would run empty tiles.
-// kAuto picks from the static shapes (grouped_matmul_tile); the others exist so that tests and
-// benchmarks can pin one.
+// ---- grouped matmul (grouped_matmul/) ----------------------------------------------------------
+//   - Inputs are bfloat16 or float16 (lhs and rhs alike); the output is the input dtype or
+//     float32; accumulation is float32. K and N must be multiples of 8 and lhs, rhs and out
+//     16-byte aligned (TMA moves 16-byte rows); anything else is an error Status.
+//   - Each output element is computed by one thread block, in a fixed order.
+
+// The CUTLASS grouped-GEMM kernel a call runs, one per line of grouped_matmul/tiles.def (which
+// says what the fields mean). kAuto picks from the static shapes (grouped_matmul_tile); the
+// others exist so that tests and benchmarks can pin one.
 enum class GemmTile : int32_t {
   kAuto = 0,
-  kPingpong128x128x64Cluster1x2 = 1,     // warpgroups alternate tiles, hiding the epilogue
-  kPingpong128x128x64Cluster2x1 = 2,     // the same where the column tiles do not pair up
-  kPingpong128x128x64Cluster1x1 = 3,     // the same where neither the rows nor columns do
-  kCooperative128x256x64Cluster1x1 = 4,  // two warpgroups share a tile: long contractions
-  kCooperative256x192x64Cluster1x2 = 5,  // the widest: short weight gradients, output-bound
+#define NODROP_GEMM_TILE(name, ...) name,
+#include "engine/cuda/grouped_matmul/tiles.def"
+#undef NODROP_GEMM_TILE
 };
 inline constexpr GemmTile kGemmTiles[] = {
-    GemmTile::kPingpong128x128x64Cluster1x2, GemmTile::kPingpong128x128x64Cluster2x1,
-    GemmTile::kPingpong128x128x64Cluster1x1, GemmTile::kCooperative128x256x64Cluster1x1,
-    GemmTile::kCooperative256x192x64Cluster1x2};
+#define NODROP_GEMM_TILE(name, ...) GemmTile::name,
+#include "engine/cuda/grouped_matmul/tiles.def"
+#undef NODROP_GEMM_TILE
+};
 
+// "pingpong 128x128x64, cluster 1x2" for printing, and "pingpong_128x128x64_1x2" for file and
+// test names.
 const char* gemm_tile_name(GemmTile tile);
+const char* gemm_tile_id(GemmTile tile);
 
-// The tile kAuto resolves to, chosen from benchmarks of every tile on H200, short ones
-// (bench/results/2026-11-29-h200-gemm-tiles) and at the power limit
-// (bench/results/2026-11-30-h200-sustained-tiles). The GEMM of each group is (rows x cols) with a
-// contraction of `depth`: for grouped_matmul rows are the group's (ragged, on average M / G),
-// cols N and depth K; for grouped_matmul_contract rows are K, cols N, depth the group's rows.
+// The tile kAuto resolves to (tile_rule.cc says from which measurements). The GEMM of each group
+// is (rows x cols) with a contraction of `depth`: for grouped_matmul rows are the group's
+// (ragged, on average M / G), cols N and depth K; for grouped_matmul_contract rows are K, cols N,
+// depth the group's rows.
 GemmTile grouped_matmul_tile(int64_t M, int64_t K, int64_t N, int64_t G, bool contract);
 
 // How CUTLASS's persistent tile scheduler walks the output tiles of a group: along M (consecutive
@@ -90,5 +94,52 @@ Status grouped_matmul_contract(const void* lhs, const void* rhs, DType in_dtype,
                                int64_t G, void* out, DType out_dtype, void* workspace,
                                size_t workspace_bytes, cudaStream_t stream,
                                GemmSchedule schedule = {});
+
+// ---- routing and token permutation (permute.cu, router.cu) -------------------------------------
+//   - permute_rows zeroes the rows [n, T*k), n being the number of in-range row_map entries.
+//     For a row_map from sort_by_expert those are exactly the rows no slot maps to, as on the
+//     CPU. Any other row_map is safe too (entries outside [0, T*k) are skipped, nothing is
+//     written out of bounds), but a row below n that no slot maps to keeps its old bytes, and
+//     two slots mapping to one row write it in an unspecified order.
+//   - Row copies use 16-byte accesses when a row is a multiple of 16 bytes and the buffers are
+//     16-byte aligned, element accesses otherwise; any alignment of the element type works.
+
+// The largest num_experts that sort_by_expert and the router take.
+constexpr int64_t kMaxExperts = 1024;
+
+// Device workspace bytes that sort_by_expert needs for these shapes (any alignment).
+size_t sort_by_expert_workspace_bytes(int64_t T, int64_t k, int64_t E);
+
+// Counting sort of the T*k (token, slot) pairs by expert into (expert, token, slot) order:
+// fills row_map [T*k] and group_sizes [E]; out-of-range ids get row_map -1 and count nowhere.
+// E <= kMaxExperts.
+Status sort_by_expert(const int32_t* ids, int64_t T, int64_t k, int64_t E, int32_t* row_map,
+                      int32_t* group_sizes, void* workspace, size_t workspace_bytes,
+                      cudaStream_t stream);
+
+// dst[T*k, H]: dst[row_map[t*k+s]] = weight[t, s] * src[t] (weight 1 when weights is null).
+Status permute_rows(const void* src, DType dtype, const int32_t* row_map, const float* weights,
+                    int64_t T, int64_t k, int64_t H, void* dst, cudaStream_t stream);
+
+// dst[T, H]: dst[t] = sum_s weight[t, s] * src[row_map[t*k+s]], summed in float32 in slot
+// order with the CPU's roundings (a product, then a sum), so the result is the CPU's bit for bit.
+Status unpermute(const void* src, DType dtype, const int32_t* row_map, const float* weights,
+                 int64_t T, int64_t k, int64_t H, void* dst, cudaStream_t stream);
+
+// out[T, k] float32: out[t, s] = <a[t], rows[row_map[t*k+s]]>, accumulated in float64 in a
+// fixed order; zero for an out-of-range entry.
+Status gather_row_dots(const void* a, const void* rows, DType dtype, const int32_t* row_map,
+                       int64_t T, int64_t k, int64_t H, float* out, cudaStream_t stream);
+
+// logits [T, E] float32, expert_bias [E] or null -> weights [T, k] float32, ids [T, k] int32.
+// Computed in float32 (the CPU uses float64): weights agree to float32 rounding, and ids agree
+// except between selection scores within float32 rounding of each other. Exact ties go to the
+// lower expert index, as on the CPU; NaN scores rank below every number. E <= kMaxExperts.
+Status topk_router(const float* logits, const float* expert_bias, const RouterConfig& config,
+                   float* weights, int32_t* ids, cudaStream_t stream);
+
+// Gradient of topk_router's weights with respect to the logits, in float32.
+Status topk_router_grad(const float* logits, const int32_t* ids, const float* grad_weights,
+                        const RouterConfig& config, float* grad_logits, cudaStream_t stream);
 
 }  // namespace nodrop::cuda

@@ -1,0 +1,111 @@
+// The grouped GEMM's tile rule (csrc/engine/cuda/grouped_matmul/tile_rule.cc): host code, so these
+// run in ctest without a GPU.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <set>
+#include <string>
+
+#include "nodrop/engine_cuda.h"
+
+namespace {
+
+using nodrop::cuda::GemmRaster;
+using nodrop::cuda::GemmTile;
+
+// Every tile of tiles.def has a distinct name and id, and kAuto is none of them.
+TEST(TileList, NamesAndIdsAreDistinct) {
+  std::set<std::string> names, ids;
+  for (GemmTile tile : nodrop::cuda::kGemmTiles) {
+    EXPECT_NE(tile, GemmTile::kAuto);
+    names.insert(nodrop::cuda::gemm_tile_name(tile));
+    ids.insert(nodrop::cuda::gemm_tile_id(tile));
+  }
+  EXPECT_EQ(names.size(), std::size(nodrop::cuda::kGemmTiles));
+  EXPECT_EQ(ids.size(), std::size(nodrop::cuda::kGemmTiles));
+  EXPECT_STREQ(nodrop::cuda::gemm_tile_name(GemmTile::kPingpong128x128x64Cluster1x2),
+               "pingpong 128x128x64, cluster 1x2");
+  EXPECT_STREQ(nodrop::cuda::gemm_tile_id(GemmTile::kCooperative256x192x64Cluster1x2),
+               "cooperative_256x192x64_1x2");
+}
+
+// CUTLASS rounds each group's tiles up to whole clusters and runs the extra tiles empty. The
+// automatic choice pairs column tiles (1x2) whenever they pair up, and otherwise never takes a
+// cluster that would waste more than an eighth of the tiles.
+TEST(TileRule, AutoClusterWastesLittle) {
+  using nodrop::cuda::grouped_matmul_tile;
+  auto waste = [](int64_t tiles, int64_t cluster) {
+    return static_cast<double>((tiles + cluster - 1) / cluster * cluster - tiles) / tiles;
+  };
+  for (int64_t M : {64, 1024, 4096, 131072}) {
+    for (int64_t K : {64, 1408, 2048, 7168}) {
+      for (int64_t N : {8, 384, 768, 1408, 14336}) {
+        for (int64_t G : {0, 1, 8, 128}) {
+          SCOPED_TRACE(std::to_string(M) + " " + std::to_string(K) + " " + std::to_string(N) +
+                       " " + std::to_string(G));
+          const int64_t col_tiles = (N + 127) / 128, row_tiles = (K + 127) / 128;
+          for (bool contract : {false, true}) {
+            const GemmTile tile = grouped_matmul_tile(M, K, N, G, contract);
+            EXPECT_NE(tile, GemmTile::kAuto);
+            if (tile == GemmTile::kPingpong128x128x64Cluster1x2) {
+              EXPECT_LE(waste(col_tiles, 2), 0.125);
+            }
+            if (tile == GemmTile::kPingpong128x128x64Cluster2x1 && contract) {
+              EXPECT_LE(waste(row_tiles, 2), 0.125);
+            }
+            if (tile == GemmTile::kCooperative256x192x64Cluster1x2) {
+              EXPECT_LE(waste((N + 191) / 192, 2), 0.125);
+            }
+            const bool pingpong = tile != GemmTile::kCooperative128x256x64Cluster1x1 &&
+                                  tile != GemmTile::kCooperative256x192x64Cluster1x2;
+            if (col_tiles % 2 == 0 && pingpong) {
+              EXPECT_EQ(tile, GemmTile::kPingpong128x128x64Cluster1x2);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// At the power limit the cooperative tile also takes a contraction of 2048 over at most two row
+// tiles per group against many column tiles; other contractions of 2048 stay on ping-pong.
+TEST(TileRule, AutoCooperativeWhereWeightsOutweighRows) {
+  using nodrop::cuda::grouped_matmul_tile;
+  // DeepSeek-V3, one EP8 rank: the input gradient contracts 2048 over 256 rows per group
+  // against 7168 columns.
+  EXPECT_EQ(grouped_matmul_tile(8192, 2048, 7168, 32, false),
+            GemmTile::kCooperative128x256x64Cluster1x1);
+  // The mixtral preset's down-projection input gradient: 8192 rows per group.
+  EXPECT_EQ(grouped_matmul_tile(65536, 2048, 5632, 8, false),
+            GemmTile::kPingpong128x128x64Cluster1x2);
+  // Qwen3-30B-A3B at 2k tokens: 128 rows per group, but only 768 columns.
+  EXPECT_EQ(grouped_matmul_tile(16384, 2048, 768, 128, false),
+            GemmTile::kPingpong128x128x64Cluster1x2);
+  // A weight gradient is never taken by this rule: one contracting 2048 rows per group into
+  // 2048 x 7168 stays on ping-pong.
+  EXPECT_EQ(grouped_matmul_tile(65536, 2048, 7168, 32, true),
+            GemmTile::kPingpong128x128x64Cluster1x2);
+}
+
+// Walking along N pays only for a weight gradient whose A operand (K x the group's rows) is the
+// larger one and would not stay in the L2 (H200: 60 MiB) while the scheduler walks a column.
+TEST(TileRule, AutoRasterWalksAlongNOnlyForLargeWeightGradientA) {
+  using nodrop::cuda::grouped_matmul_raster;
+  const int64_t l2 = int64_t{60} << 20;
+  // Mixtral layer, 16384 tokens x top-2 over 8 experts: the down projection's weight gradient
+  // contracts 4096 rows per group against K = 14336 (A is 112 MiB).
+  EXPECT_EQ(grouped_matmul_raster(32768, 14336, 4096, 8, true, 2, l2), GemmRaster::kAlongN);
+  // Its gate/up weight gradient: A (K = 4096) is the smaller operand.
+  EXPECT_EQ(grouped_matmul_raster(32768, 4096, 28672, 8, true, 2, l2), GemmRaster::kAlongM);
+  // The same down projection on a GPU whose L2 holds twice A.
+  EXPECT_EQ(grouped_matmul_raster(32768, 14336, 4096, 8, true, 2, 4 * l2), GemmRaster::kAlongM);
+  // A few rows per group: A is small whatever K is.
+  EXPECT_EQ(grouped_matmul_raster(2048, 14336, 4096, 8, true, 2, l2), GemmRaster::kAlongM);
+  // Forward and input gradient never walk along N.
+  EXPECT_EQ(grouped_matmul_raster(32768, 14336, 4096, 8, false, 2, l2), GemmRaster::kAlongM);
+  // No groups: no division by zero, and the default order.
+  EXPECT_EQ(grouped_matmul_raster(0, 14336, 4096, 0, true, 2, l2), GemmRaster::kAlongM);
+}
+
+}  // namespace

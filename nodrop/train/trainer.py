@@ -9,6 +9,10 @@ takes and returns them with their buffers donated.
 Step n (1-based) reads batch `data.train_batch(train, n, seed, ...)`, so the data position is
 the step number; a checkpoint at step n holds the state after n updates, and a resumed run goes
 on with step n + 1 exactly as an uninterrupted run would.
+
+Read from `run`: `_run` sets up, `_train` is the loop (`_step`, `_flush`, `_validate`, `_save`)
+and `_finish` summarises. The loop's functions share two objects, passed in: `_Job`, what stays
+fixed, and `_State`, what changes.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -198,31 +204,6 @@ def make_steps(config: TrainConfig, graphdef, tx):
 # --- the run ---------------------------------------------------------------------------------------
 
 
-class _StopFlag:
-    """Ctrl-C asks the loop to stop after the current step (a second one interrupts at once):
-    stopping mid-call could lose donated buffers, so the loop checks the flag between steps."""
-
-    def __init__(self):
-        self.raised = False
-        self._previous = None
-
-    def __enter__(self):
-        try:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        except ValueError:  # not the main thread: no handler, Ctrl-C behaves as usual
-            self._previous = None
-        return self
-
-    def _handle(self, signum, frame):
-        if self.raised:
-            raise KeyboardInterrupt
-        self.raised = True
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-
-
 def run(overrides: dict, *, out: str | os.PathLike | None = None, resume: bool = False,
         progress: bool | None = None, dataset: data.Dataset | None = None,
         echo=print) -> Summary:
@@ -260,7 +241,6 @@ def _run(overrides, *, out, resume, progress, dataset, echo) -> Summary:
     run_dir.mkdir(parents=True, exist_ok=True)
 
     device = jax.devices()[0]
-    # The abstract state (shapes only): the restore target, and what the steps compile for.
     tx = optimizer(config)
 
     def init():
@@ -271,6 +251,7 @@ def _run(overrides, *, out, resume, progress, dataset, echo) -> Summary:
     graphdef = nnx.split(nnx.eval_shape(lambda: MoELM(model_config, rngs=nnx.Rngs(0))),
                          nnx.Param, ...)[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
+    # The abstract state (shapes only): the restore target, and what the steps compile for.
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                             jax.eval_shape(init))
 
@@ -286,172 +267,256 @@ def _run(overrides, *, out, resume, progress, dataset, echo) -> Summary:
     if start is None:
         if resume:
             echo(f"nodrop train: {run_dir} has no complete checkpoint; starting from step 0")
-        params, opt_state, model_state = jax.jit(init, out_shardings=sharding)()
-        start, elapsed = 0, 0.0
+        state = _State(*jax.jit(init, out_shardings=sharding)(), step=0, elapsed_s=0.0)
     else:
-        (params, opt_state, model_state), meta = _restore(checkpoints, start, abstract)
-        elapsed = float(meta["elapsed_s"])
+        state = _restore(checkpoints, start, abstract)
         echo(f"nodrop train: resuming {run_dir} from step {start}")
 
-    metrics = MetricsLog(run_dir, start)
+    metrics = MetricsLog(run_dir, state.step)
     try:
-        return _loop(config, model_config, dataset, run_dir, graphdef, tx,
-                     (params, opt_state, model_state), abstract, start, elapsed, checkpoints,
-                     metrics, progress, wall_start)
+        train_step, eval_step, compile_s = _compile(
+            config=config, graphdef=graphdef, tx=tx, abstract=abstract, metrics=metrics,
+            step=state.step)
+        job = _Job(
+            config=config, model_config=model_config, dataset=dataset, run_dir=run_dir,
+            train_step=train_step, eval_step=eval_step, compile_s=compile_s,
+            val_batches=data.eval_batches(dataset.val, config.eval_batches,
+                                          config.batch_size, config.seq_len),
+            checkpoints=checkpoints, metrics=metrics,
+            progress=Progress(config.steps, state.step, progress),
+            peak_flops=peak_flops(device.device_kind))
+        _train(job, state)
+        return _finish(job, state, wall_start=wall_start)
     finally:
         metrics.close()
         checkpoints.close()
 
 
-def _restore(checkpoints: Checkpoints, step: int, abstract):
-    state, meta = checkpoints.restore(step, _as_tree(abstract))
-    return (state["params"], state["opt_state"], state["model_state"]), meta
+@dataclasses.dataclass
+class _State:
+    """What the loop changes: the state pytrees after `step` updates, the training time so far
+    and the log interval in progress."""
+
+    params: Any
+    opt_state: Any
+    model_state: Any
+    step: int  # updates done; the state is that after step `step` (1-based)
+    elapsed_s: float  # training steps only: no compile, evaluation or checkpoints
+    # The log interval: the steps whose metrics are still on the device (fetched together, so
+    # the host need not wait for each step), and when its timing began.
+    pending: list[tuple[int, dict]] = dataclasses.field(default_factory=list)
+    interval_start: float = 0.0
 
 
-def _as_tree(state) -> dict:
-    params, opt_state, model_state = state
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """What stays fixed while the loop runs: the configuration, the data, the compiled steps and
+    where the numbers go."""
+
+    config: TrainConfig
+    model_config: ModelConfig
+    dataset: data.Dataset
+    run_dir: Path
+    train_step: Callable  # compiled; donates the state pytrees it is given
+    eval_step: Callable  # compiled
+    compile_s: float
+    val_batches: list[np.ndarray]  # the same windows at every evaluation
+    checkpoints: Checkpoints
+    metrics: MetricsLog
+    progress: Progress
+    peak_flops: float | None  # of the device; None: no MFU logged
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.config.batch_size * self.config.seq_len
+
+
+def _checkpoint_tree(params, opt_state, model_state) -> dict:
+    """The pytree a checkpoint holds."""
     return {"params": params, "opt_state": opt_state, "model_state": model_state}
 
 
-def _loop(config, model_config, dataset, run_dir, graphdef, tx, state, abstract, start,
-          elapsed, checkpoints, metrics, progress, wall_start) -> Summary:
+def _restore(checkpoints: Checkpoints, step: int, abstract) -> _State:
+    arrays, meta = checkpoints.restore(step, _checkpoint_tree(*abstract))
+    return _State(arrays["params"], arrays["opt_state"], arrays["model_state"], step=step,
+                  elapsed_s=float(meta["elapsed_s"]))
+
+
+def _compile(*, config: TrainConfig, graphdef, tx, abstract, metrics: MetricsLog, step: int):
+    """(train_step, eval_step, seconds), compiled ahead of the loop for the abstract state; logs
+    a compile record at `step`."""
     train_step, eval_step = make_steps(config, graphdef, tx)
-    batch_shape = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32)
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    params, opt_state, model_state = abstract
+    batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32)
     begin = time.perf_counter()
     train_compiled = jax.jit(train_step, donate_argnums=(0, 1, 2)).lower(
-        *abstract, batch_shape, scalar).compile()
+        params, opt_state, model_state, batch, jax.ShapeDtypeStruct((), jnp.int32)).compile()
     middle = time.perf_counter()
-    eval_compiled = jax.jit(eval_step).lower(abstract[0], abstract[2], batch_shape).compile()
-    compile_s = time.perf_counter() - begin
-    metrics.write({"kind": "compile", "step": start, "train_step_s": middle - begin,
-                   "eval_step_s": time.perf_counter() - middle})
+    eval_compiled = jax.jit(eval_step).lower(params, model_state, batch).compile()
+    end = time.perf_counter()
+    metrics.write({"kind": "compile", "step": step, "train_step_s": middle - begin,
+                   "eval_step_s": end - middle})
+    return train_compiled, eval_compiled, end - begin
 
-    val_batches = data.eval_batches(dataset.val, config.eval_batches, config.batch_size,
-                                    config.seq_len)
-    tokens_per_step = config.batch_size * config.seq_len
-    peak = peak_flops(jax.devices()[0].device_kind)
-    flops_per_token = model_config.flops_per_token(config.seq_len)
 
-    params, opt_state, model_state = state
-    bar = Progress(config.steps, start, progress)
-    pending: list[tuple[int, dict]] = []
-    last_eval = last_checkpoint = start
-    interval_start = time.perf_counter()
+class _StopFlag:
+    """Ctrl-C asks the loop to stop after the current step (a second one interrupts at once):
+    stopping mid-call could lose donated buffers, so the loop checks the flag between steps."""
 
-    def flush() -> None:
-        """Fetches the pending steps' metrics (this is where the host waits for the device),
-        logs them, and stops the run if one is not finite."""
-        nonlocal elapsed, interval_start
-        if not pending:
-            return
-        values = jax.device_get([m for _, m in pending])
-        seconds = time.perf_counter() - interval_start
-        elapsed += seconds
-        step_time = seconds / len(pending)
-        timing = {"step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
-                  "elapsed_s": elapsed}
-        if peak is not None:
-            timing["mfu"] = flops_per_token * timing["tokens_per_s"] / peak
-        for (step, _), value in zip(pending, values):
-            finite = bool(value.pop("finite"))
-            record = {"kind": "train", "step": step,
-                      **{key: np.asarray(v).tolist() for key, v in value.items()}, **timing}
-            metrics.write(record)
-            if not finite:
-                break
-        pending.clear()
-        bar.update(record["step"], record)
-        if not finite:
-            raise Diverged(
-                f"the loss or the gradients are not finite at step {record['step']} (loss "
-                f"{record['loss']}, gradient norm {record['grad_norm']}); stopped without "
-                f"saving this state. The last checkpoint is step "
-                f"{checkpoints.latest_step()} in {checkpoints.directory}")
-        interval_start = time.perf_counter()
+    def __init__(self):
+        self.raised = False
+        self._previous = None
 
-    def evaluate(batches) -> float:
-        losses = [eval_compiled(params, model_state, jax.device_put(b)) for b in batches]
-        return float(np.mean(jax.device_get(losses)))
+    def __enter__(self):
+        try:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:  # not the main thread: no handler, Ctrl-C behaves as usual
+            self._previous = None
+        return self
 
-    def save(step: int) -> None:
-        metrics.sync()  # the records up to `step` are on disk before the checkpoint is
-        checkpoints.save(step, _as_tree((params, opt_state, model_state)), {
-            "step": step, "elapsed_s": elapsed,
-            # The loader is stateless: step n + 1 reads train_batch(seed, n + 1).
-            "data_position": {"seed": config.seed, "next_step": step + 1,
-                              "tokens_seen": step * tokens_per_step}})
+    def _handle(self, signum, frame):
+        if self.raised:
+            raise KeyboardInterrupt
+        self.raised = True
 
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def _train(job: _Job, state: _State) -> None:
+    """Steps from state.step to config.steps, logging, evaluating and saving on the way. A
+    Ctrl-C makes it save the current step (unless --checkpoint-every 0) and raise Interrupted."""
+    config = job.config
+    state.interval_start = time.perf_counter()
     try:
         with _StopFlag() as stop:
-            for step in range(start + 1, config.steps + 1):
-                batch = data.train_batch(dataset.train, step, config.seed, config.batch_size,
-                                         config.seq_len)
-                params, opt_state, model_state, step_metrics = train_compiled(
-                    params, opt_state, model_state, jax.device_put(batch), np.int32(step))
-                pending.append((step, step_metrics))
+            while state.step < config.steps:
+                _step(job, state)
+                step = state.step
                 last = step == config.steps
                 stopping = stop.raised  # read once: a Ctrl-C from here on waits a step
                 do_eval = step % config.eval_every == 0 or last
                 do_save = config.checkpoint_every > 0 and (
                     step % config.checkpoint_every == 0 or last or stopping)
                 if step % config.log_every == 0 or do_eval or do_save:
-                    flush()
+                    _flush(job, state)
                 if do_eval:
-                    val_loss = evaluate(val_batches)
-                    metrics.write({"kind": "eval", "step": step, "val_loss": val_loss,
-                                   "elapsed_s": elapsed})
-                    bar.write(f"step {step}: validation loss {val_loss:.4f}")
-                    last_eval = step
+                    _validate(job, state)
                 if do_save:
-                    save(step)
-                    last_checkpoint = step
+                    _save(job, state)
                 if stopping:
                     raise Interrupted(
                         f"interrupted at step {step}; saved a checkpoint there. Continue with "
-                        f"--resume --out {run_dir}" if do_save else
+                        f"--resume --out {job.run_dir}" if do_save else
                         f"interrupted at step {step} (--checkpoint-every 0: nothing saved)")
                 if do_eval or do_save:
-                    interval_start = time.perf_counter()  # not timing evaluation and saving
+                    state.interval_start = time.perf_counter()  # not timing evaluation and saving
     except BaseException:
-        pending.clear()  # a failed or interrupted run: plot what was logged, then re-raise
-        bar.close()
-        _plots(metrics.records, run_dir, dataset, model_config, config)
+        job.progress.close()  # a failed or interrupted run: plot what was logged, then re-raise
+        _plots(job)
         raise
-    bar.close()
+    job.progress.close()
 
-    # A run resumed at its last step still evaluates, saves and summarises.
-    if last_eval != config.steps:
-        metrics.write({"kind": "eval", "step": config.steps, "val_loss": evaluate(val_batches),
-                       "elapsed_s": elapsed})
-    if (config.checkpoint_every > 0 and last_checkpoint != config.steps
-            and checkpoints.latest_step() != config.steps):
-        save(config.steps)
-    train_loss = evaluate(data.eval_batches(dataset.train, config.eval_batches,
-                                            config.batch_size, config.seq_len))
-    val_loss = evaluate(val_batches)
-    metrics.write({"kind": "final", "step": config.steps, "train_loss": train_loss,
-                   "val_loss": val_loss})
-    _plots(metrics.records, run_dir, dataset, model_config, config)
-    train_records = [r for r in metrics.records if r.get("kind") == "train"]
+
+def _step(job: _Job, state: _State) -> None:
+    """One update, queued on the device: its metrics stay there until the next flush."""
+    step, config = state.step + 1, job.config
+    batch = data.train_batch(job.dataset.train, step, config.seed, config.batch_size,
+                             config.seq_len)
+    state.params, state.opt_state, state.model_state, metrics = job.train_step(
+        state.params, state.opt_state, state.model_state, jax.device_put(batch), np.int32(step))
+    state.pending.append((step, metrics))
+    state.step = step
+
+
+def _flush(job: _Job, state: _State) -> None:
+    """Fetches the pending steps' metrics (this is where the host waits for the device), logs
+    them, and stops the run if one is not finite."""
+    if not state.pending:
+        return
+    values = jax.device_get([m for _, m in state.pending])
+    seconds = time.perf_counter() - state.interval_start
+    state.elapsed_s += seconds
+    step_time = seconds / len(state.pending)
+    timing = {"step_time_s": step_time, "tokens_per_s": job.tokens_per_step / step_time,
+              "elapsed_s": state.elapsed_s}
+    if job.peak_flops is not None:
+        flops_per_token = job.model_config.flops_per_token(job.config.seq_len)
+        timing["mfu"] = flops_per_token * timing["tokens_per_s"] / job.peak_flops
+    for (step, _), value in zip(state.pending, values):
+        finite = bool(value.pop("finite"))
+        record = {"kind": "train", "step": step,
+                  **{key: np.asarray(v).tolist() for key, v in value.items()}, **timing}
+        job.metrics.write(record)
+        if not finite:
+            break
+    state.pending.clear()
+    job.progress.update(record["step"], record)
+    if not finite:
+        raise Diverged(
+            f"the loss or the gradients are not finite at step {record['step']} (loss "
+            f"{record['loss']}, gradient norm {record['grad_norm']}); stopped without "
+            f"saving this state. The last checkpoint is step "
+            f"{job.checkpoints.latest_step()} in {job.checkpoints.directory}")
+    state.interval_start = time.perf_counter()
+
+
+def _evaluate(job: _Job, state: _State, batches: list[np.ndarray]) -> float:
+    losses = [job.eval_step(state.params, state.model_state, jax.device_put(b)) for b in batches]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def _validate(job: _Job, state: _State) -> None:
+    val_loss = _evaluate(job, state, job.val_batches)
+    job.metrics.write({"kind": "eval", "step": state.step, "val_loss": val_loss,
+                       "elapsed_s": state.elapsed_s})
+    job.progress.write(f"step {state.step}: validation loss {val_loss:.4f}")
+
+
+def _save(job: _Job, state: _State) -> None:
+    """Checkpoints the state after state.step; every checkpoint of the run is saved here."""
+    job.metrics.sync()  # the records up to this step are on disk before the checkpoint is
+    job.checkpoints.save(
+        state.step, _checkpoint_tree(state.params, state.opt_state, state.model_state), {
+            "step": state.step, "elapsed_s": state.elapsed_s,
+            # The loader is stateless: step n + 1 reads train_batch(seed, n + 1).
+            "data_position": {"seed": job.config.seed, "next_step": state.step + 1,
+                              "tokens_seen": state.step * job.tokens_per_step}})
+
+
+def _finish(job: _Job, state: _State, *, wall_start: float) -> Summary:
+    """The final losses on both splits, the plots and summary.json. The last step needs no
+    evaluation or save here: the loop did both, or, resumed at its last step, the run before."""
+    config, model_config = job.config, job.model_config
+    train_loss = _evaluate(job, state, data.eval_batches(
+        job.dataset.train, config.eval_batches, config.batch_size, config.seq_len))
+    val_loss = _evaluate(job, state, job.val_batches)
+    job.metrics.write({"kind": "final", "step": config.steps, "train_loss": train_loss,
+                       "val_loss": val_loss})
+    _plots(job)
+    train_records = [r for r in job.metrics.records if r.get("kind") == "train"]
     dropped = [v for r in train_records for v in r["dropped_fraction"]]
     summary = Summary(
-        run_dir=str(run_dir), steps=config.steps, train_loss=train_loss, val_loss=val_loss,
-        unigram_loss=data.unigram_loss(dataset.train, model_config.vocab_size),
-        tokens_per_s=len(train_records) * tokens_per_step / elapsed if elapsed else 0.0,
-        train_time_s=elapsed, compile_s=compile_s, wall_s=time.perf_counter() - wall_start,
+        run_dir=str(job.run_dir), steps=config.steps, train_loss=train_loss, val_loss=val_loss,
+        unigram_loss=data.unigram_loss(job.dataset.train, model_config.vocab_size),
+        tokens_per_s=(len(train_records) * job.tokens_per_step / state.elapsed_s
+                      if state.elapsed_s else 0.0),
+        train_time_s=state.elapsed_s, compile_s=job.compile_s,
+        wall_s=time.perf_counter() - wall_start,
         dropped_fraction=float(np.mean(dropped)) if dropped else 0.0,
         num_params=model_config.num_params(),
         num_active_params=model_config.num_active_params())
-    _write_json(run_dir / SUMMARY_FILE, summary.to_dict())
+    _write_json(job.run_dir / SUMMARY_FILE, summary.to_dict())
     return summary
 
 
-def _plots(records, run_dir: Path, dataset, model_config: ModelConfig, config: TrainConfig):
-    unigram = data.unigram_loss(dataset.train, model_config.vocab_size)
-    title = f"{config.preset} ({model_config.num_params() / 1e6:.1f}M parameters)"
-    plots.plot_losses(records, run_dir / "loss.png", unigram, title)
-    plots.plot_expert_load(records, run_dir / "expert_load.png", title)
+def _plots(job: _Job) -> None:
+    model_config = job.model_config
+    unigram = data.unigram_loss(job.dataset.train, model_config.vocab_size)
+    title = f"{job.config.preset} ({model_config.num_params() / 1e6:.1f}M parameters)"
+    plots.plot_losses(job.metrics.records, job.run_dir / "loss.png", unigram, title)
+    plots.plot_expert_load(job.metrics.records, job.run_dir / "expert_load.png", title)
 
 
 def format_summary(summary: Summary) -> str:

@@ -183,8 +183,8 @@ void bench_row_movers() {
     const double copy = memcpy_us(gather_bytes / 2);
     const double gather = median_us([&](int i) {
       CHECK(nodrop::cuda::unpermute(row_copy(i), DType::kBFloat16, row_map.as<int32_t>(),
-                                      weights.as<float>(), T, k, kHidden, token_copy(out, i),
-                                      g_stream));
+                                    weights.as<float>(), T, k, kHidden, token_copy(out, i),
+                                    g_stream));
     });
     print_bandwidth("un-permute (gather)", k, gather, gather_bytes, copy);
 

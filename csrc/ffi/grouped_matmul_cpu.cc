@@ -29,15 +29,13 @@ ffi::Error GroupedMatmulContract(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::
 }
 
 }  // namespace
-}  // namespace nodrop::handlers
 
-namespace ffi = xla::ffi;
-using nodrop::handlers::bind_grouped_matmul;
-using nodrop::handlers::bind_grouped_matmul_contract;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropGroupedMatmulCpu, nodrop::handlers::GroupedMatmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropGroupedMatmulCpu, GroupedMatmul,
                               bind_grouped_matmul(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    NodropGroupedMatmulContractCpu, nodrop::handlers::GroupedMatmulContract,
+    NodropGroupedMatmulContractCpu, GroupedMatmulContract,
     bind_grouped_matmul_contract(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+
+}  // namespace nodrop::handlers

@@ -33,20 +33,16 @@ ffi::Error GroupedMatmulContract(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::A
 }
 
 }  // namespace
-}  // namespace nodrop::handlers
 
-namespace ffi = xla::ffi;
-using nodrop::handlers::bind_grouped_matmul;
-using nodrop::handlers::bind_grouped_matmul_contract;
 using Stream = ffi::PlatformStream<cudaStream_t>;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    NodropGroupedMatmulCuda, nodrop::handlers::GroupedMatmul,
+    NodropGroupedMatmulCuda, GroupedMatmul,
     bind_grouped_matmul(ffi::Ffi::Bind().Ctx<Stream>()).Ret<ffi::AnyBuffer>(),  // workspace
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropGroupedMatmulContractCuda,
-                              nodrop::handlers::GroupedMatmulContract,
+                              GroupedMatmulContract,
                               bind_grouped_matmul_contract(ffi::Ffi::Bind().Ctx<Stream>())
                                   .Ret<ffi::AnyBuffer>(),  // workspace
                               {ffi::Traits::kCmdBufferCompatible});
@@ -56,3 +52,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropGroupedMatmulContractCuda,
 extern "C" int64_t NodropGroupedMatmulWorkspaceBytes(int64_t num_groups) {
   return static_cast<int64_t>(nodrop::cuda::grouped_matmul_workspace_bytes(num_groups));
 }
+
+}  // namespace nodrop::handlers

@@ -51,21 +51,18 @@ ffi::Error GatherRowDots(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer 
 }
 
 }  // namespace
-}  // namespace nodrop::handlers
 
-namespace ffi = xla::ffi;
-using nodrop::handlers::bind_gather_row_dots;
-using nodrop::handlers::bind_permute;
-using nodrop::handlers::bind_row_mover;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropPermuteCpu, nodrop::handlers::Permute,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropPermuteCpu, Permute,
                               bind_permute(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropPermuteRowsCpu, nodrop::handlers::PermuteRows,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropPermuteRowsCpu, PermuteRows,
                               bind_row_mover(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropUnpermuteCpu, nodrop::handlers::Unpermute,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropUnpermuteCpu, Unpermute,
                               bind_row_mover(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropGatherRowDotsCpu, nodrop::handlers::GatherRowDots,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropGatherRowDotsCpu, GatherRowDots,
                               bind_gather_row_dots(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+
+}  // namespace nodrop::handlers

@@ -51,28 +51,23 @@ ffi::Error GatherRowDots(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer r
 }
 
 }  // namespace
-}  // namespace nodrop::handlers
 
-namespace ffi = xla::ffi;
-using nodrop::handlers::bind_gather_row_dots;
-using nodrop::handlers::bind_permute;
-using nodrop::handlers::bind_row_mover;
 using Stream = ffi::PlatformStream<cudaStream_t>;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    NodropPermuteCuda, nodrop::handlers::Permute,
+    NodropPermuteCuda, Permute,
     bind_permute(ffi::Ffi::Bind().Ctx<Stream>()).Ret<ffi::AnyBuffer>(),  // workspace
     {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropPermuteRowsCuda, nodrop::handlers::PermuteRows,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropPermuteRowsCuda, PermuteRows,
                               bind_row_mover(ffi::Ffi::Bind().Ctx<Stream>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropUnpermuteCuda, nodrop::handlers::Unpermute,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropUnpermuteCuda, Unpermute,
                               bind_row_mover(ffi::Ffi::Bind().Ctx<Stream>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropGatherRowDotsCuda, nodrop::handlers::GatherRowDots,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropGatherRowDotsCuda, GatherRowDots,
                               bind_gather_row_dots(ffi::Ffi::Bind().Ctx<Stream>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
@@ -82,3 +77,5 @@ extern "C" int64_t NodropSortByExpertWorkspaceBytes(int64_t num_tokens, int64_t 
   return static_cast<int64_t>(
       nodrop::cuda::sort_by_expert_workspace_bytes(num_tokens, k, num_experts));
 }
+
+}  // namespace nodrop::handlers

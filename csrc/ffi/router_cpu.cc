@@ -29,14 +29,12 @@ ffi::Error TopkRouterGrad(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
 }
 
 }  // namespace
-}  // namespace nodrop::handlers
 
-namespace ffi = xla::ffi;
-using nodrop::handlers::bind_topk_router;
-using nodrop::handlers::bind_topk_router_grad;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropTopkRouterCpu, nodrop::handlers::TopkRouter,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropTopkRouterCpu, TopkRouter,
                               bind_topk_router(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropTopkRouterGradCpu, nodrop::handlers::TopkRouterGrad,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropTopkRouterGradCpu, TopkRouterGrad,
                               bind_topk_router_grad(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+
+}  // namespace nodrop::handlers

@@ -26,17 +26,15 @@ ffi::Error TopkRouterGrad(cudaStream_t stream, ffi::Buffer<ffi::F32> logits,
 }
 
 }  // namespace
-}  // namespace nodrop::handlers
 
-namespace ffi = xla::ffi;
-using nodrop::handlers::bind_topk_router;
-using nodrop::handlers::bind_topk_router_grad;
 using Stream = ffi::PlatformStream<cudaStream_t>;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropTopkRouterCuda, nodrop::handlers::TopkRouter,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropTopkRouterCuda, TopkRouter,
                               bind_topk_router(ffi::Ffi::Bind().Ctx<Stream>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropTopkRouterGradCuda, nodrop::handlers::TopkRouterGrad,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropTopkRouterGradCuda, TopkRouterGrad,
                               bind_topk_router_grad(ffi::Ffi::Bind().Ctx<Stream>()),
                               {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace nodrop::handlers

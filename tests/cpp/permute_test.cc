@@ -277,7 +277,7 @@ TEST_P(UnpermuteDtypes, MatchesNaiveReference) {
       const std::vector<float> w = random_floats(T * k, rng, -1.0, 1.0);
       Array dst(dtype, T * H);
       nodrop::cpu::unpermute(src.data(), dtype, row_map.data(), weighted ? w.data() : nullptr,
-                               T, k, H, dst.data());
+                             T, k, H, dst.data());
       EXPECT_TRUE(dst.canaries_intact());
       EXPECT_LE(rel_error(dst.values(),
                           naive_gather(src, row_map, weighted ? w.data() : nullptr, T, k, H)),
@@ -300,7 +300,7 @@ TEST(Unpermute, SkipsRowMapEntriesOutsideTheRows) {
     const Fenced src_f(src), map_f(row_map), w_f(w);  // a read past any input crashes
     Array dst(dtype, T * H);
     nodrop::cpu::unpermute(src_f.data(), dtype, map_f.as<int32_t>(), w_f.as<float>(), T, k, H,
-                             dst.data());
+                           dst.data());
     EXPECT_TRUE(dst.canaries_intact());
     const auto got = dst.values();
     EXPECT_LE(rel_error(got, naive_gather(src, row_map, w.data(), T, k, H)), tolerance(dtype));
@@ -391,7 +391,7 @@ TEST(Permute, SortScatterGatherGivesTheWeightedSumOverKeptSlots) {
   nodrop::cpu::permute_rows(x.data(), DType::kFloat32, row_map.data(), nullptr, T, k, H,
                             rows.data());
   nodrop::cpu::unpermute(rows.data(), DType::kFloat32, row_map.data(), w.data(), T, k, H,
-                           out.data());
+                         out.data());
   std::vector<double> want(T * H, 0.0);
   for (int64_t i = 0; i < T * k; ++i)
     if (ids[i] >= 0 && ids[i] < E)
@@ -445,9 +445,9 @@ TEST(Permute, ParallelRunnerGivesTheSerialResult) {
     EXPECT_EQ(serial_s.raw(), parallel_s.raw());
     Array serial_g(dtype, T * H), parallel_g(dtype, T * H);
     nodrop::cpu::unpermute(rows.data(), dtype, row_map.data(), w.data(), T, k, H,
-                             serial_g.data());
+                           serial_g.data());
     nodrop::cpu::unpermute(rows.data(), dtype, row_map.data(), w.data(), T, k, H,
-                             parallel_g.data(), &runner);
+                           parallel_g.data(), &runner);
     EXPECT_EQ(serial_g.raw(), parallel_g.raw());
     Guarded<float> dots(T * k, std::numeric_limits<float>::quiet_NaN());
     nodrop::cpu::gather_row_dots(x.data(), rows.data(), dtype, row_map.data(), T, k, H,

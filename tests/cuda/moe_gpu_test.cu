@@ -447,7 +447,7 @@ TEST_P(RowMovers, GatherEqualsCpu) {
   for (bool weighted : {false, true}) {
     Bytes want(c.T * c.H * bytes_of(dtype()));
     nodrop::cpu::unpermute(src.data(), dtype(), sorted.row_map.data(),
-                             weighted ? weights.data() : nullptr, c.T, c.k, c.H, want.data());
+                           weighted ? weights.data() : nullptr, c.T, c.k, c.H, want.data());
     for (size_t shift : kShifts) {
       SCOPED_TRACE(std::string(weighted ? "weighted" : "unweighted") + ", shift " +
                    std::to_string(shift));
@@ -456,8 +456,8 @@ TEST_P(RowMovers, GatherEqualsCpu) {
       run_twice(
           [&] {
             return nodrop::cuda::unpermute(d_src.get(), dtype(), d_row_map.as<int32_t>(),
-                                             weighted ? d_weights.as<float>() : nullptr, c.T, c.k,
-                                             c.H, dst.get(), stream());
+                                           weighted ? d_weights.as<float>() : nullptr, c.T, c.k,
+                                           c.H, dst.get(), stream());
           },
           {&dst});
       EXPECT_EQ(mismatch_bits(dst.download(), want, dtype()), "");
@@ -519,12 +519,12 @@ TEST(RowMoversArbitraryRowMap, StayInBoundsAndKeepTheirContracts) {
 
   Bytes want_gather(T * H * 2);
   nodrop::cpu::unpermute(rows.data(), dtype, row_map.data(), weights.data(), T, k, H,
-                           want_gather.data());
+                         want_gather.data());
   const DeviceBuffer gathered(want_gather.size());
   run_twice(
       [&] {
         return nodrop::cuda::unpermute(d_rows.get(), dtype, d_row_map.as<int32_t>(),
-                                         d_weights.as<float>(), T, k, H, gathered.get(), stream());
+                                       d_weights.as<float>(), T, k, H, gathered.get(), stream());
       },
       {&gathered});
   EXPECT_EQ(mismatch_bits(gathered.download(), want_gather, dtype), "");
@@ -576,7 +576,7 @@ TEST(RowMoversArgs, RejectBadShapes) {
   EXPECT_FALSE(nodrop::cuda::permute_rows(buffer.get(), DType::kFloat32, row_map, nullptr, 2, 2,
                                           -1, buffer.get(), stream()).ok());
   EXPECT_FALSE(nodrop::cuda::unpermute(buffer.get(), DType::kFloat32, row_map, nullptr,
-                                         int64_t(1) << 31, 1, 4, buffer.get(), stream()).ok());
+                                       int64_t(1) << 31, 1, 4, buffer.get(), stream()).ok());
   EXPECT_FALSE(nodrop::cuda::gather_row_dots(buffer.get(), buffer.get(), static_cast<DType>(7),
                                              row_map, 2, 2, 4, buffer.as<float>(), stream()).ok());
 }

@@ -116,7 +116,7 @@ void permute_rows(const void* src, DType dtype, const int32_t* row_map, const fl
 }
 
 void unpermute(const void* src, DType dtype, const int32_t* row_map, const float* weights,
-                 int64_t T, int64_t k, int64_t H, void* dst, ParallelRunner* runner) {
+               int64_t T, int64_t k, int64_t H, void* dst, ParallelRunner* runner) {
   const int64_t num_rows = T * k;
   dispatch(dtype, [&](auto tag) {
     using T_ = decltype(tag);

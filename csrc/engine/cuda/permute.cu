@@ -474,7 +474,7 @@ Status permute_rows(const void* src, DType dtype, const int32_t* row_map, const 
 }
 
 Status unpermute(const void* src, DType dtype, const int32_t* row_map, const float* weights,
-                   int64_t T, int64_t k, int64_t H, void* dst, cudaStream_t stream) {
+                 int64_t T, int64_t k, int64_t H, void* dst, cudaStream_t stream) {
   constexpr const char* fn = "unpermute";
   int64_t slots;
   Status status = check_row_args(fn, dtype, T, k, H, &slots);

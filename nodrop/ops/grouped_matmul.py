@@ -100,18 +100,23 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
 # --- differentiable cores over the FFI calls ------------------------------------------------
 
 
-def _engine_rows(lhs, rhs, group_sizes, transpose_rhs, out_dtype, *, cuda=False):
+# platform: the engine that runs the call; the CUDA handler also returns its workspace.
+def _engine_rows(lhs, rhs, group_sizes, transpose_rhs, out_dtype, *, platform="cpu"):
     num_cols = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    workspace = (lambda: _ffi.grouped_matmul_workspace_bytes(rhs.shape[0])) if cuda else None
+    workspace = None
+    if platform == "cuda":
+        workspace = functools.partial(_ffi.grouped_matmul_workspace_bytes, rhs.shape[0])
     return _ffi.engine_call(
         "nodrop_grouped_matmul", jax.ShapeDtypeStruct((lhs.shape[0], num_cols), out_dtype),
         workspace_bytes=workspace, transpose_rhs=_checks.attr_bool(transpose_rhs),
         checked=_checks.attr_bool(_checks.checks_enabled()))(lhs, rhs, group_sizes)
 
 
-def _engine_contract(lhs, rhs, group_sizes, out_dtype, *, cuda=False):
+def _engine_contract(lhs, rhs, group_sizes, out_dtype, *, platform="cpu"):
     num_groups = group_sizes.shape[0]
-    workspace = (lambda: _ffi.grouped_matmul_workspace_bytes(num_groups)) if cuda else None
+    workspace = None
+    if platform == "cuda":
+        workspace = functools.partial(_ffi.grouped_matmul_workspace_bytes, num_groups)
     return _ffi.engine_call(
         "nodrop_grouped_matmul_contract",
         jax.ShapeDtypeStruct((num_groups, lhs.shape[1], rhs.shape[1]), out_dtype),
@@ -136,8 +141,10 @@ def _clamped_group_sizes(group_sizes, num_rows: int):
     return jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype)).astype(jnp.int32)
 
 
-def _cuda_rows(lhs, rhs, group_sizes, transpose_rhs, out_dtype):
-    """The CUDA lowering of _grouped_matmul: padded to the TMA's 16 bytes, or XLA for float32."""
+def _cuda_rows(lhs, rhs, group_sizes, transpose_rhs, out_dtype, engine="cuda"):
+    """The CUDA lowering of _grouped_matmul: padded to the TMA's 16 bytes, or XLA for float32.
+
+    engine="cpu" runs the same adaptation around the CPU engine (how the tests check it)."""
     if lhs.dtype not in _CUDA_DTYPES:
         weights = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
         sizes = _clamped_group_sizes(group_sizes, lhs.shape[0])
@@ -149,10 +156,10 @@ def _cuda_rows(lhs, rhs, group_sizes, transpose_rhs, out_dtype):
     if k % _TMA_ELEMENTS or n % _TMA_ELEMENTS:
         lhs = _pad_axis(lhs, 1, _tma_size(k))
         rhs = _pad_axis(_pad_axis(rhs, k_axis, _tma_size(k)), n_axis, _tma_size(n))
-    return _engine_rows(lhs, rhs, group_sizes, transpose_rhs, out_dtype, cuda=True)[:, :n]
+    return _engine_rows(lhs, rhs, group_sizes, transpose_rhs, out_dtype, platform=engine)[:, :n]
 
 
-def _cuda_contract(lhs, rhs, group_sizes, out_dtype):
+def _cuda_contract(lhs, rhs, group_sizes, out_dtype, engine="cuda"):
     """The CUDA lowering of _grouped_matmul_contract, as _cuda_rows."""
     if lhs.dtype not in _CUDA_DTYPES:
         sizes = _clamped_group_sizes(group_sizes, lhs.shape[0])
@@ -166,7 +173,7 @@ def _cuda_contract(lhs, rhs, group_sizes, out_dtype):
     k, n = lhs.shape[1], rhs.shape[1]
     if k % _TMA_ELEMENTS or n % _TMA_ELEMENTS:
         lhs, rhs = _pad_axis(lhs, 1, _tma_size(k)), _pad_axis(rhs, 1, _tma_size(n))
-    return _engine_contract(lhs, rhs, group_sizes, out_dtype, cuda=True)[:, :k, :n]
+    return _engine_contract(lhs, rhs, group_sizes, out_dtype, platform=engine)[:, :k, :n]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

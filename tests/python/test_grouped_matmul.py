@@ -119,7 +119,8 @@ def test_grouped_matmul_accepts_int64_group_sizes():
 
 # --- the CUDA lowering's operand adaptation, run on the CPU engine -------------------------------
 # On the GPU, K and N are padded to multiples of 8 around the engine call and float32 runs on
-# XLA's ragged dot; both adaptations are plain JAX around the engine, so they are exercised here.
+# XLA's ragged dot; both adaptations are plain JAX around the engine, so they are exercised here
+# around the CPU engine (engine="cpu").
 
 CUDA_ADAPTED = {  # name -> (M, K, N, group_sizes)
     "unaligned_k_and_n": (40, 12, 10, [5, 0, 17, 8]),
@@ -137,7 +138,8 @@ adapted_dtypes = pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], i
 def test_cuda_lowering_of_grouped_matmul_matches_reference(case, transpose_rhs, dtype):
     m, k, n, sizes = CUDA_ADAPTED[case]
     lhs, rhs = gmm_inputs(np.random.default_rng(30), m, k, n, len(sizes), dtype, transpose_rhs)
-    out = gmm_module._cuda_rows(lhs, rhs, int32(sizes), transpose_rhs, jnp.dtype(dtype))
+    out = gmm_module._cuda_rows(lhs, rhs, int32(sizes), transpose_rhs, jnp.dtype(dtype),
+                                engine="cpu")
     assert out.shape == (m, n) and out.dtype == dtype
     expected = ref64("grouped_matmul", lhs, rhs, int32(sizes), transpose_rhs=transpose_rhs)
     assert_close(out, expected, tolerance(dtype))
@@ -149,7 +151,7 @@ def test_cuda_lowering_of_grouped_matmul_matches_reference(case, transpose_rhs, 
 def test_cuda_lowering_of_grouped_matmul_contract_matches_reference(case, dtype):
     m, k, n, sizes = CUDA_ADAPTED[case]
     lhs, rhs = contract_inputs(np.random.default_rng(31), m, k, n, dtype)
-    out = gmm_module._cuda_contract(lhs, rhs, int32(sizes), jnp.dtype(dtype))
+    out = gmm_module._cuda_contract(lhs, rhs, int32(sizes), jnp.dtype(dtype), engine="cpu")
     assert out.shape == (len(sizes), k, n) and out.dtype == dtype
     assert_close(out, ref64("grouped_matmul_contract", lhs, rhs, int32(sizes)), tolerance(dtype))
 

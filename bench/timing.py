@@ -1,4 +1,4 @@
-"""What the benchmarks time and how: grouped-matmul passes, timing loops, checks.
+"""What the benchmarks time and how: grouped-matmul passes and timing loops.
 
 Two timing loops. `median_ms` (the CPU benchmark): the median wall time of single jitted calls,
 each waited for. `side_by_side` (the GPU benchmarks): calls queued back to back as in a training
@@ -7,27 +7,12 @@ step, implementations taking turns so that each meets the card in the same state
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
-def relative_difference(actual, expected) -> float:
-    """max |actual - expected| / max |expected|, computed in float32."""
-    actual = np.asarray(jnp.asarray(actual, jnp.float32))
-    expected = np.asarray(jnp.asarray(expected, jnp.float32))
-    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
+from nodrop import demo
 
 
 # --- grouped-matmul passes ----------------------------------------------------------------------
@@ -53,17 +38,10 @@ PASSES = {"forward": (forward, 1), "forward+backward": (forward_backward, 3)}  #
 # --- CPU: single calls --------------------------------------------------------------------------
 
 
-def median_ms(fn, args, iters: int, warmup: int = 2) -> float:
-    """Median wall time of jit(fn)(*args) in milliseconds, after `warmup` calls (which compile)."""
-    fn = jax.jit(fn)
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+def median_ms(fn, args, iters: int) -> float:
+    """Median wall time of jit(fn)(*args) in milliseconds, after two untimed calls (the first
+    compiles): `nodrop demo`'s loop."""
+    return demo.median_ms(jax.jit(fn), args, iters)
 
 
 # --- GPU: windows of calls, side by side ---------------------------------------------------------

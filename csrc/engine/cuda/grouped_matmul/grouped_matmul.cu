@@ -1,6 +1,6 @@
-// CUDA grouped matmul: argument checks, workspace layout, and the three launches of a call
-// (group table, zero fill, CUTLASS grouped GEMM), all on the caller's stream.
-#include <algorithm>
+// CUDA grouped matmul: argument checks, workspace layout, and the two launches of a call (the
+// setup kernel, which builds the group table and zeroes what no tile writes, then the CUTLASS
+// grouped GEMM), all on the caller's stream.
 #include <climits>
 #include <cstdint>
 #include <initializer_list>

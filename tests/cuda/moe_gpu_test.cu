@@ -1,4 +1,4 @@
-// GPU tests of the CUDA routing and permutation kernels (engine_cuda_moe.h) against the CPU
+// GPU tests of the CUDA routing and permutation kernels (engine_cuda.h) against the CPU
 // engine (nodrop::cpu) on the same inputs. Needs a Hopper GPU, so it is run by hand, not by
 // ctest:  ./nodrop_cuda_moe_tests  [--gtest_filter=...]
 //

@@ -66,9 +66,11 @@ def compare(args: argparse.Namespace) -> int:
         from nodrop.train import compare as comparison, config, trainer
         out = getattr(args, "out", None) or trainer.default_run_dir(
             f"compare-{getattr(args, 'preset', config.TrainConfig.preset)}")
-        comparison.run(config.overrides_from_args(args), out,
-                       capacity_factors=args.capacity_factors,
-                       with_ragged_dot=args.with_ragged_dot,
+        overrides = config.overrides_from_args(args)
+        if args.seeds is not None and "seed" in overrides:
+            raise config.ConfigError("give --seed or --seeds, not both")
+        comparison.run(overrides, out, capacity_factors=args.capacity_factors,
+                       with_ragged_dot=args.with_ragged_dot, seeds=args.seeds,
                        progress=False if getattr(args, "no_progress", False) else None)
         print(f"nodrop compare: wrote {out}/compare.md, compare.png, compare.json")
         print((Path(out) / "compare.md").read_text())
@@ -97,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare_parser.add_argument("--capacity-factors", type=float, nargs="+",
                                 default=[1.0, 1.25], metavar="CF",
                                 help="capacity factors to compare with (default 1.0 1.25)")
+    compare_parser.add_argument("--seeds", type=int, nargs="+", metavar="N",
+                                help="train every variant with each of these seeds and report "
+                                     "the spread (default: --seed)")
     compare_parser.add_argument("--with-ragged-dot", action="store_true",
                                 help="also train dropless on jax.lax.ragged_dot")
     compare_parser.set_defaults(run=compare)

@@ -52,6 +52,8 @@ class MoEConfig:
     ops: the implementation of the router, permute, grouped matmul ("nodrop" matmul) and
       unpermute: "nodrop" (nodrop's ops, on its C++/CUDA engine) or "reference" (their pure-JAX
       references in nodrop/ops/reference.py, to check the former against).
+    residual_init_scale: multiplies the std of the down projections' lecun_normal init (the
+      model sets 1 / sqrt(2 * num_layers): they write into the residual stream).
     dtype: compute dtype (bfloat16 is the GPU setting). param_dtype: master weights.
     """
 
@@ -68,6 +70,7 @@ class MoEConfig:
     capacity_factor: float | None = None
     matmul: str = "nodrop"
     ops: str = "nodrop"
+    residual_init_scale: float = 1.0
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
 
@@ -99,6 +102,8 @@ class MoEConfig:
             "capacity_factor", "None (dropless) or a positive finite number")
         require(self.matmul in EXPERT_MATMULS, "matmul", f"one of {EXPERT_MATMULS}")
         require(self.ops in OPS, "ops", f"one of {tuple(OPS)}")
+        require(is_finite_number(self.residual_init_scale) and self.residual_init_scale > 0,
+                "residual_init_scale", "a positive finite number")
         for field in ("dtype", "param_dtype"):
             try:
                 dtype = jnp.dtype(getattr(self, field))
@@ -167,6 +172,7 @@ class MoEBlock(nnx.Module):
         num_experts, hidden, ffn = config.num_experts, config.hidden, config.ffn
         dense_init = nnx.initializers.lecun_normal()
         expert_init = nnx.initializers.lecun_normal(batch_axis=0)  # fan-in per expert
+        expert_down_init = residual_init(config.residual_init_scale, batch_axis=0)
 
         def param(init, shape):
             return nnx.Param(init(rngs.params(), shape, config.param_dtype))
@@ -174,10 +180,11 @@ class MoEBlock(nnx.Module):
         self.router = param(dense_init, (hidden, num_experts))
         self.expert_bias = ExpertBias(jnp.zeros((num_experts,), jnp.float32))
         self.gate_up = param(expert_init, (num_experts, hidden, 2 * ffn))
-        self.down = param(expert_init, (num_experts, ffn, hidden))
+        self.down = param(expert_down_init, (num_experts, ffn, hidden))
         shared = config.shared_ffn
         self.shared_gate_up = param(dense_init, (hidden, 2 * shared)) if shared else None
-        self.shared_down = param(dense_init, (shared, hidden)) if shared else None
+        self.shared_down = (param(residual_init(config.residual_init_scale), (shared, hidden))
+                            if shared else None)
 
     def __call__(self, x):
         cfg = self.config
@@ -231,6 +238,13 @@ class MoEBlock(nnx.Module):
             dropped_fraction=(num_slots - processed.sum()).astype(jnp.float32) / num_slots,
             max_over_mean=load.max().astype(jnp.float32) * cfg.num_experts / num_slots)
         return y.astype(cfg.dtype).reshape(x.shape), aux
+
+
+def residual_init(scale: float, batch_axis=()):
+    """lecun_normal (fan-in, truncated normal) with its std multiplied by `scale`: for the
+    projections that write into the residual stream."""
+    return nnx.initializers.variance_scaling(scale ** 2, "fan_in", "truncated_normal",
+                                             batch_axis=batch_axis)
 
 
 def swiglu(matmul, x, gate_up, down):

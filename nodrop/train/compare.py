@@ -1,10 +1,11 @@
-"""`nodrop compare`: one model and seed trained dropless and with capacity factors (token
-dropping), optionally with jax.lax.ragged_dot as the dropless matmul; a markdown table and a plot
-of validation loss against steps and against training time.
+"""`nodrop compare`: one model trained dropless and with capacity factors (token dropping),
+optionally with jax.lax.ragged_dot as the dropless matmul, for one seed or several; a markdown
+table with the spread across seeds, and plots of the whole validation curves against steps and
+against training time, with the dropped fraction over time.
 
-Every variant is a full `nodrop train` run in its own sub-folder of the output folder, reading
-the same batches (same seed, same data) from the same initial weights: the runs differ only in
-how the MoE layers dispatch tokens.
+Every run is a full `nodrop train` run in `<out>/<variant>/seed-<seed>/`. The runs of one seed
+read the same batches from the same initial weights: they differ only in how the MoE layers
+dispatch tokens. So a difference is judged seed by seed (paired), against the seed-to-seed spread.
 """
 
 from __future__ import annotations
@@ -13,11 +14,15 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
+
 from nodrop.train import data, plots, trainer
-from nodrop.train.config import build
+from nodrop.train.config import ConfigError, build
 from nodrop.train.metrics import read_jsonl
 
 DEFAULT_CAPACITY_FACTORS = (1.0, 1.25)
+# Evaluations per run when --eval-every is not given: enough points for whole curves.
+DEFAULT_EVALUATIONS = 20
 
 
 def variants(capacity_factors, with_ragged_dot: bool) -> list[tuple[str, str, dict]]:
@@ -33,53 +38,178 @@ def variants(capacity_factors, with_ragged_dot: bool) -> list[tuple[str, str, di
 
 def run(overrides: dict, out: str | os.PathLike, *,
         capacity_factors=DEFAULT_CAPACITY_FACTORS, with_ragged_dot: bool = False,
-        progress: bool | None = None, echo=print) -> list[tuple[str, trainer.Summary]]:
-    """Trains every variant into `out`/<variant>/ and writes compare.md, compare.json and
-    compare.png there. Each configuration is validated before the first run starts."""
+        seeds=None, progress: bool | None = None, echo=print) -> dict[str, dict[int, trainer.Summary]]:
+    """Trains every variant for every seed (default: the `seed` of `overrides`, else 0) into
+    `out`/<variant>/seed-<seed>/ and writes compare.md, compare.json and compare.png there.
+    Returns {variant name: {seed: Summary}}. Every configuration is validated before the first
+    run starts."""
     out = Path(out)
-    runs = variants(capacity_factors, with_ragged_dot)
-    configs = []
-    for name, folder, model in runs:
-        fields = {**overrides, "model_overrides": {**overrides.get("model_overrides", {}),
-                                                   **model}}
-        configs.append((name, folder, fields, build(fields)))
-    model_config = configs[0][3][1]
-    dataset = data.load(configs[0][3][0].data, model_config.vocab_size)
-    data.check_length(dataset, configs[0][3][0].seq_len)
+    if seeds is None:
+        seeds = [overrides.get("seed", 0)]
+    seeds = list(seeds)
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"--seeds must not repeat a seed, got {seeds}")
+    base = dict(overrides)
+    if "eval_every" not in base:
+        base["eval_every"] = max(1, build(base)[0].steps // DEFAULT_EVALUATIONS)
+    runs = []
+    for name, folder, model in variants(capacity_factors, with_ragged_dot):
+        for seed in seeds:
+            fields = {**base, "seed": seed, "model_overrides": {
+                **base.get("model_overrides", {}), **model}}
+            build(fields)  # validated now, not after hours of other runs
+            runs.append((name, seed, out / folder / f"seed-{seed}", fields))
+    first = build(runs[0][3])
+    dataset = data.load(first[0].data, first[1].vocab_size)
+    data.check_length(dataset, first[0].seq_len)
 
-    results = []
-    for name, folder, fields, _ in configs:
-        echo(f"nodrop compare: {name} -> {out / folder}")
-        summary = trainer.run(fields, out=out / folder, progress=progress, dataset=dataset)
+    results: dict[str, dict[int, trainer.Summary]] = {}
+    for name, seed, run_dir, fields in runs:
+        summary = finished_run(run_dir, fields)
+        if summary is None:
+            echo(f"nodrop compare: {name}, seed {seed} -> {run_dir}")
+            # A folder a stopped comparison left half-trained continues (or restarts).
+            resume = (run_dir / trainer.CONFIG_FILE).exists()
+            summary = trainer.run(fields, out=run_dir, resume=resume, progress=progress,
+                                  dataset=dataset)
+        else:
+            echo(f"nodrop compare: {name}, seed {seed}: finished before in {run_dir}")
         echo(f"  validation loss {summary.val_loss:.4f}, {summary.tokens_per_s:,.0f} tokens/s, "
              f"dropped {summary.dropped_fraction:.2%}")
-        results.append((name, summary))
+        results.setdefault(name, {})[seed] = summary
 
-    records = {name: read_jsonl(Path(summary.run_dir) / "metrics.jsonl")
-               for name, summary in results}
-    config = configs[0][3][0]
+    records = {name: {seed: read_jsonl(Path(s.run_dir) / "metrics.jsonl")
+                      for seed, s in by_seed.items()} for name, by_seed in results.items()}
+    config = first[0]
+    seed_text = f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {', '.join(map(str, seeds))}"
     title = (f"{config.preset}: {config.steps} steps of {config.batch_size} x {config.seq_len} "
-             f"tokens, seed {config.seed}")
+             f"tokens, {seed_text}")
     plots.plot_compare(records, out / "compare.png", title)
-    (out / "compare.md").write_text(table(results, title))
+    stats = statistics(results, records)
+    (out / "compare.md").write_text(table(results, stats, title))
     (out / "compare.json").write_text(json.dumps(
-        {name: summary.to_dict() for name, summary in results}, indent=2) + "\n")
+        {name: {"seeds": {str(seed): s.to_dict() for seed, s in by_seed.items()},
+                **stats[name]} for name, by_seed in results.items()}, indent=2) + "\n")
     return results
 
 
-def table(results: list[tuple[str, trainer.Summary]], title: str) -> str:
+def finished_run(run_dir: Path, fields: dict) -> trainer.Summary | None:
+    """The Summary of the run in `run_dir` if it finished with exactly these settings (the
+    comparison was stopped and started again with the same --out); None if it did not finish.
+    A finished run of other settings is refused: it is not this comparison's."""
+    summary = run_dir / trainer.SUMMARY_FILE
+    if not summary.exists():
+        return None
+    config, model = build(fields)
+    try:
+        saved = json.loads((run_dir / trainer.CONFIG_FILE).read_text())
+        values = json.loads(summary.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConfigError(f"{run_dir}: cannot read the finished run ({error})") from None
+    wanted = json.loads(json.dumps({"train": config.to_dict(), "model": model.to_dict()}))
+    if {key: saved.get(key) for key in wanted} != wanted:
+        raise ConfigError(f"{run_dir} holds a finished run of other settings; give another --out")
+    return trainer.Summary(**{**values, "run_dir": str(run_dir)})
+
+
+def val_loss_at_time(records: list[dict], seconds: float) -> float | None:
+    """The validation loss a run had reached after `seconds` of training time, interpolated
+    linearly between its evaluations (None before its first one)."""
+    evals = [(r["elapsed_s"], r["val_loss"]) for r in records
+             if r.get("kind") == "eval" and r.get("val_loss") is not None]
+    if not evals or seconds < evals[0][0]:
+        return None
+    times, losses = zip(*evals)
+    return float(np.interp(seconds, times, losses))
+
+
+def statistics(results, records) -> dict[str, dict]:
+    """Per variant: final validation loss (mean and half-range over seeds), the validation
+    loss at equal training time (the time the quickest variant took for all its steps), and,
+    for every variant but the first, the per-seed difference to the first and a verdict."""
+    names = list(results)
+    seeds = list(results[names[0]])
+    equal_time = min(s.train_time_s for by_seed in results.values() for s in by_seed.values())
+    stats = {}
+    for name in names:
+        finals = np.asarray([results[name][seed].val_loss for seed in seeds])
+        at_time = [val_loss_at_time(records[name][seed], equal_time) for seed in seeds]
+        stats[name] = {
+            "val_loss_mean": float(finals.mean()),
+            "val_loss_half_range": float((finals.max() - finals.min()) / 2),
+            "equal_time_s": equal_time,
+            "val_loss_at_equal_time": at_time,
+        }
+    reference = names[0]
+    for name in names[1:]:
+        diffs = [results[name][seed].val_loss - results[reference][seed].val_loss
+                 for seed in seeds]
+        stats[name]["difference_to_" + _key(reference)] = diffs
+        stats[name]["verdict"] = verdict(diffs, stats[name]["val_loss_half_range"],
+                                         stats[reference]["val_loss_half_range"])
+    return stats
+
+
+def verdict(diffs: list[float], *half_ranges: float) -> str:
+    """Whether paired differences (this run minus the reference, one per seed) are outside the
+    noise: every seed must agree on the sign and the mean difference must exceed the
+    seed-to-seed half-range of both runs. One seed gives no estimate of the noise."""
+    mean = float(np.mean(diffs))
+    if len(diffs) < 2:
+        return "one seed: no estimate of the noise"
+    same_sign = all(d > 0 for d in diffs) or all(d < 0 for d in diffs)
+    noise = max(half_ranges)
+    if same_sign and abs(mean) > noise:
+        return f"{'higher' if mean > 0 else 'lower'} on every seed, beyond the seed spread ({noise:.4f})"
+    return f"inside the noise (seed spread {noise:.4f})"
+
+
+def _key(name: str) -> str:
+    return name.split(" (")[0].replace(" ", "_")
+
+
+def _mean(values) -> float:
+    return float(np.mean(values))
+
+
+def table(results, stats, title: str) -> str:
+    names = list(results)
+    seeds = list(results[names[0]])
+    equal_time = stats[names[0]]["equal_time_s"]
     lines = [f"# nodrop compare: {title}", "",
-             "| run | final val loss | final train loss | tokens/s | dropped fraction | "
-             "training time (s) | compile (s) | wall time (s) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for name, s in results:
-        lines.append(f"| {name} | {s.val_loss:.4f} | {s.train_loss:.4f} | "
-                     f"{s.tokens_per_s:,.0f} | {s.dropped_fraction:.2%} | "
-                     f"{s.train_time_s:.1f} | {s.compile_s:.1f} | {s.wall_s:.1f} |")
-    unigram = results[0][1].unigram_loss
-    lines += ["", f"Unigram baseline (entropy of the training split's token frequencies): "
-              f"{unigram:.4f} nats. Dropped fraction: the share of (token, expert) slots that "
-              "reached no expert, averaged over layers and steps. Training time counts the "
-              "steps only (no compile, evaluation or checkpoints); wall time is the whole run. "
-              "Validation loss against steps and against training time: compare.png.", ""]
+             "| run | final val loss | per seed | val loss at "
+             f"{equal_time:.0f} s | vs {names[0]} | final train loss | tokens/s | "
+             "dropped fraction | training time (s) | compile (s) | wall time (s) |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name in names:
+        runs, s = [results[name][seed] for seed in seeds], stats[name]
+        spread = f" ± {s['val_loss_half_range']:.4f}" if len(seeds) > 1 else ""
+        at_time = [v for v in s["val_loss_at_equal_time"] if v is not None]
+        diffs = s.get("difference_to_" + _key(names[0]))
+        cells = [name, f"{s['val_loss_mean']:.4f}{spread}",
+                 ", ".join(f"{r.val_loss:.4f}" for r in runs),
+                 f"{_mean(at_time):.4f}" if at_time else "—",
+                 f"{_mean(diffs):+.4f}" if diffs else "—",
+                 f"{_mean([r.train_loss for r in runs]):.4f}",
+                 f"{_mean([r.tokens_per_s for r in runs]):,.0f}",
+                 f"{_mean([r.dropped_fraction for r in runs]):.2%}",
+                 f"{_mean([r.train_time_s for r in runs]):.1f}",
+                 f"{_mean([r.compile_s for r in runs]):.1f}",
+                 f"{_mean([r.wall_s for r in runs]):.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"Against {names[0]}, seed by seed (same weights and batches):"]
+    for name in names[1:]:
+        diffs = stats[name]["difference_to_" + _key(names[0])]
+        lines.append(f"- {name}: {', '.join(f'{d:+.4f}' for d in diffs)} "
+                     f"(mean {_mean(diffs):+.4f}); {stats[name]['verdict']}.")
+    unigram = results[names[0]][seeds[0]].unigram_loss
+    lines += ["", "Final val loss: mean over the seeds ± half their range. Val loss at "
+              f"{equal_time:.0f} s: at equal training time, the time the quickest run took for "
+              "all its steps, interpolated between evaluations. A difference is called outside "
+              "the noise only when every seed agrees on its sign and its mean exceeds the "
+              f"seed-to-seed half-range of both runs. Unigram baseline (entropy of the training "
+              f"split's token frequencies): {unigram:.4f} nats. Dropped fraction: the share of "
+              "(token, expert) slots that reached no expert, averaged over layers and steps. "
+              "Tokens/s and training time count the steps only (no compile, evaluation or "
+              "checkpoints); wall time is the whole run. Curves: compare.png.", ""]
     return "\n".join(lines)

@@ -35,10 +35,10 @@ class TrainConfig:
       steps), then cosine decay to lr * min_lr_ratio at `steps`.
     weight_decay, beta1, beta2, adam_eps: AdamW (decay applied to matrices only, not to norm
       scales). grad_clip: global-norm clipping threshold (0: off).
-    aux_loss_coef, z_loss_coef: weights of the mean (over MoE layers) load-balancing and router
-      z-losses added to the cross-entropy.
+    aux_loss_coef, z_loss_coef: weights of each MoE layer's load-balancing and router z-losses,
+      summed over the MoE layers and added to the cross-entropy.
     bias_update_rate: aux-loss-free balancing (DeepSeek-V3) step for the expert biases after
-      every optimizer step (0: off; None: 1e-3 for sigmoid-routed models, else 0).
+      every optimizer step (0: off; None: DEFAULT_BIAS_UPDATE_RATE, for every router).
     eval_every, eval_batches: validation every N steps (and at the end) on eval_batches batches.
     checkpoint_every, keep_checkpoints: Orbax checkpoint every N steps (and at the end), keeping
       the newest few; checkpoint_every 0 saves none (benchmark runs: a GPU preset's state is
@@ -129,9 +129,7 @@ class TrainConfig:
                 f"{describe('seq_len')} must be at most the model's seq_len={model.seq_len} "
                 f"(the longest sequence it accepts; raise it with --set seq_len={seq_len}), "
                 f"got {seq_len}")
-        rate = self.bias_update_rate
-        if rate is None:
-            rate = 1e-3 if model.score_function == "sigmoid" else 0.0
+        rate = DEFAULT_BIAS_UPDATE_RATE if self.bias_update_rate is None else self.bias_update_rate
         warmup = self.steps // 10 if self.warmup_steps is None else self.warmup_steps
         return dataclasses.replace(self, seq_len=seq_len, bias_update_rate=rate,
                                    warmup_steps=warmup)
@@ -147,6 +145,11 @@ class TrainConfig:
         return cls(**fields)
 
 
+# DeepSeek-V3 moves its biases by 1e-3 a step over batches of millions of tokens and tens of
+# thousands of steps; runs of hundreds to thousands of steps need the routers balanced sooner:
+# 5e-3 balanced `tiny` by step 30 where 1e-3 took 60 and 1e-2 oscillated (docs/quality.md).
+DEFAULT_BIAS_UPDATE_RATE = 5e-3
+
 # Fields that may change when a run is resumed: they do not change what is computed (steps
 # extends or shortens the run, and with it the cosine schedule's remaining steps).
 RESUMABLE_CHANGES = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints",
@@ -154,8 +157,9 @@ RESUMABLE_CHANGES = ("steps", "eval_every", "checkpoint_every", "keep_checkpoint
 
 # The GPU presets' training defaults (the tiny preset's are TrainConfig's own).
 PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
-    name: dict(steps=2000, batch_size=16, lr=3e-4, eval_every=250, checkpoint_every=500)
-    for name in ("mixtral", "deepseek", "qwen3")
+    **{name: dict(steps=2000, batch_size=16, lr=3e-4, eval_every=250, checkpoint_every=500)
+       for name in ("mixtral", "deepseek", "qwen3")},
+    "small": dict(steps=2000, batch_size=16, lr=1e-3, eval_every=100, checkpoint_every=500),
 }
 
 

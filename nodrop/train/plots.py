@@ -82,23 +82,51 @@ def plot_expert_load(records: list[dict], path: str | os.PathLike, title: str) -
     plt.close(fig)
 
 
-def plot_compare(runs: dict[str, list[dict]], path: str | os.PathLike, title: str) -> None:
-    """Validation loss of each run against steps and against training wall time."""
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for name, records in runs.items():
-        evals = [r for r in records if r.get("kind") == "eval" and r.get("val_loss") is not None]
-        steps = [r["step"] for r in evals]
-        seconds = [r["elapsed_s"] for r in evals]
-        losses = [r["val_loss"] for r in evals]
-        by_step.plot(steps, losses, "o-", label=name)
-        by_time.plot(seconds, losses, "o-", label=name)
+def plot_compare(runs: dict[str, dict[int, list[dict]]], path: str | os.PathLike,
+                 title: str) -> None:
+    """Each variant's curves, as the mean over its seeds with the min-max band shaded:
+    validation loss against steps and against training time, training cross-entropy (EMA)
+    and the dropped fraction (mean over the MoE layers, EMA) against steps."""
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    (by_step, by_time), (train, dropped) = axes
+    for index, (name, by_seed) in enumerate(runs.items()):
+        color = f"C{index}"
+
+        def band(ax, xs, ys, style="-", smooth=False):
+            """Mean and min-max over seeds of series cut to their common length."""
+            length = min(len(y) for y in ys)
+            if length == 0:
+                return
+            ys = np.asarray([_ema(y[:length]) if smooth else y[:length] for y in ys])
+            x = np.mean([x[:length] for x in xs], axis=0)
+            ax.plot(x, ys.mean(axis=0), style, color=color, label=name, markersize=3)
+            if len(ys) > 1:
+                ax.fill_between(x, ys.min(axis=0), ys.max(axis=0), color=color, alpha=0.2)
+
+        evals = [_series(records, "eval", "val_loss") for records in by_seed.values()]
+        times = [_series(records, "eval", "elapsed_s")[1] for records in by_seed.values()]
+        band(by_step, [s for s, _ in evals], [v for _, v in evals], "o-")
+        band(by_time, times, [v for _, v in evals], "o-")
+        ces = [_series(records, "train", "ce") for records in by_seed.values()]
+        band(train, [s for s, _ in ces], [v for _, v in ces], smooth=True)
+        drops = [[(r["step"], float(np.mean(r["dropped_fraction"]))) for r in records
+                  if r.get("kind") == "train" and r.get("dropped_fraction")]
+                 for records in by_seed.values()]
+        band(dropped, [np.asarray([s for s, _ in d]) for d in drops],
+             [np.asarray([v for _, v in d]) for d in drops], smooth=True)
     by_step.set_xlabel("step")
     by_step.set_ylabel("validation loss (nats / token)")
     by_time.set_xlabel("training time (s, without compile and evaluation)")
-    for ax in (by_step, by_time):
+    by_time.set_ylabel("validation loss (nats / token)")
+    train.set_xlabel("step")
+    train.set_ylabel("training cross-entropy (EMA 0.9)")
+    dropped.set_xlabel("step")
+    dropped.set_ylabel("dropped fraction of slots (EMA 0.9)")
+    for ax in axes.flat:
         ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(title)
+        ax.legend(fontsize="small")
+    fig.suptitle(title + ("" if all(len(s) == 1 for s in runs.values())
+                          else "  (mean over seeds; band: min to max)"))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

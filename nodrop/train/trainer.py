@@ -37,7 +37,7 @@ import nodrop
 from nodrop.models import ModelConfig, MoELM
 from nodrop.moe import updated_expert_bias
 from nodrop.train import data, plots
-from nodrop.train.checkpoint import Checkpoints
+from nodrop.train.checkpoint import CheckpointError, Checkpoints
 from nodrop.train.config import RESUMABLE_CHANGES, ConfigError, TrainConfig, build
 from nodrop.train.metrics import MetricsLog, Progress, peak_flops
 
@@ -84,10 +84,9 @@ def _read_saved(run_dir: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"--resume: {run_dir} holds no {CONFIG_FILE}; is it a run folder?"
-                          ) from None
+        raise ConfigError(f"{run_dir} holds no {CONFIG_FILE}; is it a run folder?") from None
     except (OSError, json.JSONDecodeError) as error:
-        raise ConfigError(f"--resume: cannot read {path}: {error}") from None
+        raise ConfigError(f"cannot read {path}: {error}") from None
 
 
 def configure(overrides: dict, saved: dict | None) -> tuple[TrainConfig, ModelConfig]:
@@ -167,8 +166,11 @@ def make_steps(config: TrainConfig, graphdef, tx):
 
     def loss_fn(model, batch):
         ce, aux = forward(model, batch)
-        loss = (ce + config.aux_loss_coef * _mean(aux.load_balancing_loss)
-                + config.z_loss_coef * _mean(aux.z_loss))
+        # Each MoE layer's losses carry the full coefficient (summed over layers), as Switch,
+        # ST-MoE and Megatron-Core define them; a mean would weaken every layer's balancing by
+        # the number of MoE layers.
+        loss = (ce + config.aux_loss_coef * aux.load_balancing_loss.sum()
+                + config.z_loss_coef * aux.z_loss.sum())
         return loss, (ce, aux)
 
     def train_step(params, opt_state, model_state, batch, step):
@@ -243,18 +245,7 @@ def _run(overrides, *, out, resume, progress, dataset, echo) -> Summary:
     device = jax.devices()[0]
     tx = optimizer(config)
 
-    def init():
-        model = MoELM(model_config, rngs=nnx.Rngs(config.seed))
-        _, params, model_state = nnx.split(model, nnx.Param, ...)
-        return params, tx.init(params), model_state
-
-    graphdef = nnx.split(nnx.eval_shape(lambda: MoELM(model_config, rngs=nnx.Rngs(0))),
-                         nnx.Param, ...)[0]
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    # The abstract state (shapes only): the restore target, and what the steps compile for.
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                            jax.eval_shape(init))
-
+    graphdef, init, abstract = _state_structure(config, model_config, tx, device)
     checkpoints = Checkpoints(run_dir / "checkpoints", config.keep_checkpoints)
     start = checkpoints.latest_step() if resume else None
     if start is not None and start > config.steps:
@@ -267,7 +258,8 @@ def _run(overrides, *, out, resume, progress, dataset, echo) -> Summary:
     if start is None:
         if resume:
             echo(f"nodrop train: {run_dir} has no complete checkpoint; starting from step 0")
-        state = _State(*jax.jit(init, out_shardings=sharding)(), step=0, elapsed_s=0.0)
+        state = _State(*jax.jit(init, out_shardings=jax.sharding.SingleDeviceSharding(device))(),
+                       step=0, elapsed_s=0.0)
     else:
         state = _restore(checkpoints, start, abstract)
         echo(f"nodrop train: resuming {run_dir} from step {start}")
@@ -290,6 +282,54 @@ def _run(overrides, *, out, resume, progress, dataset, echo) -> Summary:
     finally:
         metrics.close()
         checkpoints.close()
+
+
+def _state_structure(config: TrainConfig, model_config: ModelConfig, tx, device):
+    """(graphdef, init, abstract): the model's graph, a function that initialises the state
+    pytrees (params, opt_state, model_state) from config.seed, and their abstract values on
+    `device` (shapes only: the restore target, and what the steps compile for)."""
+
+    def init():
+        model = MoELM(model_config, rngs=nnx.Rngs(config.seed))
+        _, params, model_state = nnx.split(model, nnx.Param, ...)
+        return params, tx.init(params), model_state
+
+    graphdef = nnx.split(nnx.eval_shape(lambda: MoELM(model_config, rngs=nnx.Rngs(0))),
+                         nnx.Param, ...)[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                            jax.eval_shape(init))
+    return graphdef, init, abstract
+
+
+def run_config(run_dir: str | os.PathLike) -> tuple[TrainConfig, ModelConfig]:
+    """The configuration a run folder was trained with (its config.json)."""
+    return configure({}, _read_saved(Path(run_dir)))
+
+
+def load_model(run_dir: str | os.PathLike, *, step: int | None = None,
+               **model_changes) -> MoELM:
+    """The trained model of a run folder, from its newest complete checkpoint (or `step`'s).
+
+    model_changes replace ModelConfig fields that leave the parameters as they are
+    (capacity_factor, moe_matmul, dtype, remat): the same weights, dispatched another way.
+    Raises ConfigError for a folder that is not a run, CheckpointError for a missing or
+    unusable checkpoint.
+    """
+    run_dir = Path(run_dir)
+    config, model_config = run_config(run_dir)
+    model_config = model_config.replace(**model_changes)
+    graphdef, _, abstract = _state_structure(config, model_config, optimizer(config),
+                                             jax.devices()[0])
+    checkpoints = Checkpoints(run_dir / "checkpoints", config.keep_checkpoints)
+    try:
+        step = checkpoints.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"{run_dir / 'checkpoints'} holds no complete checkpoint")
+        state = _restore(checkpoints, step, abstract)
+    finally:
+        checkpoints.close()
+    return nnx.merge(graphdef, state.params, state.model_state)
 
 
 @dataclasses.dataclass

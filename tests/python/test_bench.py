@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-PROGRAMS = ("cpu_grouped_matmul", "gpu_moe", "gpu_gemm_sustained", "gpu_layer_profile",
+PROGRAMS = ("batch_invariance", "cpu_grouped_matmul", "gpu_moe", "gpu_gemm_sustained", "gpu_layer_profile",
             "gemm_tiles_table", "ncu_stall_regions")
 MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 

@@ -167,8 +167,9 @@ def reference_forward(model: MoELM, tokens):
             gate_up, ffn = f64(layer.ffn.gate_up[...]), config.dense_ffn
             x = x + (jax.nn.silu(h @ gate_up[:, :ffn]) * (h @ gate_up[:, ffn:])) \
                 @ f64(layer.ffn.down[...])
-    head = f64(model.embedding[...]).T if config.tie_embeddings else f64(model.lm_head[...])
-    return rms_norm(x, model.final_norm) @ head
+    if config.tie_embeddings:  # T5's tied head: the output scaled by hidden ** -0.5
+        return rms_norm(x, model.final_norm) * config.hidden ** -0.5 @ f64(model.embedding[...]).T
+    return rms_norm(x, model.final_norm) @ f64(model.lm_head[...])
 
 
 @pytest.mark.parametrize("config", [SMALL, DEEPSEEK_LIKE.replace(tie_embeddings=True)],
@@ -311,6 +312,19 @@ def deepseek_like_step():
     return (tokens, *nnx.jit(forward_and_grads)(make_model(DEEPSEEK_LIKE), tokens))
 
 
+def test_a_capacity_that_drops_nothing_trains_exactly_as_dropless(deepseek_like_step):
+    """The two modes differ only in what they drop: with a buffer of T * k rows per expert
+    (capacity factor E) nothing is dropped, and the logits and every gradient, router included,
+    are dropless's. So a quality gap between them is the dropping, not a second code path."""
+    tokens, logits, grads = deepseek_like_step
+    no_drop = DEEPSEEK_LIKE.replace(capacity_factor=float(DEEPSEEK_LIKE.num_experts))
+    logits_capacity, grads_capacity = nnx.jit(forward_and_grads)(make_model(no_drop), tokens)
+    assert_close(logits_capacity, logits, 1e-5, "logits")
+    for (path, grad), grad_capacity in zip(jax.tree.leaves_with_path(grads),
+                                           jax.tree.leaves(grads_capacity)):
+        assert_close(grad_capacity, grad, 1e-4, f"gradient {jax.tree_util.keystr(path)}")
+
+
 def test_ragged_dot_experts_give_the_same_logits_and_grads(deepseek_like_step):
     tokens, logits, grads = deepseek_like_step
     logits_ragged, grads_ragged = nnx.jit(forward_and_grads)(
@@ -427,6 +441,12 @@ def test_tiny_preset_is_small_float32():
     config = preset("tiny")
     assert config.dtype == jnp.float32 and config.vocab_size == 256
     assert config.num_params() < 5e6
+
+
+def test_small_preset_is_mixtral_routing_at_a_study_size():
+    config = preset("small")
+    assert (config.num_experts, config.k, config.score_function) == (8, 2, "softmax")
+    assert config.dtype == jnp.bfloat16 and 1e8 <= config.num_params() <= 2e8
 
 
 @pytest.mark.parametrize("name", ["mixtral", "deepseek", "qwen3"])

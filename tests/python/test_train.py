@@ -394,15 +394,115 @@ def test_compare_dropless_capacity_and_ragged_dot(tmp_path, capsys, text_file):
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
     assert [row.split("|")[1].strip() for row in rows[1:]] == [
         "dropless (nodrop)", "dropless (jax.lax.ragged_dot)", "capacity factor 0.5"]
+    assert "one seed: no estimate of the noise" in table
     assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
     results = json.loads((out / "compare.json").read_text())
-    dropless, ragged, capacity = (results[name] for name in (
+    dropless, ragged, capacity = (results[name]["seeds"]["0"] for name in (
         "dropless (nodrop)", "dropless (jax.lax.ragged_dot)", "capacity factor 0.5"))
     assert dropless["dropped_fraction"] == 0.0 and ragged["dropped_fraction"] == 0.0
     # Capacity 0.5 * T * k / E per expert: at least about half of the slots are dropped.
     assert capacity["dropped_fraction"] > 0.4
-    for record in records(out / "capacity-0.5", "train"):
+    for record in records(out / "capacity-0.5" / "seed-0", "train"):
         assert min(record["dropped_fraction"]) > 0.4
     # The same math on two grouped-matmul implementations.
     assert ragged["val_loss"] == pytest.approx(dropless["val_loss"], rel=1e-3)
     assert capacity["val_loss"] != dropless["val_loss"]
+
+
+def test_compare_over_seeds_reports_the_spread_and_the_noise(tmp_path, capsys, text_file):
+    out = tmp_path / "compare"
+    flags = train_flags(text_file, steps=4, **{"checkpoint-every": 0})
+    at = flags.index("--eval-every")
+    del flags[at:at + 2]
+    code, stdout, err = run_cli(capsys, "compare", *flags, "--capacity-factors", "0.5",
+                                "--seeds", "0", "1", "--out", str(out))
+    assert code == 0, err
+    results = json.loads((out / "compare.json").read_text())
+    for name in ("dropless (nodrop)", "capacity factor 0.5"):
+        losses = [results[name]["seeds"][seed]["val_loss"] for seed in ("0", "1")]
+        assert losses[0] != losses[1]  # other weights, other batches
+        assert results[name]["val_loss_mean"] == pytest.approx(np.mean(losses))
+        assert results[name]["val_loss_half_range"] == pytest.approx(
+            abs(losses[0] - losses[1]) / 2)
+        for seed in (0, 1):
+            evals = records(out / name_folder(name) / f"seed-{seed}", "eval")
+            # Without --eval-every, evaluations spread over the run: steps // 20 apart.
+            assert [r["step"] for r in evals] == [1, 2, 3, 4]
+    capacity = results["capacity factor 0.5"]
+    differences = [capacity["seeds"][s]["val_loss"] - results["dropless (nodrop)"]["seeds"][s][
+        "val_loss"] for s in ("0", "1")]
+    assert capacity["difference_to_dropless"] == pytest.approx(differences)
+    table = (out / "compare.md").read_text()
+    assert " ± " in table and capacity["verdict"] in table
+    assert ("inside the noise" in capacity["verdict"]) or ("on every seed" in capacity["verdict"])
+
+
+def name_folder(name: str) -> str:
+    return {"dropless (nodrop)": "dropless", "capacity factor 0.5": "capacity-0.5"}[name]
+
+
+def test_compare_refuses_seed_and_seeds_together(tmp_path, capsys, text_file):
+    code, _, err = run_cli(capsys, "compare", *train_flags(text_file), "--seed", "1",
+                           "--seeds", "0", "1", "--out", str(tmp_path / "c"))
+    assert code == 2 and "give --seed or --seeds, not both" in err
+
+def test_verdict_needs_every_seed_to_agree_and_to_clear_the_spread():
+    from nodrop.train.compare import verdict
+    assert verdict([0.10, 0.12], 0.01, 0.02).startswith("higher on every seed")
+    assert verdict([-0.10, -0.12], 0.01, 0.02).startswith("lower on every seed")
+    assert verdict([0.10, -0.05], 0.01, 0.01).startswith("inside the noise")
+    assert verdict([0.01, 0.02], 0.03, 0.001).startswith("inside the noise")
+    assert verdict([0.5], 0.0, 0.0) == "one seed: no estimate of the noise"
+
+
+def test_a_trained_models_logits_ignore_the_batch_dropless_but_not_under_a_capacity(reference):
+    """nodrop's promise at the model level: next to other batch-mates a sequence's logits stay
+    the same dropless (to float32 rounding) and move with a capacity factor (same weights)."""
+    from nodrop.train import invariance
+    dropless, capacity = invariance.measure(reference, capacity_factors=(1.0,), batch_size=4,
+                                            probes=3)
+    assert (dropless.dispatch, capacity.dispatch) == ("dropless", "capacity factor 1.0")
+    assert dropless.dropped_fraction == 0.0 and dropless.max_rel < 1e-5
+    assert capacity.dropped_fraction > 0.0 and capacity.max_rel > 1e-3
+    assert "| dropless |" in invariance.table([dropless, capacity])
+
+
+def test_load_model_restores_the_trained_weights(reference):
+    from nodrop.train import trainer
+    model = trainer.load_model(reference)
+    twin = trainer.load_model(reference, capacity_factor=1.0)
+    np.testing.assert_array_equal(model.layers[0].ffn.router[...], twin.layers[0].ffn.router[...])
+    assert twin.config.capacity_factor == 1.0 and model.config.capacity_factor is None
+    from flax import nnx
+    from nodrop.models import MoELM
+    fresh = MoELM(model.config, rngs=nnx.Rngs(0))
+    assert not np.array_equal(model.layers[0].ffn.router[...], fresh.layers[0].ffn.router[...])
+    assert np.any(np.asarray(model.layers[0].ffn.expert_bias[...]) != 0)  # restored, not reset
+
+
+def test_load_model_names_what_is_missing(tmp_path):
+    from nodrop.train import trainer
+    from nodrop.train.config import ConfigError
+    with pytest.raises(ConfigError, match="holds no config.json"):
+        trainer.load_model(tmp_path)
+
+
+def test_compare_started_again_reuses_finished_runs_and_refuses_other_settings(
+        tmp_path, capsys, text_file):
+    out = tmp_path / "compare"
+    flags = [*train_flags(text_file, steps=3, **{"checkpoint-every": 0}),
+             "--capacity-factors", "0.5", "--out", str(out)]
+    assert run_cli(capsys, "compare", *flags)[0] == 0
+    first = json.loads((out / "compare.json").read_text())
+    # A comparison stopped during its second run: that run's folder is half-written.
+    shutil.rmtree(out / "capacity-0.5" / "seed-0" / "tensorboard")
+    (out / "capacity-0.5" / "seed-0" / "summary.json").unlink()
+    code, stdout, err = run_cli(capsys, "compare", *flags)
+    assert code == 0, err
+    assert "dropless (nodrop), seed 0: finished before" in stdout
+    assert "capacity factor 0.5, seed 0 ->" in stdout
+    again = json.loads((out / "compare.json").read_text())
+    for name in first:
+        assert again[name]["seeds"]["0"]["val_loss"] == first[name]["seeds"]["0"]["val_loss"]
+    code, _, err = run_cli(capsys, "compare", *flags, "--lr", "0.002")
+    assert code == 2 and "holds a finished run of other settings" in err

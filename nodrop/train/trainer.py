@@ -145,9 +145,16 @@ def optimizer(config: TrainConfig) -> optax.GradientTransformation:
         weight_decay=config.weight_decay,
         # Decay matrices (and the embedding) only; norm scales stay undecayed.
         mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
-    if config.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(config.grad_clip), adamw)
-    return adamw
+    # The routers' steps scaled by router_lr_scale (docs/quality.md: why).
+    router = optax.masked(optax.scale(config.router_lr_scale), _router_mask)
+    clip = [optax.clip_by_global_norm(config.grad_clip)] if config.grad_clip > 0 else []
+    return optax.chain(*clip, adamw, router)
+
+
+def _router_mask(params):
+    """True at the MoE routers' weights."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: any(getattr(key, "key", None) == "router" for key in path), params)
 
 
 def _mean(values):

@@ -506,3 +506,30 @@ def test_compare_started_again_reuses_finished_runs_and_refuses_other_settings(
         assert again[name]["seeds"]["0"]["val_loss"] == first[name]["seeds"]["0"]["val_loss"]
     code, _, err = run_cli(capsys, "compare", *flags, "--lr", "0.002")
     assert code == 2 and "holds a finished run of other settings" in err
+
+
+def test_router_lr_scale_scales_only_the_routers_updates():
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from nodrop.models import MoELM
+    config, model_config = build(overrides_from_args(cli.build_parser().parse_args(
+        ["train", *MODEL_FLAGS])))
+    params = nnx.split(MoELM(model_config, rngs=nnx.Rngs(0)), nnx.Param, ...)[1]
+    grads = jax.tree.map(jnp.ones_like, params)
+
+    def first_update(scale):
+        tx = trainer.optimizer(dataclasses.replace(config, router_lr_scale=scale))
+        return tx.update(grads, tx.init(params), params)[0]
+
+    full, tenth = first_update(1.0), first_update(0.1)
+    scaled = []
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(full), jax.tree.leaves(tenth)):
+        name = jax.tree_util.keystr(path)
+        ratio = float(jnp.abs(b).sum() / jnp.abs(a).sum())
+        assert ratio == pytest.approx(0.1 if "router" in name else 1.0, rel=1e-5), name
+        scaled += ["router" in name]
+    assert sum(scaled) == model_config.num_layers  # one router per MoE layer, all scaled

@@ -120,6 +120,7 @@ def plot_compare(runs: dict[str, dict[int, list[dict]]], path: str | os.PathLike
     by_time.set_ylabel("validation loss (nats / token)")
     train.set_xlabel("step")
     train.set_ylabel("training cross-entropy (EMA 0.9)")
+    train.set_yscale("log")  # the first steps' 5.5 nats would flatten the rest
     dropped.set_xlabel("step")
     dropped.set_ylabel("dropped fraction of slots (EMA 0.9)")
     for ax in axes.flat:

@@ -200,7 +200,7 @@ PRESETS: dict[str, ModelConfig] = {
         seq_len=256, num_layers=4, hidden=128, num_heads=4, num_kv_heads=2, head_dim=32,
         dense_ffn=512, num_experts=8, k=2, expert_ffn=256, dtype=jnp.float32),
     # The quality studies' GPU model: Mixtral's routing (8 experts top-2, softmax) at a width
-    # that trains 2000 steps of 16 x 1024 tokens in minutes on one H100/H200. 146M total, 41M
+    # that trains 2000 steps of 16 x 1024 tokens in minutes on one H100/H200. 145M total, 41M
     # active.
     "small": ModelConfig(
         seq_len=1024, num_layers=8, hidden=512, num_heads=8, num_kv_heads=4, head_dim=64,

@@ -94,12 +94,9 @@ def configure(overrides: dict, saved: dict | None) -> tuple[TrainConfig, ModelCo
     may differ from it only for RESUMABLE_CHANGES; anything else is refused naming the fields."""
     if saved is None:
         return build(overrides)
-    base = TrainConfig.from_dict(saved["train"])
-    fields = {**base.to_dict(), **overrides,
-              "model_overrides": {**base.model_overrides,
-                                  **overrides.get("model_overrides", {})}}
-    config, model = build(fields)
-    changed = [f"{name}: {saved['train'][name]!r} -> {value!r}"
+    config, model = _saved_config(saved, overrides)
+    # A field the saved config lacks (a run older than the field) counts as changed.
+    changed = [f"{name}: {saved['train'].get(name)!r} -> {value!r}"
                for name, value in config.to_dict().items()
                if name not in RESUMABLE_CHANGES and name != "model_overrides"
                and value != saved["train"].get(name)]
@@ -111,6 +108,15 @@ def configure(overrides: dict, saved: dict | None) -> tuple[TrainConfig, ModelCo
             + "; ".join(changed) + f" (on --resume only {', '.join(RESUMABLE_CHANGES)} may "
             "change; start a new run with another --out for the rest)")
     return config, model
+
+
+def _saved_config(saved: dict, overrides: dict) -> tuple[TrainConfig, ModelConfig]:
+    """The saved config.json's configuration with `overrides` applied; a field it lacks takes
+    today's default."""
+    base = TrainConfig.from_dict(saved["train"])
+    return build({**base.to_dict(), **overrides,
+                  "model_overrides": {**base.model_overrides,
+                                      **overrides.get("model_overrides", {})}})
 
 
 def _write_json(path: Path, value: dict) -> None:
@@ -145,10 +151,13 @@ def optimizer(config: TrainConfig) -> optax.GradientTransformation:
         weight_decay=config.weight_decay,
         # Decay matrices (and the embedding) only; norm scales stay undecayed.
         mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
-    # The routers' steps scaled by router_lr_scale (docs/quality.md: why).
-    router = optax.masked(optax.scale(config.router_lr_scale), _router_mask)
     clip = [optax.clip_by_global_norm(config.grad_clip)] if config.grad_clip > 0 else []
-    return optax.chain(*clip, adamw, router)
+    # The routers' steps scaled by router_lr_scale (docs/quality.md: why); left out at 1, so the
+    # optimizer state, and with it a checkpoint, has the structure of runs that predate it.
+    router = ([optax.masked(optax.scale(config.router_lr_scale), _router_mask)]
+              if config.router_lr_scale != 1 else [])
+    chain = [*clip, adamw, *router]
+    return chain[0] if len(chain) == 1 else optax.chain(*chain)
 
 
 def _router_mask(params):
@@ -310,8 +319,9 @@ def _state_structure(config: TrainConfig, model_config: ModelConfig, tx, device)
 
 
 def run_config(run_dir: str | os.PathLike) -> tuple[TrainConfig, ModelConfig]:
-    """The configuration a run folder was trained with (its config.json)."""
-    return configure({}, _read_saved(Path(run_dir)))
+    """The configuration a run folder was trained with (its config.json); a field the run
+    predates takes today's default."""
+    return _saved_config(_read_saved(Path(run_dir)), {})
 
 
 def load_model(run_dir: str | os.PathLike, *, step: int | None = None,

@@ -536,3 +536,18 @@ def test_router_lr_scale_scales_only_the_routers_updates():
         assert ratio == pytest.approx(0.1 if "router" in name else 1.0, rel=1e-5), name
         scaled += ["router" in name]
     assert sum(scaled) == model_config.num_layers  # one router per MoE layer, all scaled
+
+
+def test_a_run_older_than_a_field_loads_and_resuming_it_names_the_field(reference, tmp_path):
+    """config.json of a run that predates router_lr_scale: its model loads (today's default for
+    the missing field), and --resume refuses it naming the field instead of failing on a key."""
+    old = tmp_path / "old"
+    shutil.copytree(reference, old)
+    saved = json.loads((old / "config.json").read_text())
+    del saved["train"]["router_lr_scale"]
+    (old / "config.json").write_text(json.dumps(saved))
+    assert trainer.run_config(old)[0].router_lr_scale == 1.0
+    trainer.load_model(old)
+    from nodrop.train.config import ConfigError
+    with pytest.raises(ConfigError, match=r"router_lr_scale: None -> 1\.0"):
+        trainer.configure({}, saved)

@@ -17,6 +17,7 @@ from typing import Any
 
 from nodrop._fields import is_finite_number, is_int, requirer, unknown_fields
 from nodrop.models import PRESETS, ModelConfig, preset
+from nodrop.train import tokenizer
 
 
 class ConfigError(ValueError):
@@ -29,6 +30,9 @@ class TrainConfig:
 
     preset, model_overrides: the model (`nodrop.models.preset(preset, **model_overrides)`).
     data: None for the Python standard library's .py files, else a path (see nodrop.train.data).
+    tokenizer: None (text as bytes, token-id files as they are), "bpe" (a byte-level BPE of
+      model.vocab_size trained on the training split) or a Hugging Face tokenizer.json
+      (nodrop.train.tokenizer).
     steps, batch_size, seq_len: optimizer steps; sequences per step; tokens per sequence (None:
       the model's seq_len, its longest).
     lr, warmup_steps, min_lr_ratio: linear warm-up to lr over warmup_steps (None: a tenth of
@@ -50,6 +54,7 @@ class TrainConfig:
     preset: str = "tiny"
     model_overrides: dict = dataclasses.field(default_factory=dict)
     data: str | None = None
+    tokenizer: str | None = None
     steps: int = 400
     batch_size: int = 16
     seq_len: int | None = None
@@ -86,6 +91,8 @@ class TrainConfig:
         require(self.preset in PRESETS, "preset", f"one of {sorted(PRESETS)}")
         require(isinstance(self.model_overrides, dict), "model_overrides", "a dict")
         require(self.data is None or isinstance(self.data, str), "data", "a path or None")
+        require(self.tokenizer is None or (isinstance(self.tokenizer, str) and self.tokenizer),
+                "tokenizer", "None, 'bpe' or the path of a tokenizer.json")
         for field in ("steps", "batch_size", "eval_every", "eval_batches", "keep_checkpoints",
                       "log_every"):
             integer(field, 1)
@@ -163,11 +170,15 @@ RESUMABLE_CHANGES = ("steps", "eval_every", "checkpoint_every", "keep_checkpoint
 # Their routers read a 2048-wide residual stream: Adam moves every router weight by about lr a
 # step, so a logit by about lr * hidden, 16 times faster than on `tiny`. A tenth of the lr
 # narrowed dropless's gap to capacity 1.25 on mixtral (docs/quality.md).
+# They train on subword tokens: with bytes, one token (the space, 28% of the bytes) would fill
+# more than an expert's share of slots wherever routing follows token identity, as it does at
+# init; the BPE's most frequent token is under 5% (docs/quality.md).
 PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
     **{name: dict(steps=2000, batch_size=16, lr=3e-4, router_lr_scale=0.1, eval_every=250,
-                  checkpoint_every=500)
+                  checkpoint_every=500, tokenizer="bpe")
        for name in ("mixtral", "deepseek", "qwen3")},
-    "small": dict(steps=2000, batch_size=16, lr=1e-3, eval_every=100, checkpoint_every=500),
+    "small": dict(steps=2000, batch_size=16, lr=1e-3, eval_every=100, checkpoint_every=500,
+                  tokenizer="bpe"),
 }
 
 
@@ -188,6 +199,10 @@ def build(overrides: dict[str, Any]) -> tuple[TrainConfig, ModelConfig]:
     if name not in PRESETS:
         raise ConfigError(f"{describe('preset')} must be one of {sorted(PRESETS)}, got {name!r}")
     config = TrainConfig(**{**PRESET_DEFAULTS.get(name, {}), **overrides})
+    if config.tokenizer not in (None, "bpe") and "vocab_size" not in config.model_overrides:
+        # A given tokenizer sets the vocabulary (a trained BPE is sized by it instead).
+        config = dataclasses.replace(config, model_overrides={
+            **config.model_overrides, "vocab_size": tokenizer.vocab_size(config.tokenizer)})
     model = config.model_config()
     return config.resolved(model), model
 
@@ -211,6 +226,11 @@ def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> No
     run.add_argument("--data", default=S, metavar="PATH",
                      help="text file, folder of text files, .bin (uint16 token ids) or .npy; "
                           "default: this Python's standard library .py files")
+    run.add_argument("--tokenizer", type=_optional_str, default=S, metavar="none|bpe|FILE",
+                     help="none: text as bytes (vocab 256), token files as they are; bpe: a "
+                          "byte-level BPE of the model's vocab_size trained on the training "
+                          "text; FILE: a Hugging Face tokenizer.json (default: bpe for the GPU "
+                          "presets, none for tiny)")
     run.add_argument("--out", default=S, metavar="DIR",
                      help="output folder (default runs/<preset>-<YYYYmmdd-HHMMSS>, for "
                           "compare runs/compare-<preset>-<YYYYmmdd-HHMMSS>)")
@@ -283,8 +303,9 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     overrides = {field: given[field] for field in _OPTION_FIELDS if field in given}
     if "preset" in given:
         overrides["preset"] = given["preset"]
-    if overrides.get("data") is not None:
-        overrides["data"] = os.path.abspath(overrides["data"])  # so a resume may run elsewhere
+    for field in ("data", "tokenizer"):  # absolute, so a resume may run elsewhere
+        if overrides.get(field) not in (None, "bpe"):
+            overrides[field] = os.path.abspath(overrides[field])
     model = {}
     for text in given.get("model_set", []):
         field, value = parse_model_setting(text)
@@ -322,6 +343,10 @@ def parse_model_setting(text: str) -> tuple[str, Any]:
         return field, value  # str and dtype fields: ModelConfig checks the name
     except (ValueError, argparse.ArgumentTypeError) as error:
         raise ConfigError(f"--set {text!r}: {error}") from None
+
+
+def _optional_str(text: str) -> str | None:
+    return None if text.strip().lower() == "none" else text
 
 
 def _optional_float(text: str) -> float | None:

@@ -1,6 +1,7 @@
 """Token data for the trainer: where it comes from, how it is split, and which windows each step reads.
 
-Sources (`load(path, vocab_size)`), every one byte-level or token ids < vocab_size:
+Sources (`load(path, vocab_size)`): text, read as bytes (nodrop.train.tokenizer turns it into
+subword tokens where the run has a tokenizer), or token ids < vocab_size:
 - None: the Python standard library's own `.py` files on this machine (the folder
   `sysconfig.get_paths()["stdlib"]`, without site-packages/dist-packages), read as bytes. Nothing
   to download, and the same bytes on every run on one machine.
@@ -42,26 +43,33 @@ class DataError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-    """The two splits as 1-D token arrays (uint8, uint16 or int32; maybe memory-mapped)."""
+    """The two splits as 1-D token arrays (uint8, uint16, uint32 or int32; maybe
+    memory-mapped)."""
 
     train: np.ndarray
     val: np.ndarray
     source: str  # what was read, for config.json and the summary
     split: str  # how train and validation were separated
+    text: bool = False  # the arrays are the bytes of text (a tokenizer may encode them)
+    tokenizer: dict | None = None  # what encoded text into these tokens (None: nothing did)
 
     def describe(self) -> dict:
         """JSON-safe summary, also used on resume to notice that the data changed."""
-        return {"source": self.source, "split": self.split,
-                "train_tokens": int(self.train.size), "val_tokens": int(self.val.size),
-                "train_crc32": _fingerprint(self.train), "val_crc32": _fingerprint(self.val)}
+        described = {"source": self.source, "split": self.split,
+                     "train_tokens": int(self.train.size), "val_tokens": int(self.val.size),
+                     "train_crc32": _fingerprint(self.train),
+                     "val_crc32": _fingerprint(self.val)}
+        return described if self.tokenizer is None else {**described,
+                                                         "tokenizer": self.tokenizer}
 
 
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def load(path: str | os.PathLike | None, vocab_size: int) -> Dataset:
-    """Reads and splits the data; raises DataError naming the file for anything unusable."""
+def load(path: str | os.PathLike | None, vocab_size: int | None) -> Dataset:
+    """Reads and splits the data; raises DataError naming the file for anything unusable, and
+    for ids >= vocab_size (None: not checked here; check_ids once the text is tokenized)."""
     if path is None:
         root = stdlib_root()
         files = [p for p in _files_under(root)
@@ -78,12 +86,19 @@ def load(path: str | os.PathLike | None, vocab_size: int) -> Dataset:
         if splits is not None:
             train, val = (_read_tokens(p, vocab_size) for p in splits)
             return Dataset(train, val, str(path),
-                           f"{splits[0].name} (training) and {splits[1].name} (validation)")
+                           f"{splits[0].name} (training) and {splits[1].name} (validation)",
+                           text=not _is_token_file(splits[0]))
         files = list(_files_under(path))
         if not files:
             raise DataError(f"{path}: the folder holds no (non-hidden) files")
         return _split_files(path, files, vocab_size, str(path))
-    return _tail_split(_read_tokens(path, vocab_size), str(path))
+    return _tail_split(_read_tokens(path, vocab_size), str(path), text=not _is_token_file(path))
+
+
+def check_ids(dataset: Dataset, vocab_size: int) -> None:
+    """Every token id of both splits must be below vocab_size."""
+    for split, name in ((dataset.train, "training"), (dataset.val, "validation")):
+        _check_ids(split, vocab_size, f"{dataset.source} ({name} split)")
 
 
 def check_length(dataset: Dataset, seq_len: int) -> None:
@@ -148,7 +163,11 @@ def _read_bytes(path: Path) -> bytes:
         raise DataError(f"{path}: cannot read it: {error.strerror or error}") from None
 
 
-def _read_tokens(path: Path, vocab_size: int) -> np.ndarray:
+def _is_token_file(path: Path) -> bool:
+    return path.suffix in (".bin", ".npy")
+
+
+def _read_tokens(path: Path, vocab_size: int | None) -> np.ndarray:
     """A 1-D token array from a .bin, .npy or text file, with every id checked < vocab_size."""
     if path.suffix == ".npy":
         try:
@@ -173,7 +192,8 @@ def _read_tokens(path: Path, vocab_size: int) -> np.ndarray:
             raise DataError(f"{path}: cannot read it: {error}") from None
     else:
         tokens = np.frombuffer(_read_bytes(path), dtype=np.uint8)
-    _check_ids(tokens, vocab_size, str(path))
+    if vocab_size is not None:
+        _check_ids(tokens, vocab_size, str(path))
     return tokens
 
 
@@ -184,9 +204,11 @@ def _file_size(path: Path) -> int:
         raise DataError(f"{path}: cannot read it: {error.strerror or error}") from None
 
 
-def _check_ids(tokens: np.ndarray, vocab_size: int, where: str) -> None:
+def _check_ids(tokens: np.ndarray, vocab_size: int | None, where: str) -> None:
     if tokens.size == 0:
         raise DataError(f"{where}: holds no tokens")
+    if vocab_size is None:
+        return
     low, high = int(tokens.min()), int(tokens.max())
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
@@ -195,7 +217,7 @@ def _check_ids(tokens: np.ndarray, vocab_size: int, where: str) -> None:
                         f"[0, vocab_size={vocab_size})")
 
 
-def _split_files(root: Path, files: list[Path], vocab_size: int, source: str) -> Dataset:
+def _split_files(root: Path, files: list[Path], vocab_size: int | None, source: str) -> Dataset:
     parts = {True: [], False: []}  # validation?
     for path in files:
         relative = path.relative_to(root).as_posix()
@@ -205,20 +227,20 @@ def _split_files(root: Path, files: list[Path], vocab_size: int, source: str) ->
     if train.size == 0 or val.size == 0:  # too few files (or only empty ones) on one side
         tokens = train if train.size else val
         _check_ids(tokens, vocab_size, source)
-        return _tail_split(tokens, source)
+        return _tail_split(tokens, source, text=True)
     for split, name in ((train, "training"), (val, "validation")):
         _check_ids(split, vocab_size, f"{source} ({name} files)")
     return Dataset(train, val, source,
                    f"by file: crc32(relative path) % {VALIDATION_BUCKETS} == 0 -> validation "
-                   f"({len(parts[True])} of {len(files)} files)")
+                   f"({len(parts[True])} of {len(files)} files)", text=True)
 
 
-def _tail_split(tokens: np.ndarray, source: str) -> Dataset:
+def _tail_split(tokens: np.ndarray, source: str, text: bool) -> Dataset:
     if tokens.size == 0:
         raise DataError(f"{source}: holds no tokens")
     cut = tokens.size - max(1, int(tokens.size * VALIDATION_FRACTION))
     return Dataset(tokens[:cut], tokens[cut:], source,
-                   f"the last {VALIDATION_FRACTION:.0%} of tokens -> validation")
+                   f"the last {VALIDATION_FRACTION:.0%} of tokens -> validation", text=text)
 
 
 def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:

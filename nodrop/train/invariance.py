@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nodrop.train import data, trainer
+from nodrop.train import trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +44,7 @@ def measure(run_dir: str | os.PathLike, *, capacity_factors=(1.0, 1.25), batch_s
     if batch_size < 2 or probes < 1:
         raise ValueError(f"need batch_size >= 2 and probes >= 1, got {batch_size}, {probes}")
     config, model_config = trainer.run_config(run_dir)
-    dataset = data.load(config.data, model_config.vocab_size)
+    dataset, _ = trainer.load_data(config, model_config, run_dir=Path(run_dir))
     seq_len = config.seq_len
     rng = np.random.default_rng(seed)
 

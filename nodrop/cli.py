@@ -29,16 +29,18 @@ def info(args: argparse.Namespace) -> int:
 
 def _training(command: str, body) -> int:
     """Runs a training command; unusable input is reported as `nodrop COMMAND: error: ...` with
-    exit status 2 (no traceback), a diverged run with 1, Ctrl-C with 130."""
+    exit status 2 (no traceback), a diverged run with 1, SIGINT (Ctrl-C) with 130 and SIGTERM
+    with 143 (128 + the signal's number, the shells' convention)."""
     # Imported here: `nodrop info` and `nodrop demo` need none of Orbax, TensorBoard, matplotlib.
     from nodrop.train.checkpoint import CheckpointError
     from nodrop.train.config import ConfigError
     from nodrop.train.data import DataError
+    from nodrop.train.lock import RunFolderError
     from nodrop.train.trainer import Diverged, Interrupted
 
     try:
         return body()
-    except (ConfigError, DataError, CheckpointError) as error:
+    except (ConfigError, DataError, CheckpointError, RunFolderError) as error:
         print(f"nodrop {command}: error: {error}", file=sys.stderr)
         return 2
     except Diverged as error:
@@ -46,7 +48,7 @@ def _training(command: str, body) -> int:
         return 1
     except Interrupted as error:
         print(f"nodrop {command}: {error}", file=sys.stderr)
-        return 130
+        return 128 + error.signum
 
 
 def train(args: argparse.Namespace) -> int:

@@ -36,7 +36,7 @@ from flax import nnx
 import nodrop
 from nodrop.models import ModelConfig, MoELM
 from nodrop.moe import updated_expert_bias
-from nodrop.train import data, plots, tokenizer
+from nodrop.train import data, lock, plots, tokenizer
 from nodrop.train.checkpoint import CheckpointError, Checkpoints
 from nodrop.train.config import RESUMABLE_CHANGES, ConfigError, TrainConfig, build
 from nodrop.train.metrics import MetricsLog, Progress, peak_flops
@@ -50,7 +50,11 @@ class Diverged(RuntimeError):
 
 
 class Interrupted(RuntimeError):
-    """Ctrl-C: the run saved a checkpoint of its last finished step and stopped."""
+    """SIGINT or SIGTERM: the run saved a checkpoint of its last finished step and stopped."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
 
 
 @dataclasses.dataclass
@@ -275,53 +279,62 @@ def _run(overrides, *, out, resume, progress, dataset, echo) -> Summary:
     if saved is not None and saved.get("data") != dataset.describe():
         raise ConfigError(f"cannot resume: the data differs from when the run started "
                           f"(now {dataset.describe()}, then {saved.get('data')})")
-    if saved is None and run_dir.exists() and any(run_dir.iterdir()):
+    _check_new_run_dir(run_dir, saved)  # before the lock, which would write into the folder
+    # Held until the run ends, however it ends: a second process on this folder stops here.
+    with lock.RunLock(run_dir, echo):
+        _check_new_run_dir(run_dir, saved)  # again: a run may have ended there meanwhile
+        if run_tokenizer is not None:  # what generating from or evaluating the model will need
+            _write_text(run_dir / tokenizer.FILE, run_tokenizer.to_str())
+
+        device = jax.devices()[0]
+        tx = optimizer(config)
+
+        graphdef, init, abstract = _state_structure(config, model_config, tx, device)
+        checkpoints = Checkpoints(run_dir / "checkpoints", config.keep_checkpoints)
+        start = checkpoints.latest_step() if resume else None
+        if start is not None and start > config.steps:
+            raise ConfigError(f"--steps {config.steps} is below the checkpoint's step {start}")
+        _write_json(run_dir / CONFIG_FILE, {
+            "train": config.to_dict(), "model": model_config.to_dict(),
+            "data": dataset.describe(),
+            "environment": {"nodrop": nodrop.__version__, "jax": jax.__version__,
+                            "device": device.device_kind, "platform": device.platform}})
+        if start is None:
+            if resume:
+                echo(f"nodrop train: {run_dir} has no complete checkpoint; starting from step 0")
+            state = _State(
+                *jax.jit(init, out_shardings=jax.sharding.SingleDeviceSharding(device))(),
+                step=0, elapsed_s=0.0)
+        else:
+            state = _restore(checkpoints, start, abstract)
+            echo(f"nodrop train: resuming {run_dir} from step {start}")
+
+        metrics = MetricsLog(run_dir, state.step)
+        try:
+            train_step, eval_step, compile_s = _compile(
+                config=config, graphdef=graphdef, tx=tx, abstract=abstract, metrics=metrics,
+                step=state.step)
+            job = _Job(
+                config=config, model_config=model_config, dataset=dataset, run_dir=run_dir,
+                train_step=train_step, eval_step=eval_step, compile_s=compile_s,
+                val_batches=data.eval_batches(dataset.val, config.eval_batches,
+                                              config.batch_size, config.seq_len),
+                checkpoints=checkpoints, metrics=metrics,
+                progress=Progress(config.steps, state.step, progress),
+                peak_flops=peak_flops(device.device_kind))
+            _train(job, state)
+            return _finish(job, state, wall_start=wall_start)
+        finally:
+            metrics.close()
+            checkpoints.close()
+
+
+def _check_new_run_dir(run_dir: Path, saved: dict | None) -> None:
+    """A new run needs an empty or missing folder (its lock file aside)."""
+    if saved is None and run_dir.is_dir() and any(
+            p.name != lock.FILE for p in run_dir.iterdir()):
         raise ConfigError(f"--out {run_dir} is not empty; continue the run there with "
                           "--resume, or choose another folder")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if run_tokenizer is not None:  # what generating from or evaluating the model will need
-        _write_text(run_dir / tokenizer.FILE, run_tokenizer.to_str())
-
-    device = jax.devices()[0]
-    tx = optimizer(config)
-
-    graphdef, init, abstract = _state_structure(config, model_config, tx, device)
-    checkpoints = Checkpoints(run_dir / "checkpoints", config.keep_checkpoints)
-    start = checkpoints.latest_step() if resume else None
-    if start is not None and start > config.steps:
-        raise ConfigError(f"--steps {config.steps} is below the checkpoint's step {start}")
-    _write_json(run_dir / CONFIG_FILE, {
-        "train": config.to_dict(), "model": model_config.to_dict(),
-        "data": dataset.describe(),
-        "environment": {"nodrop": nodrop.__version__, "jax": jax.__version__,
-                        "device": device.device_kind, "platform": device.platform}})
-    if start is None:
-        if resume:
-            echo(f"nodrop train: {run_dir} has no complete checkpoint; starting from step 0")
-        state = _State(*jax.jit(init, out_shardings=jax.sharding.SingleDeviceSharding(device))(),
-                       step=0, elapsed_s=0.0)
-    else:
-        state = _restore(checkpoints, start, abstract)
-        echo(f"nodrop train: resuming {run_dir} from step {start}")
-
-    metrics = MetricsLog(run_dir, state.step)
-    try:
-        train_step, eval_step, compile_s = _compile(
-            config=config, graphdef=graphdef, tx=tx, abstract=abstract, metrics=metrics,
-            step=state.step)
-        job = _Job(
-            config=config, model_config=model_config, dataset=dataset, run_dir=run_dir,
-            train_step=train_step, eval_step=eval_step, compile_s=compile_s,
-            val_batches=data.eval_batches(dataset.val, config.eval_batches,
-                                          config.batch_size, config.seq_len),
-            checkpoints=checkpoints, metrics=metrics,
-            progress=Progress(config.steps, state.step, progress),
-            peak_flops=peak_flops(device.device_kind))
-        _train(job, state)
-        return _finish(job, state, wall_start=wall_start)
-    finally:
-        metrics.close()
-        checkpoints.close()
 
 
 def _state_structure(config: TrainConfig, model_config: ModelConfig, tx, device):
@@ -441,33 +454,45 @@ def _compile(*, config: TrainConfig, graphdef, tx, abstract, metrics: MetricsLog
 
 
 class _StopFlag:
-    """Ctrl-C asks the loop to stop after the current step (a second one interrupts at once):
-    stopping mid-call could lose donated buffers, so the loop checks the flag between steps."""
+    """SIGINT (Ctrl-C) or SIGTERM (what schedulers send before preemption) asks the loop to stop
+    after the current step: stopping mid-call could lose donated buffers, so the loop checks the
+    flag between steps. A second signal interrupts at once, except during a checkpoint save,
+    which it lets finish (an interrupted save would leave a temporary folder behind)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
-        self.raised = False
-        self._previous = None
+        self.signum: int | None = None  # the first signal received
+        self.saving = False
+        self._previous = {}
+
+    @property
+    def raised(self) -> bool:
+        return self.signum is not None
 
     def __enter__(self):
-        try:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        except ValueError:  # not the main thread: no handler, Ctrl-C behaves as usual
-            self._previous = None
+        for signum in self.SIGNALS:
+            try:
+                self._previous[signum] = signal.signal(signum, self._handle)
+            except ValueError:  # not the main thread: no handler, signals behave as usual
+                break
         return self
 
     def _handle(self, signum, frame):
-        if self.raised:
+        if self.signum is not None and not self.saving:
             raise KeyboardInterrupt
-        self.raised = True
+        if self.signum is None:
+            self.signum = signum
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
 
 
 def _train(job: _Job, state: _State) -> None:
-    """Steps from state.step to config.steps, logging, evaluating and saving on the way. A
-    Ctrl-C makes it save the current step (unless --checkpoint-every 0) and raise Interrupted."""
+    """Steps from state.step to config.steps, logging, evaluating and saving on the way.
+    SIGINT or SIGTERM makes it save the current step (unless --checkpoint-every 0) and raise
+    Interrupted."""
     config = job.config
     state.interval_start = time.perf_counter()
     try:
@@ -485,12 +510,16 @@ def _train(job: _Job, state: _State) -> None:
                 if do_eval:
                     _validate(job, state)
                 if do_save:
+                    stop.saving = True
                     _save(job, state)
+                    stop.saving = False
                 if stopping:
-                    raise Interrupted(
-                        f"interrupted at step {step}; saved a checkpoint there. Continue with "
-                        f"--resume --out {job.run_dir}" if do_save else
-                        f"interrupted at step {step} (--checkpoint-every 0: nothing saved)")
+                    name = signal.Signals(stop.signum).name
+                    raise Interrupted(stop.signum, (
+                        f"interrupted ({name}) at step {step}; saved a checkpoint there. "
+                        f"Continue with --resume --out {job.run_dir}" if do_save else
+                        f"interrupted ({name}) at step {step} (--checkpoint-every 0: nothing "
+                        "saved)"))
                 if do_eval or do_save:
                     state.interval_start = time.perf_counter()  # not timing evaluation and saving
     except BaseException:

@@ -22,7 +22,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from nodrop import cli
-from nodrop.train import data, trainer
+from nodrop.train import data, lock, trainer
 from nodrop.train.config import build, overrides_from_args
 from nodrop.train.metrics import read_jsonl
 
@@ -363,24 +363,92 @@ def test_kill_9_then_resume_gives_bitwise_the_same_losses(reference, tmp_path, t
         assert got == want, f"{kind} records differ after kill -9 and resume"
 
 
-def test_ctrl_c_saves_a_checkpoint_of_the_last_step_and_stops(tmp_path, text_file):
-    run_dir = tmp_path / "run"
-    proc = nodrop_train([*train_flags(text_file, steps=1000, **{"checkpoint-every": 500}),
-                         "--remat", "--out", str(run_dir)], tmp_path / "run.log")
+def start_stepping(run_dir: Path, log: Path, flags: list[str]) -> subprocess.Popen:
+    """`nodrop train` of 1000 steps in a subprocess, returned once it has logged a step."""
+    proc = nodrop_train([*flags, "--out", str(run_dir)], log)
     deadline = time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline:  # wait until it is stepping
+    while proc.poll() is None and time.monotonic() < deadline:
         if (run_dir / "metrics.jsonl").exists() and records(run_dir, "train"):
-            break
+            return proc
         time.sleep(0.01)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=120) == 130, (tmp_path / "run.log").read_text()
-    log = (tmp_path / "run.log").read_text()
+    raise AssertionError(f"the run did not start stepping: {log.read_text()}")
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_saves_a_checkpoint_of_the_last_step_and_stops(tmp_path, text_file, signum,
+                                                                 status):
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    proc = start_stepping(run_dir, log, [
+        *train_flags(text_file, steps=1000, **{"checkpoint-every": 500}), "--remat"])
+    proc.send_signal(signum)
+    assert proc.wait(timeout=120) == status, log.read_text()
     last = records(run_dir, "train")[-1]["step"]
-    assert f"interrupted at step {last}; saved a checkpoint there" in log
-    assert "Traceback" not in log
+    assert (f"interrupted ({signal.Signals(signum).name}) at step {last}; saved a checkpoint "
+            "there") in log.read_text()
+    assert "Traceback" not in log.read_text()
     assert [int(p.name) for p in (run_dir / "checkpoints").iterdir()] == [last]
     assert (run_dir / "loss.png").exists()
     assert json.loads((run_dir / "config.json").read_text())["model"]["remat"] is True
+
+
+def test_a_second_signal_waits_for_the_save_but_not_otherwise():
+    with trainer._StopFlag() as stop:
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.signum == signal.SIGTERM
+        stop.saving = True
+        signal.raise_signal(signal.SIGINT)  # during a save: no KeyboardInterrupt
+        stop.saving = False
+        assert stop.signum == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_second_process_on_a_run_folder_is_refused_and_touches_nothing(tmp_path, text_file,
+                                                                         capsys):
+    run_dir = tmp_path / "run"
+    flags = train_flags(text_file, steps=1000, **{"checkpoint-every": 500})
+    proc = start_stepping(run_dir, tmp_path / "run.log", flags)
+    try:
+        written = ("metrics.jsonl", "tensorboard", "checkpoints")  # by the running process
+
+        def snapshot():
+            return {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()
+                    if p.name not in written}
+
+        before = snapshot()
+        code, _, err = run_cli(capsys, "train", *flags, "--resume", "--out", str(run_dir))
+        assert code == 2, err
+        assert f"in use by another nodrop process (pid {proc.pid} on " in err, err
+        code, _, err = run_cli(capsys, "train", *flags, "--seed", "1", "--out", str(run_dir))
+        assert code == 2 and "is not empty" in err, err
+        assert snapshot() == before
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 130
+    assert (run_dir / lock.FILE).read_text() == ""  # released on the way out
+    with lock.RunLock(run_dir):
+        pass
+
+
+def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path, text_file, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / lock.FILE).write_text('{"pid": 999999, "host": "elsewhere", "since": "then"}')
+    code, out, err = run_cli(capsys, "train", *train_flags(text_file, steps=2),
+                             "--out", str(run_dir))
+    assert code == 0, err
+    assert "last held by pid 999999 on elsewhere, since then, which ended without releasing" in (
+        out + err)
+    assert (run_dir / lock.FILE).read_text() == ""  # released cleanly
+
+
+def test_an_out_that_is_a_file_is_one_error_line(tmp_path, text_file, capsys):
+    (tmp_path / "file").write_text("x")
+    code, _, err = run_cli(capsys, "train", *train_flags(text_file, steps=2),
+                           "--out", str(tmp_path / "file"))
+    assert code == 2 and "Traceback" not in err
+    assert f"cannot use --out {tmp_path / 'file'}: " in err, err
 
 
 # --- compare ---------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ def train(args: argparse.Namespace) -> int:
         from nodrop.train import config, trainer
         summary = trainer.run(config.overrides_from_args(args), out=getattr(args, "out", None),
                               resume=getattr(args, "resume", False),
+                              resume_from=getattr(args, "resume_from", None),
                               progress=False if getattr(args, "no_progress", False) else None)
         print(trainer.format_summary(summary))
         return 0

@@ -1,5 +1,9 @@
 """Checkpoints with Orbax: the train state (params, optimizer state, expert biases) and a JSON
-record of the step, the data position and the elapsed time.
+record of the step, the data position, the elapsed time and a CRC32 of every array.
+
+Verified: a restore checks the record's step against the folder's name and every restored array
+against its CRC32, so a damaged or misplaced checkpoint is reported, never used. (Checkpoints
+written before the CRC32s were recorded restore with the step check only.)
 
 Atomic: Orbax writes each checkpoint into `<step>.orbax-checkpoint-tmp-*` and renames it to
 `<step>` only once every file is written (and records commit_success.txt), and the manager lists
@@ -9,6 +13,7 @@ only finished steps, so a run killed mid-save resumes from the previous checkpoi
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 
 import jax
@@ -43,13 +48,16 @@ class Checkpoints:
         return list(self._manager.all_steps())
 
     def save(self, step: int, state, meta: dict) -> None:
+        """meta must hold "step" (= step); the arrays' CRC32s are added to it."""
+        meta = {**meta, "crc32": checksums(state)}
         self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
         self._manager.wait_until_finished()
 
     def restore(self, step: int, abstract_state):
         """(state, meta) of `step`, restored into the structure, shapes and dtypes of
-        `abstract_state` (a pytree of jax.ShapeDtypeStruct); CheckpointError if they differ."""
+        `abstract_state` (a pytree of jax.ShapeDtypeStruct); CheckpointError if they differ, if
+        the checkpoint is damaged, or if it holds another step's state."""
         where = self.directory / str(step)
         try:
             stored = self._manager.item_metadata(step)["state"]
@@ -60,12 +68,27 @@ class Checkpoints:
             shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more"
                                                if len(problems) > 6 else "")
             raise CheckpointError(f"{where} does not fit this model and optimizer: {shown}")
+        advice = (f"it is damaged: resume from an earlier one with --resume-from STEP (this "
+                  f"run has {self.all_steps()}), or start again")
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
         except Exception as error:  # noqa: BLE001 - a corrupt file in any of Orbax's layers
-            raise CheckpointError(f"{where}: cannot restore the checkpoint ({error})") from None
-        return restored["state"], restored["meta"]
+            first_line = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+            raise CheckpointError(f"{where} cannot be read ({type(error).__name__}: "
+                                  f"{first_line}); {advice}") from None
+        state, meta = restored["state"], restored["meta"]
+        if meta.get("step") != step:
+            raise CheckpointError(f"{where} holds the state of step {meta.get('step')}, not of "
+                                  f"step {step}; {advice}")
+        if "crc32" in meta:
+            bad = sorted(name for name, crc in checksums(state).items()
+                         if meta["crc32"].get(name) != crc)
+            if bad:
+                shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+                raise CheckpointError(f"{where}: {shown} differ from what was saved (CRC32); "
+                                      f"{advice}")
+        return state, {key: value for key, value in meta.items() if key != "crc32"}
 
     def close(self) -> None:
         self._manager.close()
@@ -82,6 +105,14 @@ def _path_name(path) -> str:
         else:
             parts.append(str(key))
     return "/".join(parts)
+
+
+def checksums(tree) -> dict[str, int]:
+    """CRC32 of every array's bytes, by key path (fetched to the host)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    values = jax.device_get([leaf for _, leaf in leaves])
+    return {_path_name(path): zlib.crc32(np.ascontiguousarray(value).tobytes())
+            for (path, _), value in zip(leaves, values)}
 
 
 def _leaves(tree) -> dict[str, tuple]:

@@ -240,6 +240,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> No
     if resume:
         run.add_argument("--resume", action="store_true", default=S,
                          help="continue the run in --out from its latest complete checkpoint")
+        run.add_argument("--resume-from", type=int, default=S, metavar="STEP",
+                         help="continue the run in --out from its checkpoint of STEP (the "
+                              "later ones are moved to checkpoints-set-aside/)")
     run.add_argument("--seed", type=int, default=S, help=f"default {d.seed}")
     run.add_argument("--steps", type=int, default=S, help=f"optimizer steps (default {d.steps})")
     run.add_argument("--batch-size", type=int, default=S,

@@ -249,6 +249,7 @@ def make_steps(config: TrainConfig, graphdef, tx):
 
 
 def run(overrides: dict, *, out: str | os.PathLike | None = None, resume: bool = False,
+        resume_from: int | None = None,
         progress: bool | None = None, dataset: data.Dataset | None = None,
         echo=print) -> Summary:
     """Trains as configured by `overrides` (TrainConfig fields, model ones under
@@ -261,11 +262,11 @@ def run(overrides: dict, *, out: str | os.PathLike | None = None, resume: bool =
     from those of `nodrop train`.
     """
     with jax.enable_x64(False):
-        return _run(overrides, out=out, resume=resume, progress=progress, dataset=dataset,
-                    echo=echo)
+        return _run(overrides, out=out, resume=resume or resume_from is not None,
+                    resume_from=resume_from, progress=progress, dataset=dataset, echo=echo)
 
 
-def _run(overrides, *, out, resume, progress, dataset, echo) -> Summary:
+def _run(overrides, *, out, resume, resume_from, progress, dataset, echo) -> Summary:
     wall_start = time.perf_counter()
     if resume and out is None:
         raise ConfigError("--resume needs --out, the run folder to continue")
@@ -290,6 +291,8 @@ def _run(overrides, *, out, resume, progress, dataset, echo) -> Summary:
         tx = optimizer(config)
 
         graphdef, init, abstract = _state_structure(config, model_config, tx, device)
+        if resume_from is not None:
+            _set_aside_checkpoints_after(run_dir / "checkpoints", resume_from, echo)
         checkpoints = Checkpoints(run_dir / "checkpoints", config.keep_checkpoints)
         start = checkpoints.latest_step() if resume else None
         if start is not None and start > config.steps:
@@ -327,6 +330,30 @@ def _run(overrides, *, out, resume, progress, dataset, echo) -> Summary:
         finally:
             metrics.close()
             checkpoints.close()
+
+
+def _set_aside_checkpoints_after(directory: Path, step: int, echo) -> None:
+    """--resume-from STEP: the checkpoints after STEP move to checkpoints-set-aside/ (kept, not
+    deleted), so that STEP is the newest; ConfigError if the run has no checkpoint STEP."""
+    checkpoints = Checkpoints(directory, keep=1)
+    try:
+        steps = checkpoints.all_steps()
+    finally:
+        checkpoints.close()
+    if step not in steps:
+        raise ConfigError(f"--resume-from {step}: {directory} holds checkpoints of steps "
+                          f"{sorted(steps)}")
+    later = sorted(s for s in steps if s > step)
+    if later:
+        aside = directory.parent / "checkpoints-set-aside"
+        aside.mkdir(exist_ok=True)
+        for s in later:
+            target = aside / str(s)
+            if target.exists():  # set aside before: keep both
+                target = aside / f"{s}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+            os.replace(directory / str(s), target)
+        echo(f"nodrop train: resuming from step {step}; the checkpoints of steps {later} are "
+             f"in {aside}")
 
 
 def _check_new_run_dir(run_dir: Path, saved: dict | None) -> None:

@@ -182,6 +182,45 @@ def test_resume_refuses_a_checkpoint_that_does_not_fit_the_model(reference, tmp_
     assert "Traceback" not in err
 
 
+def damage(folder: Path) -> None:
+    """Flips one bit in the middle of the largest file under folder (the arrays' data)."""
+    target = max((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    content = bytearray(target.read_bytes())
+    content[len(content) // 2] ^= 0x01
+    target.write_bytes(bytes(content))
+
+
+def test_a_damaged_checkpoint_is_refused_and_an_earlier_one_can_be_taken(reference, tmp_path,
+                                                                        capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    damage(run_dir / "checkpoints" / "30" / "state")
+    code, _, err = run_cli(capsys, "train", "--resume", "--out", str(run_dir))
+    assert code == 2 and "Traceback" not in err, err
+    assert f"{run_dir / 'checkpoints' / '30'}" in err
+    assert ("damaged: resume from an earlier one with --resume-from STEP (this run has "
+            "[20, 25, 30])") in err, err
+
+    code, out, err = run_cli(capsys, "train", "--resume-from", "25", "--out", str(run_dir))
+    assert code == 0, err
+    assert "the checkpoints of steps [30] are in" in out + err
+    assert (run_dir / "checkpoints-set-aside" / "30" / "state").is_dir()  # kept, not deleted
+    got = [without_timing(r) for r in records(run_dir, "train")]
+    assert got == [without_timing(r) for r in records(reference, "train")]  # 26-30 retrained
+
+
+def test_a_checkpoint_under_another_steps_name_is_refused(reference, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "30")
+    (run_dir / "checkpoints" / "20").rename(run_dir / "checkpoints" / "30")
+    code, _, err = run_cli(capsys, "train", "--resume", "--out", str(run_dir))
+    assert code == 2 and "Traceback" not in err, err
+    assert "holds the state of step 20, not of step 30" in err, err
+    code, _, err = run_cli(capsys, "train", "--resume-from", "20", "--out", str(run_dir))
+    assert code == 2 and "--resume-from 20: " in err and "[25, 30]" in err, err
+
+
 def test_a_new_run_refuses_a_folder_that_holds_one(reference, capsys, text_file):
     code, _, err = run_cli(capsys, "train", *train_flags(text_file), "--out", str(reference))
     assert code == 2 and "is not empty; continue the run there with --resume" in err

@@ -447,12 +447,13 @@ def test_small_preset_is_mixtral_routing_at_a_study_size():
     config = preset("small")
     assert (config.num_experts, config.k, config.score_function) == (8, 2, "softmax")
     assert config.dtype == jnp.bfloat16 and 1e8 <= config.num_params() <= 2e8
+    assert config.vocab_size == 8192
 
 
 @pytest.mark.parametrize("name", ["mixtral", "deepseek", "qwen3"])
 def test_gpu_presets_have_0_5_to_2_billion_params(name):
     config = preset(name)
-    assert config.vocab_size == 256 and config.dtype == jnp.bfloat16
+    assert config.vocab_size == 8192 and config.dtype == jnp.bfloat16  # the trainer's BPE
     assert 0.5e9 <= config.num_params() <= 2e9
     assert config.num_active_params() < config.num_params()
 
@@ -466,7 +467,8 @@ def test_presets_build_and_trace_without_allocating(name):
     graph, state = nnx.split(abstract)
     tokens = jax.ShapeDtypeStruct((1, config.seq_len), jnp.int32)
     logits, aux = jax.eval_shape(lambda s, t: nnx.merge(graph, s)(t), state, tokens)
-    assert logits.shape == (1, config.seq_len, 256) and logits.dtype == jnp.float32
+    assert logits.shape == (1, config.seq_len, config.vocab_size)
+    assert logits.dtype == jnp.float32
     assert aux.tokens_per_expert.shape == (len(config.moe_layers()), config.num_experts)
 
 

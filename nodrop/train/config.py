@@ -20,6 +20,9 @@ from nodrop.models import PRESETS, ModelConfig, preset
 from nodrop.train import tokenizer
 
 
+MAX_SEED = 2**63 - 1  # jax.random.key's largest seed
+
+
 class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names the field and its flag."""
 
@@ -97,7 +100,9 @@ class TrainConfig:
                       "log_every"):
             integer(field, 1)
         integer("checkpoint_every", 0)
-        integer("seed", 0)
+        # JAX's PRNG keys take a seed that fits a signed 64-bit integer.
+        require(is_int(self.seed) and 0 <= self.seed <= MAX_SEED, "seed",
+                f"an int in [0, {MAX_SEED}]")
         if self.seq_len is not None:
             integer("seq_len", 1)
         if self.warmup_steps is not None:

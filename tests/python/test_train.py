@@ -300,6 +300,9 @@ def test_checkpoint_every_zero_saves_no_checkpoint(tmp_path, text_file, referenc
     (["--set", "widht=3"], "--set 'widht=3': expected FIELD=VALUE with FIELD one of"),
     (["--set", "hidden=big"], "--set 'hidden=big': invalid literal for int()"),
     (["--resume"], "--resume needs --out"),
+    (["--seed", "99999999999999999999"],
+     "seed (--seed) must be an int in [0, 9223372036854775807], got 99999999999999999999"),
+    (["--seed", "-1"], "seed (--seed) must be an int in [0, 9223372036854775807], got -1"),
 ])
 def test_bad_configuration_is_refused_before_anything_runs(tmp_path, capsys, flags, message):
     out = tmp_path / "never"

@@ -15,6 +15,9 @@ import re
 import typing
 from typing import Any
 
+import jax
+import numpy as np
+
 from nodrop._fields import is_finite_number, is_int, requirer, unknown_fields
 from nodrop.models import PRESETS, ModelConfig, preset
 from nodrop.train import tokenizer
@@ -212,7 +215,16 @@ def build(overrides: dict[str, Any]) -> tuple[TrainConfig, ModelConfig]:
         config = dataclasses.replace(config, model_overrides={
             **config.model_overrides, "vocab_size": tokenizer.vocab_size(config.tokenizer)})
     model = config.model_config()
+    check_backend(model, jax.default_backend())
     return config.resolved(model), model
+
+
+def check_backend(model: ModelConfig, platform: str) -> None:
+    """Refuses, before anything compiles, a compute dtype the platform cannot run."""
+    if platform == "cpu" and model.dtype == np.dtype("float16"):
+        # XLA's CPU dot has no float16 x float16 -> float32 kernel, which every layer asks for.
+        raise ConfigError(f"{describe_model('dtype')} must be float32 or bfloat16 on the CPU "
+                          "(float16 needs a GPU), got 'float16'")
 
 
 # --- command line --------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -23,7 +25,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from nodrop import cli
 from nodrop.train import data, lock, trainer
-from nodrop.train.config import build, overrides_from_args
+from nodrop.train.config import ConfigError, build, check_backend, overrides_from_args
 from nodrop.train.metrics import read_jsonl
 
 MODEL_FLAGS = ["--set", "num_layers=2", "--set", "hidden=32", "--set", "num_heads=2",
@@ -314,6 +316,20 @@ def test_bad_configuration_is_refused_before_anything_runs(tmp_path, capsys, fla
     assert err.startswith("nodrop train: error: ") and message in err, err
     assert "Traceback" not in err
     assert not out.exists()
+
+
+def test_float16_is_refused_on_the_cpu_before_anything_compiles(tmp_path, capsys, text_file):
+    message = ("model.dtype (--dtype) must be float32 or bfloat16 on the CPU (float16 needs a "
+               "GPU), got 'float16'")
+    _, model = build({"model_overrides": {"dtype": "bfloat16"}})
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_backend(model.replace(dtype=np.dtype("float16")), "cpu")
+    check_backend(model.replace(dtype=np.dtype("float16")), "gpu")  # what GPUs run
+    if jax.default_backend() == "cpu":
+        code, _, err = run_cli(capsys, "train", *train_flags(text_file, steps=2), "--dtype",
+                               "float16", "--out", str(tmp_path / "run"))
+        assert (code, err) == (2, f"nodrop train: error: {message}\n")
+        assert not (tmp_path / "run").exists()
 
 
 def make_bad_data(tmp_path: Path, kind: str) -> tuple[Path, str]:

@@ -46,7 +46,8 @@ SUMMARY_FILE = "summary.json"
 
 
 class Diverged(RuntimeError):
-    """The loss or the gradients stopped being finite; the run stopped without saving."""
+    """The loss, the gradients or the updated state stopped being finite; the run stopped
+    without saving that state."""
 
 
 class Interrupted(RuntimeError):
@@ -197,6 +198,21 @@ def _mean(values):
     return values.sum() / max(values.shape[0], 1)
 
 
+def _norm(tree):
+    """The global L2 norm, scaled by the largest magnitude first, so that it overflows only
+    where the norm itself is past float32's range (optax's squares overflow from 1.8e19)."""
+    leaves = jax.tree.leaves(tree)
+    largest = jnp.max(jnp.stack([jnp.max(jnp.abs(leaf)) for leaf in leaves]))
+    scale = jnp.where((largest > 0) & jnp.isfinite(largest), largest, 1.0)
+    return scale * jnp.sqrt(sum(jnp.sum(jnp.square(leaf / scale)) for leaf in leaves))
+
+
+def _all_finite(tree):
+    """True where every floating-point value in the tree is finite."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)
+                              if jnp.issubdtype(leaf.dtype, jnp.floating)]))
+
+
 def make_steps(config: TrainConfig, graphdef, tx):
     """(train_step, eval_step), pure functions of the state pytrees, for jit."""
     schedule = learning_rate_schedule(config)
@@ -228,14 +244,16 @@ def make_steps(config: TrainConfig, graphdef, tx):
                 block.expert_bias[...] = updated_expert_bias(
                     block.expert_bias[...], counts, config.bias_update_rate)
             _, _, model_state = nnx.split(model, nnx.Param, ...)
-        grad_norm, update_norm = optax.tree.norm(grads), optax.tree.norm(updates)
+        grad_norm, update_norm = _norm(grads), _norm(updates)
         metrics = {
             "loss": loss, "ce": ce, "aux_loss": _mean(aux.load_balancing_loss),
             "z_loss": _mean(aux.z_loss), "grad_norm": grad_norm, "update_norm": update_norm,
             "lr": schedule(step - 1), "max_over_mean": aux.max_over_mean,
             "dropped_fraction": aux.dropped_fraction,
-            # Finite loss and gradients and a finite update: the new state is safe to keep.
-            "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm),
+            # What is finite, each checked on its values (a norm can overflow while they do
+            # not): only a state with all three true is kept.
+            "finite": {"loss": jnp.isfinite(loss), "gradients": _all_finite(grads),
+                       "state": _all_finite((params, opt_state))},
         }
         return params, opt_state, model_state, metrics
 
@@ -582,21 +600,33 @@ def _flush(job: _Job, state: _State) -> None:
         flops_per_token = job.model_config.flops_per_token(job.config.seq_len)
         timing["mfu"] = flops_per_token * timing["tokens_per_s"] / job.peak_flops
     for (step, _), value in zip(state.pending, values):
-        finite = bool(value.pop("finite"))
+        finite = {what: bool(ok) for what, ok in value.pop("finite").items()}
         record = {"kind": "train", "step": step,
                   **{key: np.asarray(v).tolist() for key, v in value.items()}, **timing}
         job.metrics.write(record)
-        if not finite:
+        if not all(finite.values()):
             break
     state.pending.clear()
     job.progress.update(record["step"], record)
-    if not finite:
-        raise Diverged(
-            f"the loss or the gradients are not finite at step {record['step']} (loss "
-            f"{record['loss']}, gradient norm {record['grad_norm']}); stopped without "
-            f"saving this state. The last checkpoint is step "
-            f"{job.checkpoints.latest_step()} in {job.checkpoints.directory}")
+    if not all(finite.values()):
+        raise Diverged(_divergence(job, record, finite))
     state.interval_start = time.perf_counter()
+
+
+def _divergence(job: _Job, record: dict, finite: dict[str, bool]) -> str:
+    """What stopped being finite at the record's step, and what the run can go back to."""
+    if finite["loss"] and finite["gradients"]:
+        what = "the update overflowed: the updated parameters or optimizer state are"
+    else:
+        what = " and ".join(name for key, name in (("loss", "the loss"),
+                                                  ("gradients", "the gradients"))
+                            if not finite[key]) + (" is" if finite["gradients"] else " are")
+    latest = job.checkpoints.latest_step()
+    where = (f"The last checkpoint is step {latest} in {job.checkpoints.directory}"
+             if latest is not None else "The run has no checkpoint yet")
+    return (f"{what} not finite at step {record['step']} (loss {record['loss']}, gradient norm "
+            f"{record['grad_norm']}, update norm {record['update_norm']}); stopped without "
+            f"saving this state. {where}")
 
 
 def _evaluate(job: _Job, state: _State, batches: list[np.ndarray]) -> float:

@@ -369,15 +369,38 @@ def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tmp_path, caps
         "warmup-steps": 0, "checkpoint-every": 1, "log-every": 1, "keep-checkpoints": 20})
     code, _, err = run_cli(capsys, "train", *flags, "--out", str(run_dir))
     assert code == 1
-    assert "nodrop train: error: the loss or the gradients are not finite at step" in err
     train = records(run_dir, "train")
     bad = train[-1]
-    assert bad["loss"] is None or bad["grad_norm"] is None  # NaN/inf are written as null
+    assert bad["grad_norm"] is None  # NaN/inf are written as null
+    assert re.match(rf"nodrop train: error: the (loss and the )?gradients are not finite at step "
+                    rf"{bad['step']} \(loss \S+, gradient norm nan, update norm nan\)",
+                    err.splitlines()[-1]), err
     assert all(r["loss"] is not None and r["grad_norm"] is not None for r in train[:-1])
     steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir())
     assert steps == list(range(1, bad["step"]))  # every good step saved, the bad one not
     assert f"The last checkpoint is step {bad['step'] - 1}" in err
     assert (run_dir / "loss.png").exists()
+
+
+def test_an_overflowing_update_is_named_and_no_checkpoint_is_not_step_none(tmp_path, capsys,
+                                                                          text_file):
+    """lr 1e39 is past float32: the loss and gradients of step 1 are finite, its update is not."""
+    run_dir = tmp_path / "run"
+    flags = train_flags(text_file, steps=4, lr=1e39, **{"warmup-steps": 0, "log-every": 1})
+    code, _, err = run_cli(capsys, "train", *flags, "--out", str(run_dir))
+    assert code == 1
+    [bad] = records(run_dir, "train")
+    assert err.splitlines()[-1] == (
+        "nodrop train: error: the update overflowed: the updated parameters or optimizer state "
+        f"are not finite at step 1 (loss {bad['loss']}, gradient norm {bad['grad_norm']}, "
+        "update norm inf); stopped without saving this state. The run has no checkpoint yet")
+
+
+def test_norms_do_not_overflow_where_the_values_do_not():
+    """optax's norm squares each value (inf from 1.8e19); a norm of 2e30 is 2e30."""
+    tree = {"a": np.full((4,), 1e30, np.float32), "b": np.zeros((2, 2), np.float32)}
+    assert float(trainer._norm(tree)) == pytest.approx(2e30, rel=1e-6)
+    assert float(trainer._norm({"a": np.zeros(3, np.float32)})) == 0.0
 
 
 # --- kill -9 and resume ----------------------------------------------------------------------

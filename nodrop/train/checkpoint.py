@@ -59,24 +59,29 @@ class Checkpoints:
         `abstract_state` (a pytree of jax.ShapeDtypeStruct); CheckpointError if they differ, if
         the checkpoint is damaged, or if it holds another step's state."""
         where = self.directory / str(step)
+        advice = (f"it is damaged: resume from an earlier one with --resume-from STEP (this "
+                  f"run has {self.all_steps()}), or start again")
         try:
             stored = self._manager.item_metadata(step)["state"]
         except Exception as error:  # noqa: BLE001 - any unreadable metadata means the same
-            raise CheckpointError(f"{where}: cannot read the checkpoint ({error})") from None
+            raise CheckpointError(f"{where}: cannot read the checkpoint ({_first_line(error)}); "
+                                  f"{advice}") from None
+        # Without its metadata file Orbax reports an empty tree, which is damage, not a
+        # checkpoint of another model.
+        if not _leaves(stored):
+            raise CheckpointError(f"{where} is incomplete: {where / 'state' / '_METADATA'} is "
+                                  f"missing or lists no arrays; {advice}")
         problems = mismatches(stored, abstract_state)
         if problems:
             shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more"
                                                if len(problems) > 6 else "")
             raise CheckpointError(f"{where} does not fit this model and optimizer: {shown}")
-        advice = (f"it is damaged: resume from an earlier one with --resume-from STEP (this "
-                  f"run has {self.all_steps()}), or start again")
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
         except Exception as error:  # noqa: BLE001 - a corrupt file in any of Orbax's layers
-            first_line = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
-            raise CheckpointError(f"{where} cannot be read ({type(error).__name__}: "
-                                  f"{first_line}); {advice}") from None
+            raise CheckpointError(f"{where} cannot be read ({_first_line(error)}); "
+                                  f"{advice}") from None
         state, meta = restored["state"], restored["meta"]
         if meta.get("step") != step:
             raise CheckpointError(f"{where} holds the state of step {meta.get('step')}, not of "
@@ -92,6 +97,12 @@ class Checkpoints:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def _first_line(error: Exception) -> str:
+    """The error's type and first line, at most 200 characters (TensorStore's are pages)."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
 def _path_name(path) -> str:

@@ -3,6 +3,8 @@ error for a checkpoint that does not fit the model."""
 
 from __future__ import annotations
 
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,4 +110,28 @@ def test_a_corrupt_checkpoint_gives_a_clear_error(tmp_path):
             path.write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match=r"4: cannot (read|restore) the checkpoint"):
         checkpoints.restore(4, abstract(state))
+    checkpoints.close()
+
+
+@pytest.mark.parametrize("missing, message", [
+    ("state/_METADATA", " is incomplete: {where}/state/_METADATA is missing or lists no arrays"),
+    ("state/manifest.ocdbt", ": cannot read the checkpoint (ValueError: NOT_FOUND"),
+    ("meta/metadata", " cannot be read (FileNotFoundError: "),
+    ("state", ": cannot read the checkpoint (KeyError: "),
+])
+def test_a_checkpoint_missing_a_file_is_reported_as_damaged(tmp_path, missing, message):
+    """Not as a checkpoint of another model: the advice is to take an earlier one."""
+    state = train_state(0)
+    checkpoints = Checkpoints(tmp_path, keep=2)
+    for step in (4, 8):
+        checkpoints.save(step, state, {"step": step})
+    path = tmp_path / "8" / missing
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+    with pytest.raises(CheckpointError) as error:
+        checkpoints.restore(8, abstract(state))
+    text = str(error.value)
+    assert text.startswith(f"{tmp_path / '8'}" + message.format(where=tmp_path / "8")), text
+    assert text.endswith("it is damaged: resume from an earlier one with --resume-from STEP "
+                         "(this run has [4, 8]), or start again"), text
+    assert "\n" not in text and len(text) < 600
     checkpoints.close()

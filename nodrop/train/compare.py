@@ -60,7 +60,8 @@ def run(overrides: dict, out: str | os.PathLike, *,
             build(fields)  # validated now, not after hours of other runs
             runs.append((name, seed, out / folder / f"seed-{seed}", fields))
     first = build(runs[0][3])
-    dataset = data.load(first[0].data, None if first[0].tokenizer else first[1].vocab_size)
+    dataset = data.load(first[0].data, None if first[0].tokenizer else first[1].vocab_size,
+                        echo=echo)
     data.check_length(trainer.load_data(*first, dataset=dataset, echo=echo)[0], first[0].seq_len)
 
     results: dict[str, dict[int, trainer.Summary]] = {}

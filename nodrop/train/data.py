@@ -7,8 +7,11 @@ subword tokens where the run has a tokenizer), or token ids < vocab_size:
   to download, and the same bytes on every run on one machine.
 - a text file: its bytes.
 - a folder: every regular, non-hidden file under it, read as bytes; or, where the folder holds
-  `train.bin` and `val.bin` (or `train.npy` and `val.npy`), those two as the splits.
+  `train.bin` and `val.bin` (or `train.npy` and `val.npy`), those two as the splits, and where it
+  holds `train.bin` (or `train.npy`) alone, that file split as a single file is. Token files are
+  never read as text: a folder holding other `.bin` or `.npy` files is refused.
 - `.bin`: uint16 little-endian token ids, nanoGPT's format. `.npy`: a 1-D integer array of ids.
+Anything else that is not a regular file (a FIFO, a device) is refused: reading it could block.
 
 Split, fixed and deterministic: files of a folder (and of the standard library) are assigned by a
 hash of their relative path, crc32(path) % 10 == 0 going to validation (about 10%), so adding a
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 import sysconfig
 import zlib
 from pathlib import Path
@@ -67,9 +71,10 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def load(path: str | os.PathLike | None, vocab_size: int | None) -> Dataset:
+def load(path: str | os.PathLike | None, vocab_size: int | None, echo=print) -> Dataset:
     """Reads and splits the data; raises DataError naming the file for anything unusable, and
-    for ids >= vocab_size (None: not checked here; check_ids once the text is tokenized)."""
+    for ids >= vocab_size (None: not checked here; check_ids once the text is tokenized).
+    echo: where a split the user may not expect is said."""
     if path is None:
         root = stdlib_root()
         files = [p for p in _files_under(root)
@@ -79,20 +84,51 @@ def load(path: str | os.PathLike | None, vocab_size: int | None) -> Dataset:
             raise DataError(f"found no .py files under the standard library folder {root}")
         return _split_files(root, files, vocab_size, f"Python standard library ({root})")
     path = Path(path)
-    if not path.exists():
-        raise DataError(f"{path}: no such file or folder")
-    if path.is_dir():
-        splits = _split_pair(path)
-        if splits is not None:
-            train, val = (_read_tokens(p, vocab_size) for p in splits)
-            return Dataset(train, val, str(path),
-                           f"{splits[0].name} (training) and {splits[1].name} (validation)",
-                           text=not _is_token_file(splits[0]))
-        files = list(_files_under(path))
-        if not files:
-            raise DataError(f"{path}: the folder holds no (non-hidden) files")
-        return _split_files(path, files, vocab_size, str(path))
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file or folder") from None
+    except OSError as error:
+        raise DataError(f"{path}: cannot read it: {error.strerror or error}") from None
+    if stat.S_ISDIR(mode):
+        return _load_folder(path, vocab_size, echo)
+    if not stat.S_ISREG(mode):
+        raise DataError(f"{path}: expected a regular file or a folder, got "
+                        f"{_file_kind(mode)}")
     return _tail_split(_read_tokens(path, vocab_size), str(path), text=not _is_token_file(path))
+
+
+def _load_folder(path: Path, vocab_size: int | None, echo) -> Dataset:
+    splits = _split_pair(path)
+    if splits is not None:
+        train, val = (_read_tokens(p, vocab_size) for p in splits)
+        return Dataset(train, val, str(path),
+                       f"{splits[0].name} (training) and {splits[1].name} (validation)",
+                       text=not _is_token_file(splits[0]))
+    for ext in (".bin", ".npy"):
+        train = path / f"train{ext}"
+        if train.is_file():
+            echo(f"nodrop: {path} holds {train.name} but no val{ext}: validation is the last "
+                 f"{VALIDATION_FRACTION:.0%} of {train.name}'s tokens")
+            dataset = _tail_split(_read_tokens(train, vocab_size), str(path), text=False)
+            return dataclasses.replace(dataset, split=f"{train.name}: {dataset.split}")
+    files = list(_files_under(path))
+    if not files:
+        raise DataError(f"{path}: the folder holds no (non-hidden) files")
+    tokens = [p.relative_to(path).as_posix() for p in files if _is_token_file(p)]
+    if tokens:
+        shown = ", ".join(tokens[:3]) + (f" and {len(tokens) - 3} more" if len(tokens) > 3
+                                         else "")
+        raise DataError(f"{path}: expected text files or train.bin/val.bin (train.npy/val.npy), "
+                        f"got token files ({shown}) among the files, which are read as text; "
+                        "name a token file itself as --data")
+    return _split_files(path, files, vocab_size, str(path))
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "another kind of file")
 
 
 def check_ids(dataset: Dataset, vocab_size: int) -> None:

@@ -132,7 +132,7 @@ def load_data(config: TrainConfig, model_config: ModelConfig, *,
     model's vocabulary."""
     if dataset is None:
         dataset = data.load(config.data,
-                            None if config.tokenizer else model_config.vocab_size)
+                            None if config.tokenizer else model_config.vocab_size, echo=echo)
     run_tokenizer = None
     if config.tokenizer is not None:
         dataset, run_tokenizer = tokenizer.apply(

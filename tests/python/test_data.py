@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 import zlib
 from pathlib import Path
 
@@ -80,6 +82,58 @@ def test_folder_with_train_and_val_bins_uses_them_as_the_splits(tmp_path):
     assert dataset.train.dtype == np.dtype("<u2")
     np.testing.assert_array_equal(dataset.train, np.arange(1000) % 300)
     np.testing.assert_array_equal(dataset.val, np.arange(200) % 7)
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".npy"])
+def test_a_train_token_file_alone_is_read_as_tokens_and_split_at_its_tail(tmp_path, suffix):
+    tokens = (np.arange(1000) * 7) % 300
+    if suffix == ".bin":
+        write_tokens_bin(tmp_path / "train.bin", tokens)
+    else:
+        np.save(tmp_path / "train.npy", tokens.astype(np.int32))
+    (tmp_path / "README").write_text("not data")  # beside the token file, as with a pair
+    said = []
+    dataset = data.load(tmp_path, 300, echo=said.append)
+    np.testing.assert_array_equal(dataset.train, tokens[:900])  # ids, not the file's bytes
+    np.testing.assert_array_equal(dataset.val, tokens[900:])
+    assert not dataset.text
+    assert said == [f"nodrop: {tmp_path} holds train{suffix} but no val{suffix}: validation is "
+                    f"the last 10% of train{suffix}'s tokens"]
+    assert dataset.describe()["split"] == (f"train{suffix}: the last 10% of tokens -> "
+                                           "validation")
+
+
+def test_token_files_in_a_folder_of_text_are_refused_not_read_as_text(tmp_path):
+    (tmp_path / "notes.txt").write_text("some text\n" * 50)
+    write_tokens_bin(tmp_path / "shard-0.bin", np.arange(100))
+    with pytest.raises(DataError, match=(
+            f"^{tmp_path}: expected text files or train.bin/val.bin \\(train.npy/val.npy\\), "
+            r"got token files \(shard-0.bin\) among the files, which are read as text; name a "
+            r"token file itself as --data$")):
+        data.load(tmp_path, 256)
+
+
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+    errors = []
+
+    def load():
+        try:
+            data.load(fifo, 256)
+        except DataError as error:
+            errors.append(str(error))
+
+    reader = threading.Thread(target=load, daemon=True)  # a blocked open would hang it
+    reader.start()
+    reader.join(timeout=30)
+    assert errors == [f"{fifo}: expected a regular file or a folder, got a FIFO (named pipe)"]
+
+
+def test_a_device_is_refused():
+    with pytest.raises(DataError, match="^/dev/null: expected a regular file or a folder, got "
+                                        "a character device$"):
+        data.load("/dev/null", 256)
 
 
 def test_npy_of_token_ids(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import signal
@@ -334,7 +335,11 @@ def test_float16_is_refused_on_the_cpu_before_anything_compiles(tmp_path, capsys
 
 def make_bad_data(tmp_path: Path, kind: str) -> tuple[Path, str]:
     path = tmp_path / {"missing": "missing.txt", "short": "short.txt", "npy": "corrupt.npy",
-                       "bin": "odd.bin", "ids": "ids.npy", "folder": "empty"}[kind]
+                       "bin": "odd.bin", "ids": "ids.npy", "folder": "empty",
+                       "fifo": "pipe"}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+        return path, "expected a regular file or a folder, got a FIFO (named pipe)"
     if kind == "short":
         path.write_bytes(b"too short\n" * 20)
         return path, "the validation split has 20 tokens, fewer than one sequence"
@@ -353,7 +358,7 @@ def make_bad_data(tmp_path: Path, kind: str) -> tuple[Path, str]:
     return path, "no such file or folder"
 
 
-@pytest.mark.parametrize("kind", ["missing", "short", "npy", "bin", "ids", "folder"])
+@pytest.mark.parametrize("kind", ["missing", "short", "npy", "bin", "ids", "folder", "fifo"])
 def test_unusable_data_is_a_clear_error(tmp_path, capsys, kind):
     path, message = make_bad_data(tmp_path, kind)
     code, _, err = run_cli(capsys, "train", "--data", str(path), "--seq-len", "32",

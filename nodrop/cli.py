@@ -15,6 +15,9 @@ import nodrop
 from nodrop import _ffi, demo
 
 
+EXIT_WRITE_FAILED = 74  # sysexits.h's EX_IOERR
+
+
 def info(args: argparse.Namespace) -> int:
     print(f"nodrop {nodrop.__version__}")
     print(f"jax {jax.__version__}, jaxlib {importlib.metadata.version('jaxlib')}, "
@@ -29,14 +32,15 @@ def info(args: argparse.Namespace) -> int:
 
 def _training(command: str, body) -> int:
     """Runs a training command; unusable input is reported as `nodrop COMMAND: error: ...` with
-    exit status 2 (no traceback), a diverged run with 1, SIGINT (Ctrl-C) with 130 and SIGTERM
-    with 143 (128 + the signal's number, the shells' convention)."""
+    exit status 2 (no traceback), a diverged run with 1, a failed write (a full disk, lost
+    permissions) with 74 (sysexits' EX_IOERR), SIGINT (Ctrl-C) with 130 and SIGTERM with 143
+    (128 + the signal's number, the shells' convention)."""
     # Imported here: `nodrop info` and `nodrop demo` need none of Orbax, TensorBoard, matplotlib.
     from nodrop.train.checkpoint import CheckpointError
     from nodrop.train.config import ConfigError
     from nodrop.train.data import DataError
     from nodrop.train.lock import RunFolderError
-    from nodrop.train.trainer import Diverged, Interrupted
+    from nodrop.train.trainer import Diverged, Interrupted, WriteFailed
 
     try:
         return body()
@@ -46,6 +50,12 @@ def _training(command: str, body) -> int:
     except Diverged as error:
         print(f"nodrop {command}: error: {error}", file=sys.stderr)
         return 1
+    except WriteFailed as error:
+        print(f"nodrop {command}: error: {error}", file=sys.stderr)
+        return EXIT_WRITE_FAILED
+    except OSError as error:  # compare's own files (a run's are WriteFailed)
+        print(f"nodrop {command}: error: {error}", file=sys.stderr)
+        return EXIT_WRITE_FAILED
     except Interrupted as error:
         print(f"nodrop {command}: {error}", file=sys.stderr)
         return 128 + error.signum

@@ -7,12 +7,17 @@ written before the CRC32s were recorded restore with the step check only.)
 
 Atomic: Orbax writes each checkpoint into `<step>.orbax-checkpoint-tmp-*` and renames it to
 `<step>` only once every file is written (and records commit_success.txt), and the manager lists
-only finished steps, so a run killed mid-save resumes from the previous checkpoint.
+only finished steps, so a run killed mid-save resumes from the previous checkpoint. A save that
+fails (a full disk, lost permissions) removes its temporary folder and raises OSError naming
+the checkpoint.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import re
+import shutil
 import zlib
 from pathlib import Path
 
@@ -23,6 +28,11 @@ import orbax.checkpoint as ocp
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be restored into this model and optimizer."""
+
+
+# TensorStore reports a failed write as a ValueError led by its status code.
+_STORAGE_ERRNO = {"RESOURCE_EXHAUSTED": errno.ENOSPC, "PERMISSION_DENIED": errno.EACCES,
+                  "NOT_FOUND": errno.ENOENT, "DATA_LOSS": errno.EIO, "UNAVAILABLE": errno.EIO}
 
 
 class Checkpoints:
@@ -50,9 +60,21 @@ class Checkpoints:
     def save(self, step: int, state, meta: dict) -> None:
         """meta must hold "step" (= step); the arrays' CRC32s are added to it."""
         meta = {**meta, "crc32": checksums(state)}
-        self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
-        self._manager.wait_until_finished()
+        try:
+            self._manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+            self._manager.wait_until_finished()
+        except BaseException as error:
+            # The next save of this step would replace it, but a resumed run may never get
+            # there: nothing half-written stays in the run folder.
+            for unfinished in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(unfinished, ignore_errors=True)
+            code = _storage_errno(error)
+            if code is None:
+                raise
+            text = (error.strerror if isinstance(error, OSError) and error.strerror
+                    else os.strerror(code))
+            raise OSError(code, text, str(self.directory / str(step))) from None
 
     def restore(self, step: int, abstract_state):
         """(state, meta) of `step`, restored into the structure, shapes and dtypes of
@@ -97,6 +119,14 @@ class Checkpoints:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def _storage_errno(error: BaseException) -> int | None:
+    """The errno of a failed write (an OSError, or TensorStore's status); None for others."""
+    if isinstance(error, OSError):
+        return error.errno or errno.EIO
+    match = re.search(r"\b(" + "|".join(_STORAGE_ERRNO) + r"):", str(error))
+    return _STORAGE_ERRNO[match[1]] if isinstance(error, ValueError) and match else None
 
 
 def _first_line(error: Exception) -> str:

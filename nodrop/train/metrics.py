@@ -16,6 +16,7 @@ from that step on, so both tell one consistent history.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -62,6 +63,17 @@ def _finite(value):
     return value
 
 
+@contextlib.contextmanager
+def _writing(path: Path):
+    """Names `path` in an OSError that does not name a file (those of buffered writes)."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is not None:
+            raise
+        raise OSError(error.errno, error.strerror or str(error), str(path)) from None
+
+
 class MetricsLog:
     """Appends records to metrics.jsonl and the same scalars to TensorBoard.
 
@@ -71,24 +83,32 @@ class MetricsLog:
     def __init__(self, run_dir: str | os.PathLike, start_step: int):
         run_dir = Path(run_dir)
         self.path = run_dir / "metrics.jsonl"
+        self._tensorboard_dir = run_dir / "tensorboard"
         # A fresh start (step 0) keeps nothing of an attempt that saved no checkpoint.
         kept = [r for r in read_jsonl(self.path) if 0 < start_step and r["step"] <= start_step]
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        try:
+            with _writing(tmp):
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        except OSError:
+            tmp.unlink(missing_ok=True)  # metrics.jsonl is as it was
+            raise
         os.replace(tmp, self.path)
         self.records = kept
         self._file = open(self.path, "a")
-        self._tensorboard = EventFileWriter(str(run_dir / "tensorboard"))
+        self._tensorboard = EventFileWriter(str(self._tensorboard_dir))
         # TensorBoard drops the events from this step on that an earlier process wrote.
-        self._tensorboard.add_event(event_pb2.Event(
-            wall_time=time.time(), step=start_step + 1,
-            session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+        with _writing(self._tensorboard_dir):
+            self._tensorboard.add_event(event_pb2.Event(
+                wall_time=time.time(), step=start_step + 1,
+                session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
 
     def write(self, record: dict) -> None:
         record = {key: _finite(value) for key, value in record.items()}
         self.records.append(record)
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()  # readable as it grows (tail -f); fsync waits for sync()
+        with _writing(self.path):
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()  # readable as it grows (tail -f); fsync waits for sync()
         values = []
         for key, value in record.items():
             if key in ("kind", "step") or value is None:
@@ -99,20 +119,29 @@ class MetricsLog:
             else:
                 values.append(summary_pb2.Summary.Value(tag=f"{record['kind']}/{key}",
                                                         simple_value=float(value)))
-        self._tensorboard.add_event(event_pb2.Event(
-            wall_time=time.time(), step=record["step"],
-            summary=summary_pb2.Summary(value=values)))
+        with _writing(self._tensorboard_dir):
+            self._tensorboard.add_event(event_pb2.Event(
+                wall_time=time.time(), step=record["step"],
+                summary=summary_pb2.Summary(value=values)))
 
     def sync(self) -> None:
         """Everything written so far is on disk (before a checkpoint claims this step)."""
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._tensorboard.flush()
+        with _writing(self.path):
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        with _writing(self._tensorboard_dir):
+            self._tensorboard.flush()
 
     def close(self) -> None:
-        self.sync()
-        self._file.close()
-        self._tensorboard.close()
+        """Syncs and closes; the files are closed even where syncing fails."""
+        try:
+            self.sync()
+        finally:
+            # What failed was raised by sync; closing retries the same writes.
+            with contextlib.suppress(OSError):
+                self._file.close()
+            with contextlib.suppress(OSError):
+                self._tensorboard.close()
 
 
 class Progress:

@@ -17,6 +17,7 @@ fixed, and `_State`, what changes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -48,6 +49,11 @@ SUMMARY_FILE = "summary.json"
 class Diverged(RuntimeError):
     """The loss, the gradients or the updated state stopped being finite; the run stopped
     without saving that state."""
+
+
+class WriteFailed(RuntimeError):
+    """Writing the run folder failed (a full disk, lost permissions): the run stopped, and its
+    newest complete checkpoint is where --resume continues."""
 
 
 class Interrupted(RuntimeError):
@@ -148,8 +154,28 @@ def _write_json(path: Path, value: dict) -> None:
 
 def _write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    try:
+        tmp.write_text(text)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # the file stays as it was
+        raise
     os.replace(tmp, path)
+
+
+def _write_failure(error: OSError, run_dir: Path) -> str:
+    """One line: what could not be written, and how the run continues once it can be."""
+    where = error.filename if error.filename is not None else run_dir
+    if not (run_dir / CONFIG_FILE).exists():
+        then = "then start the run again"
+    else:
+        folder = run_dir / "checkpoints"
+        steps = sorted(int(p.name) for p in folder.iterdir()
+                       if p.name.isdigit()) if folder.is_dir() else []
+        then = (f"then continue with --resume --out {run_dir} (from "
+                + (f"its newest checkpoint, step {steps[-1]})" if steps else "step 0: it has "
+                   "no checkpoint)"))
+    return (f"cannot write {where}: {error.strerror or error}; the run stopped. Free space or "
+            f"restore write access, {then}")
 
 
 # --- the model, the optimizer and the steps -------------------------------------------------------
@@ -273,23 +299,28 @@ def run(overrides: dict, *, out: str | os.PathLike | None = None, resume: bool =
     """Trains as configured by `overrides` (TrainConfig fields, model ones under
     model_overrides) into the run folder `out`; resumes it with `resume`. Raises ConfigError,
     data.DataError or CheckpointError for unusable input (before anything compiles, except a
-    checkpoint that does not fit), Diverged or Interrupted.
+    checkpoint that does not fit), Diverged, Interrupted, or WriteFailed (an OSError while
+    writing: a full disk, lost permissions).
 
     Everything is traced with x64 off, whatever the caller's setting: with it on, Python
     scalars inside optax would promote to float64 and the numbers would differ in the last bits
     from those of `nodrop train`.
     """
-    with jax.enable_x64(False):
-        return _run(overrides, out=out, resume=resume or resume_from is not None,
-                    resume_from=resume_from, progress=progress, dataset=dataset, echo=echo)
-
-
-def _run(overrides, *, out, resume, resume_from, progress, dataset, echo) -> Summary:
-    wall_start = time.perf_counter()
+    resume = resume or resume_from is not None
     if resume and out is None:
         raise ConfigError("--resume needs --out, the run folder to continue")
     run_dir = Path(out) if out is not None else default_run_dir(
         overrides.get("preset", TrainConfig.preset))
+    with jax.enable_x64(False):
+        try:
+            return _run(overrides, run_dir=run_dir, resume=resume, resume_from=resume_from,
+                        progress=progress, dataset=dataset, echo=echo)
+        except OSError as error:  # the outside world: one line, no traceback
+            raise WriteFailed(_write_failure(error, run_dir)) from None
+
+
+def _run(overrides, *, run_dir, resume, resume_from, progress, dataset, echo) -> Summary:
+    wall_start = time.perf_counter()
     saved = _read_saved(run_dir) if resume else None
     config, model_config = configure(overrides, saved)
     dataset, run_tokenizer = load_data(config, model_config, dataset=dataset,
@@ -344,10 +375,15 @@ def _run(overrides, *, out, resume, resume_from, progress, dataset, echo) -> Sum
                 progress=Progress(config.steps, state.step, progress),
                 peak_flops=peak_flops(device.device_kind))
             _train(job, state)
-            return _finish(job, state, wall_start=wall_start)
+            summary = _finish(job, state, wall_start=wall_start)
+        except BaseException:
+            with contextlib.suppress(OSError):  # the error in flight says why the run stopped
+                metrics.close()
+            raise
         finally:
-            metrics.close()
             checkpoints.close()
+        metrics.close()
+        return summary
 
 
 def _set_aside_checkpoints_after(directory: Path, step: int, echo) -> None:
@@ -569,7 +605,8 @@ def _train(job: _Job, state: _State) -> None:
                     state.interval_start = time.perf_counter()  # not timing evaluation and saving
     except BaseException:
         job.progress.close()  # a failed or interrupted run: plot what was logged, then re-raise
-        _plots(job)
+        with contextlib.suppress(OSError):  # a full disk must not hide why the run stopped
+            _plots(job)
         raise
     job.progress.close()
 

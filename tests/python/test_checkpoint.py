@@ -3,12 +3,14 @@ error for a checkpoint that does not fit the model."""
 
 from __future__ import annotations
 
+import errno
 import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 from orbax.checkpoint._src.path.atomicity_types import TMP_DIR_SUFFIX
@@ -134,4 +136,30 @@ def test_a_checkpoint_missing_a_file_is_reported_as_damaged(tmp_path, missing, m
     assert text.endswith("it is damaged: resume from an earlier one with --resume-from STEP "
                          "(this run has [4, 8]), or start again"), text
     assert "\n" not in text and len(text) < 600
+    checkpoints.close()
+
+
+@pytest.mark.parametrize("failure, code, text", [
+    (ValueError('RESOURCE_EXHAUSTED: Error writing local file "x/d/1f": No space left on device'),
+     errno.ENOSPC, "No space left on device"),
+    (PermissionError(errno.EACCES, "Permission denied", "x/d/1f"), errno.EACCES,
+     "Permission denied"),
+], ids=["tensorstore_disk_full", "permission_denied"])
+def test_a_failed_save_names_the_checkpoint_and_leaves_no_temporary_folder(
+        tmp_path, monkeypatch, failure, code, text):
+    state = train_state(0)
+    checkpoints = Checkpoints(tmp_path, keep=3)
+    checkpoints.save(4, state, {"step": 4})
+
+    def fail(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", fail)
+    with pytest.raises(OSError) as error:
+        checkpoints.save(8, state, {"step": 8})
+    assert (error.value.errno, error.value.strerror, error.value.filename) == (
+        code, text, str(tmp_path / "8"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["4"]
+    assert checkpoints.latest_step() == 4
+    assert_bitwise_equal(checkpoints.restore(4, abstract(state))[0], state)
     checkpoints.close()

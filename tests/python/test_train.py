@@ -7,6 +7,7 @@ subprocesses (x64 off) and compares their numbers bitwise with that reference.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -535,6 +536,54 @@ def test_an_out_that_is_a_file_is_one_error_line(tmp_path, text_file, capsys):
                            "--out", str(tmp_path / "file"))
     assert code == 2 and "Traceback" not in err
     assert f"cannot use --out {tmp_path / 'file'}: " in err, err
+
+
+def no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def assert_resumes_to_the_reference(run_dir: Path, reference: Path, capsys) -> None:
+    code, _, err = run_cli(capsys, "train", "--resume", "--out", str(run_dir))
+    assert code == 0, err
+    assert ([without_timing(r) for r in records(run_dir, "train")]
+            == [without_timing(r) for r in records(reference, "train")])
+
+
+def test_a_disk_full_during_a_checkpoint_save_is_one_line_and_leaves_it_resumable(
+        reference, tmp_path, text_file, capsys, monkeypatch):
+    run_dir = tmp_path / "run"
+    save = ocp.JsonCheckpointHandler.async_save
+
+    def save_until_step_10(self, directory, *args, **kwargs):
+        if "10.orbax-checkpoint-tmp" in str(directory):
+            no_space()
+        return save(self, directory, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ocp.JsonCheckpointHandler, "async_save", save_until_step_10)
+        code, _, err = run_cli(capsys, "train", *train_flags(text_file), "--out", str(run_dir))
+    assert code == cli.EXIT_WRITE_FAILED and "Traceback" not in err, err
+    assert err.splitlines()[-1] == (
+        f"nodrop train: error: cannot write {run_dir / 'checkpoints' / '10'}: No space left on "
+        "device; the run stopped. Free space or restore write access, then continue with "
+        f"--resume --out {run_dir} (from its newest checkpoint, step 5)")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["5"]  # no tmp folder
+    assert_resumes_to_the_reference(run_dir, reference, capsys)
+
+
+def test_metrics_that_cannot_be_written_stop_the_run_in_one_line(reference, tmp_path, text_file,
+                                                                 capsys, monkeypatch):
+    """fsync of metrics.jsonl (before the first checkpoint) fails: no checkpoint yet."""
+    run_dir = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fsync", no_space)
+        code, _, err = run_cli(capsys, "train", *train_flags(text_file), "--out", str(run_dir))
+    assert code == cli.EXIT_WRITE_FAILED and "Traceback" not in err, err
+    assert err.splitlines()[-1] == (
+        f"nodrop train: error: cannot write {run_dir / 'metrics.jsonl'}: No space left on "
+        "device; the run stopped. Free space or restore write access, then continue with "
+        f"--resume --out {run_dir} (from step 0: it has no checkpoint)")
+    assert_resumes_to_the_reference(run_dir, reference, capsys)
 
 
 # --- compare ---------------------------------------------------------------------------------

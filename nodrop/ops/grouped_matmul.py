@@ -25,6 +25,7 @@ _TMA_ELEMENTS = 8  # 16 bytes of a 2-byte dtype
 
 
 def _common_inputs(lhs, rhs):
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)  # numpy float64 is float32 with x64 off
     dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
     return lhs.astype(dtype), rhs.astype(dtype)
 
@@ -43,9 +44,11 @@ def grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, out_dt
     Args:
       lhs: [M, K] float32, float16 or bfloat16.
       rhs: [G, K, N], or [G, N, K] with `transpose_rhs=True` (then rhs[g].T is used).
-      group_sizes: [G] integers; group g owns the next group_sizes[g] rows of lhs.
+      group_sizes: [G] integers of any integer dtype (or a list); group g owns the next
+        group_sizes[g] rows of lhs. Sizes past int32 saturate (see `_checks.as_int32`).
       out_dtype: output dtype (default: the promoted input dtype). Accumulation is float32.
     """
+    lhs, rhs, group_sizes = map(_checks.as_array, (lhs, rhs, group_sizes))
     _checks.require_rank("lhs", lhs, 2, "[M, K]")
     _checks.require_rank("rhs", rhs, 3, "[G, N, K]" if transpose_rhs else "[G, K, N]")
     _checks.require_float("lhs", lhs)
@@ -70,6 +73,7 @@ def grouped_matmul_contract(lhs, rhs, group_sizes, *, out_dtype=None):
       lhs: [M, K]; rhs: [M, N]; group_sizes: [G] integers over the M rows.
       out_dtype: output dtype (default: the promoted input dtype). Accumulation is float32.
     """
+    lhs, rhs, group_sizes = map(_checks.as_array, (lhs, rhs, group_sizes))
     _checks.require_rank("lhs", lhs, 2, "[M, K]")
     _checks.require_rank("rhs", rhs, 2, "[M, N]")
     _checks.require_float("lhs", lhs)

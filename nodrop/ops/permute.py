@@ -23,14 +23,16 @@ def permute(x, ids, num_experts: int):
 
     Args:
       x: [T, H] tokens (float32, float16 or bfloat16).
-      ids: [T, k] integer expert ids. An id outside [0, num_experts) drops that slot (it is in
-        no group and its row_map entry is -1); in checked mode it is an error.
+      ids: [T, k] expert ids of any integer dtype. An id outside [0, num_experts) drops that
+        slot (it is in no group and its row_map entry is -1); in checked mode it is an error.
+        Ids past int32 saturate, so they stay out of range (see `_checks.as_int32`).
       num_experts: E.
 
     Returns:
       rows [T*k, H] ordered by (expert, token, slot), zero past the last group;
       group_sizes [E] int32; row_map [T*k] int32 (row of token t, slot s at t*k + s, or -1).
     """
+    x, ids = map(_checks.as_array, (x, ids))
     _checks.require_rank("x", x, 2, "[T, H]")
     _checks.require_rank("ids", ids, 2, "[T, k]")
     _checks.require_float("x", x)
@@ -40,7 +42,7 @@ def permute(x, ids, num_experts: int):
     if num_experts < 1:
         raise ValueError(f"num_experts must be at least 1, got {num_experts}")
     ids = _checks.as_int32("ids", ids)
-    return _permute(x, ids, int(num_experts))
+    return _permute(jnp.asarray(x), ids, int(num_experts))
 
 
 def unpermute(rows, row_map, weights):
@@ -53,6 +55,7 @@ def unpermute(rows, row_map, weights):
 
     Returns [T, H] in rows' dtype, accumulated in float32.
     """
+    rows, row_map, weights = map(_checks.as_array, (rows, row_map, weights))
     _checks.require_rank("rows", rows, 2, "[T*k, H]")
     _checks.require_rank("row_map", row_map, 1, "[T*k]")
     _checks.require_rank("weights", weights, 2, "[T, k]")
@@ -62,7 +65,7 @@ def unpermute(rows, row_map, weights):
     _checks.require_dim("row_map", row_map, 0, num_slots, "entries (T*k from weights)")
     _checks.require_dim("rows", rows, 0, num_slots, "rows (T*k from weights)")
     row_map = _checks.as_int32("row_map", row_map)
-    return _unpermute(rows, row_map, weights.astype(jnp.float32))
+    return _unpermute(jnp.asarray(rows), row_map, jnp.asarray(weights, jnp.float32))
 
 
 # --- differentiable cores over the FFI calls ------------------------------------------------

@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+import nodrop  # noqa: E402
 from nodrop.ops import reference  # noqa: E402
 
 settings.register_profile(
@@ -37,9 +38,10 @@ LOW_PRECISION_TOL = 1e-2
 
 
 @pytest.fixture(autouse=True)
-def _no_checked_mode(monkeypatch):
-    """Every test starts in unchecked mode unless it opts in."""
-    monkeypatch.delenv("NODROP_CHECKS", raising=False)
+def _no_checked_mode():
+    """Every test runs in unchecked mode unless it opts in (whatever NODROP_CHECKS says)."""
+    with nodrop.checks(False):
+        yield
 
 
 # --- numbers ---------------------------------------------------------------------------------

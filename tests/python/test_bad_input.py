@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import F32_TOL, assert_close, int32, random_normal, ref64
+from jax.errors import JaxRuntimeError
 
 import nodrop
 
@@ -224,7 +229,7 @@ def fresh_jit(op, **kwargs):
 @invalid_sizes
 def test_checked_grouped_matmul_rejects_invalid_group_sizes(sizes):
     lhs, rhs = gmm_args()
-    with nodrop.checks(), pytest.raises(Exception, match="group_sizes"):
+    with nodrop.checks(), pytest.raises(JaxRuntimeError, match="group_sizes"):
         run(nodrop.grouped_matmul, lhs, rhs, int32(sizes))
 
 
@@ -232,7 +237,7 @@ def test_checked_grouped_matmul_rejects_invalid_group_sizes(sizes):
 def test_checked_grouped_matmul_transposed_rejects_invalid_group_sizes(sizes):
     lhs, rhs = gmm_args()
     rhs = jnp.swapaxes(rhs, 1, 2)
-    with nodrop.checks(), pytest.raises(Exception, match="group_sizes"):
+    with nodrop.checks(), pytest.raises(JaxRuntimeError, match="group_sizes"):
         run(lambda a, b, s: nodrop.grouped_matmul(a, b, s, transpose_rhs=True), lhs, rhs,
             int32(sizes))
 
@@ -240,7 +245,7 @@ def test_checked_grouped_matmul_transposed_rejects_invalid_group_sizes(sizes):
 @invalid_sizes
 def test_checked_grouped_matmul_contract_rejects_invalid_group_sizes(sizes):
     lhs, _ = gmm_args()
-    with nodrop.checks(), pytest.raises(Exception, match="group_sizes"):
+    with nodrop.checks(), pytest.raises(JaxRuntimeError, match="group_sizes"):
         run(nodrop.grouped_matmul_contract, lhs, lhs, int32(sizes))
 
 
@@ -249,14 +254,14 @@ def test_checked_ragged_dot_under_jit_rejects_invalid_group_sizes(sizes):
     lhs, rhs = gmm_args()
     with nodrop.checks():
         fn = fresh_jit(nodrop.ragged_dot)  # traced inside the block
-        with pytest.raises(Exception, match="group_sizes"):
+        with pytest.raises(JaxRuntimeError, match="group_sizes"):
             run(fn, lhs, rhs, int32(sizes))
 
 
 def test_checked_grouped_matmul_gradient_rejects_invalid_group_sizes():
     lhs, rhs = gmm_args()
     sizes = int32(INVALID_SIZES["past_rows"])
-    with nodrop.checks(), pytest.raises(Exception, match="group_sizes"):
+    with nodrop.checks(), pytest.raises(JaxRuntimeError, match="group_sizes"):
         run(jax.jit(jax.grad(lambda a, b: jnp.sum(nodrop.grouped_matmul(a, b, sizes)))),
             lhs, rhs)
 
@@ -265,7 +270,7 @@ def test_checked_grouped_matmul_gradient_rejects_invalid_group_sizes():
 def test_checked_permute_rejects_out_of_range_ids(bad_id):
     x = random_normal(np.random.default_rng(1), (3, 5))
     ids = int32([[0, 1], [2, bad_id], [3, 3]])
-    with nodrop.checks(), pytest.raises(Exception, match="ids"):
+    with nodrop.checks(), pytest.raises(JaxRuntimeError, match="ids"):
         run(lambda v, i: nodrop.permute(v, i, 4), x, ids)
 
 
@@ -299,24 +304,68 @@ def test_unchecked_mode_clamps_instead_of_raising():
     np.testing.assert_array_equal(np.asarray(row_map), [0, -1, -1, 1])
 
 
-def test_nodrop_checks_env_var_enables_checked_mode(monkeypatch):
-    monkeypatch.setenv("NODROP_CHECKS", "1")
-    assert nodrop.checks_enabled()
-    lhs, rhs = gmm_args()
-    with pytest.raises(Exception, match="group_sizes"):
-        run(fresh_jit(nodrop.grouped_matmul), lhs, rhs, int32(INVALID_SIZES["negative"]))
-    with pytest.raises(Exception, match="ids"):
-        run(fresh_jit(nodrop.permute, num_experts=2), lhs[:2], int32([[0], [2]]))
+ENV_CHECKS = """
+import jax, jax.numpy as jnp, nodrop
+lhs, rhs = jnp.ones((10, 4)), jnp.ones((3, 4, 3))
+sizes = jnp.asarray([4, -1, 3])
+assert nodrop.checks_enabled()
+try:
+    jax.jit(nodrop.grouped_matmul)(lhs, rhs, sizes).block_until_ready()
+except jax.errors.JaxRuntimeError as error:
+    print("checked:", str(error).splitlines()[0])
+with nodrop.checks(False):
+    assert not nodrop.checks_enabled()
+    jax.jit(nodrop.grouped_matmul)(lhs, rhs, sizes).block_until_ready()
+    print("unchecked inside checks(False)")
+try:
+    nodrop.permute(lhs[:2], jnp.asarray([[0], [3]]), 3).block_until_ready()
+except jax.errors.JaxRuntimeError as error:
+    print("checked again:", str(error).splitlines()[0])
+"""
 
 
-def test_nodrop_checks_false_overrides_env_var(monkeypatch):
-    monkeypatch.setenv("NODROP_CHECKS", "1")
+def test_nodrop_checks_env_var_enables_checked_mode_and_checks_false_overrides_it():
+    """NODROP_CHECKS is read when nodrop is imported: a process of its own."""
+    result = subprocess.run([sys.executable, "-c", ENV_CHECKS], capture_output=True, text=True,
+                            env={**os.environ, "NODROP_CHECKS": "1"}, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "checked: INVALID_ARGUMENT: group_sizes[1] = -1 is negative",
+        "unchecked inside checks(False)",
+        "checked again: INVALID_ARGUMENT: ids[1, 0] = 3 is not an expert in [0, 3)"]
+
+
+def test_checked_mode_is_part_of_the_jit_cache_key():
+    """A function jitted before the block is traced again inside it, and the other way round;
+    both pass the same function object to jax.jit, whose traces are cached per function."""
     lhs, rhs = gmm_args()
     sizes = int32(INVALID_SIZES["negative"])
-    with nodrop.checks(False):
-        assert not nodrop.checks_enabled()
-        out = run(fresh_jit(nodrop.grouped_matmul), lhs, rhs, sizes)
-    assert_close(out, ref64("grouped_matmul", lhs, rhs, sizes), F32_TOL)
+    unchecked_first = jax.jit(nodrop.grouped_matmul)
+    run(unchecked_first, lhs, rhs, sizes)
+    with nodrop.checks(), pytest.raises(JaxRuntimeError, match=r"group_sizes\[1\] = -1"):
+        run(unchecked_first, lhs, rhs, sizes)
+    run(unchecked_first, lhs, rhs, sizes)  # unchecked again, from its first trace
+    with nodrop.checks(), pytest.raises(JaxRuntimeError, match="group_sizes"):
+        run(jax.jit(nodrop.grouped_matmul_contract), lhs, lhs, sizes)
+    run(jax.jit(nodrop.grouped_matmul_contract), lhs, lhs, sizes)
+
+
+def test_checked_mode_is_the_same_on_every_thread():
+    lhs, rhs = gmm_args()
+    sizes = int32(INVALID_SIZES["past_rows"])
+    errors = []
+
+    def trace_and_run():
+        try:
+            run(jax.jit(lambda a, b, s: 2 * nodrop.grouped_matmul(a, b, s)), lhs, rhs, sizes)
+        except JaxRuntimeError as error:
+            errors.append(str(error).splitlines()[0])
+
+    with nodrop.checks():
+        worker = threading.Thread(target=trace_and_run)
+        worker.start()
+        worker.join()
+    assert errors == ["INVALID_ARGUMENT: group_sizes sum to 11 but there are only 10 rows"]
 
 
 def test_checks_context_restores_previous_state():
@@ -327,3 +376,86 @@ def test_checks_context_restores_previous_state():
             assert not nodrop.checks_enabled()
         assert nodrop.checks_enabled()
     assert not nodrop.checks_enabled()
+
+
+# --- integer widths, lists, dtypes eagerly and under jit --------------------------------------
+
+
+WIDE_SIZES = {  # (sizes, what they mean for 10 rows): never wrapped
+    "uint32_3e9": (np.array([3_000_000_000, 8, 0], np.uint32), [10, 0, 0]),
+    "int64_2**32+3": (np.array([2**32 + 3, 0, 0], np.int64), [10, 0, 0]),
+    "int64_below_int32": (np.array([4, -(2**32) + 1, 6], np.int64), [4, 0, 6]),
+    "uint64": (np.array([2, 2**64 - 1, 0], np.uint64), [2, 8, 0]),
+    "uint8": (np.array([3, 255, 0], np.uint8), [3, 7, 0]),
+}
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["numpy", "jax"])
+@pytest.mark.parametrize("case", list(WIDE_SIZES))
+def test_group_sizes_of_any_integer_dtype_keep_their_meaning(case, on_device):
+    """Sizes past int32 saturate instead of wrapping: the same groups as their true values."""
+    lhs, rhs = gmm_args()
+    sizes, meaning = WIDE_SIZES[case]
+    if on_device:  # x64 is on in the tests: jax keeps the 64-bit dtypes
+        sizes = jnp.asarray(sizes)
+    want = ref64("grouped_matmul", lhs, rhs, int32(meaning))
+    assert_close(run(nodrop.grouped_matmul, lhs, rhs, sizes), want, F32_TOL)
+    assert_close(run(jax.jit(nodrop.grouped_matmul), lhs, rhs, sizes), want, F32_TOL)
+    assert_close(run(nodrop.grouped_matmul_contract, lhs, lhs, sizes),
+                 ref64("grouped_matmul_contract", lhs, lhs, int32(meaning)), F32_TOL)
+
+
+def test_checked_mode_reports_wide_group_sizes_without_wrapping_them():
+    """uint32 3e9 wrapped to -1294967296 (a negative size the caller never passed)."""
+    lhs, rhs = gmm_args()
+    with nodrop.checks(), pytest.raises(JaxRuntimeError, match=(
+            "^INVALID_ARGUMENT: group_sizes sum to 2147483655 but there are only 10 rows")):
+        run(nodrop.grouped_matmul, lhs, rhs, np.array([3_000_000_000, 8, 0], np.uint32))
+
+
+@pytest.mark.parametrize("bad_id", [2**32 + 1, -(2**32) + 1, 2**40])
+def test_int64_expert_ids_past_int32_are_dropped_not_wrapped(bad_id):
+    x = random_normal(np.random.default_rng(1), (2, 5))
+    ids = jnp.asarray([[0, 1], [bad_id, 3]], jnp.int64)
+    rows, group_sizes, row_map = run(lambda v, i: nodrop.permute(v, i, 4), x, ids)
+    np.testing.assert_array_equal(np.asarray(group_sizes), [1, 1, 0, 1])
+    np.testing.assert_array_equal(np.asarray(row_map), [0, 1, -1, 2])
+    with nodrop.checks(), pytest.raises(JaxRuntimeError, match=r"ids\[1, 0\] = -?2147483\d+ is "
+                                                                r"not an expert in \[0, 4\)"):
+        run(lambda v, i: nodrop.permute(v, i, 4), x, ids)
+
+
+def test_lists_and_tuples_are_accepted_as_arrays():
+    lhs, rhs = gmm_args()
+    want = run(nodrop.grouped_matmul, lhs, rhs, int32([4, 3, 3]))
+    np.testing.assert_array_equal(run(nodrop.grouped_matmul, lhs, rhs, [4, 3, 3]), want)
+    np.testing.assert_array_equal(run(nodrop.ragged_dot, lhs, rhs, (4, 3, 3)), want)
+    np.testing.assert_array_equal(
+        run(nodrop.grouped_matmul_contract, lhs, lhs, [4, 3, 3]),
+        run(nodrop.grouped_matmul_contract, lhs, lhs, int32([4, 3, 3])))
+    x = random_normal(np.random.default_rng(2), (2, 5))
+    for got, expected in zip(run(nodrop.permute, x, [[0, 1], [1, 2]], 3),
+                             run(nodrop.permute, x, int32([[0, 1], [1, 2]]), 3)):
+        np.testing.assert_array_equal(got, expected)
+    with pytest.raises(TypeError, match=exactly(
+            "group_sizes must have an integer dtype, got float64")):
+        nodrop.grouped_matmul(lhs, rhs, [4.0, 3.0, 3.0])
+
+
+def test_dtype_checks_are_the_same_eagerly_and_under_jit():
+    """jit traces a float64 numpy array as float32 with x64 off, and as float64 with it on."""
+    lhs64 = np.ones((10, 4), np.float64)
+    _, rhs = gmm_args()
+    sizes = int32([4, 3, 3])
+    with jax.enable_x64(False):
+        eager = run(nodrop.grouped_matmul, lhs64, rhs, sizes)
+        jitted = run(jax.jit(nodrop.grouped_matmul), lhs64, rhs, sizes)
+        assert eager.dtype == jitted.dtype == jnp.float32
+        np.testing.assert_array_equal(eager, jitted)
+        x = run(lambda v: nodrop.permute(v, int32([[0], [1]]), 2)[0], lhs64[:2])
+        assert x.dtype == jnp.float32
+    message = exactly("lhs must be float32, float16 or bfloat16, got float64")
+    with pytest.raises(TypeError, match=message):
+        nodrop.grouped_matmul(lhs64, rhs, sizes)
+    with pytest.raises(TypeError, match=message + "|" + message[:-1] + "\n"):
+        jax.jit(nodrop.grouped_matmul)(lhs64, rhs, sizes)

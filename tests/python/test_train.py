@@ -402,6 +402,14 @@ def test_an_overflowing_update_is_named_and_no_checkpoint_is_not_step_none(tmp_p
         "update norm inf); stopped without saving this state. The run has no checkpoint yet")
 
 
+def test_a_plot_that_cannot_be_written_does_not_hide_why_the_run_stopped(
+        tmp_path, capsys, text_file, monkeypatch):
+    monkeypatch.setattr(trainer.plots, "plot_losses", no_space)
+    flags = train_flags(text_file, steps=4, lr=1e39, **{"warmup-steps": 0, "log-every": 1})
+    code, _, err = run_cli(capsys, "train", *flags, "--out", str(tmp_path / "run"))
+    assert code == 1 and "the update overflowed" in err.splitlines()[-1], err
+
+
 def test_norms_do_not_overflow_where_the_values_do_not():
     """optax's norm squares each value (inf from 1.8e19); a norm of 2e30 is 2e30."""
     tree = {"a": np.full((4,), 1e30, np.float32), "b": np.zeros((2, 2), np.float32)}
@@ -645,6 +653,16 @@ def test_compare_over_seeds_reports_the_spread_and_the_noise(tmp_path, capsys, t
 
 def name_folder(name: str) -> str:
     return {"dropless (nodrop)": "dropless", "capacity factor 0.5": "capacity-0.5"}[name]
+
+
+def test_compare_failing_to_write_its_table_is_one_line(capsys):
+    """compare.md, compare.png and compare.json are written outside any run."""
+    def body():
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/runs/c/compare.md")
+
+    assert cli._training("compare", body) == cli.EXIT_WRITE_FAILED
+    assert capsys.readouterr().err == (
+        "nodrop compare: error: [Errno 28] No space left on device: '/runs/c/compare.md'\n")
 
 
 def test_compare_refuses_seed_and_seeds_together(tmp_path, capsys, text_file):

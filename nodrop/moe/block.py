@@ -134,9 +134,10 @@ class MoEAux:
 
 
 class ExpertBias(nnx.Variable):
-    """The aux-loss-free balancing bias [E] (DeepSeek-V3): added to the router scores for
-    selection only. Not a Param, so optimizers and `nnx.grad` leave it alone; the trainer sets it
-    after each step with `updated_expert_bias`."""
+    """The aux-loss-free balancing bias [E] (DeepSeek-V3): moves the router scores for
+    selection only (added to sigmoid scores, to softmax logits; see `nodrop.topk_router`). Not
+    a Param, so optimizers and `nnx.grad` leave it alone; the trainer sets it after each step
+    with `updated_expert_bias`."""
 
 
 def updated_expert_bias(bias, tokens_per_expert, rate: float):

@@ -68,7 +68,12 @@ def topk_router(logits, k, *, score_function="softmax", expert_bias=None, num_gr
         scores = jax.nn.softmax(logits, axis=-1)
     else:
         scores = jax.nn.sigmoid(logits)
-    selection = scores if expert_bias is None else scores + expert_bias.astype(acc)[None, :]
+    if expert_bias is None:
+        selection = scores
+    elif score_function == "softmax":  # the bias is added to the logits
+        selection = scores * jnp.exp(expert_bias.astype(acc))[None, :]
+    else:
+        selection = scores + expert_bias.astype(acc)[None, :]
     selection = jax.lax.stop_gradient(selection)
     if num_groups > 1:
         per_group = num_experts // num_groups

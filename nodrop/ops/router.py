@@ -24,8 +24,10 @@ def topk_router(logits, k: int, *, score_function: str = "softmax", expert_bias=
       k: experts per token, 1 <= k <= E.
       score_function: "softmax" over the E experts (Mixtral, Qwen) or elementwise "sigmoid"
         (DeepSeek-V3).
-      expert_bias: optional [E] float32 added to the scores for selection only (aux-loss-free
-        balancing); it never changes the weights and gets no gradient.
+      expert_bias: optional [E] float32 that moves the scores for selection only (aux-loss-free
+        balancing): added to the sigmoid scores (DeepSeek-V3), added to the logits for softmax
+        (the probabilities times exp(bias): one bias step moves an expert by the same factor
+        whatever E is). It never changes the weights and gets no gradient.
       num_groups, topk_groups: group-limited routing. The E experts form num_groups equal
         groups; each group is scored by the sum of its best max(1, k // topk_groups) selection
         scores, and only experts of the topk_groups best groups may be chosen.

@@ -48,7 +48,8 @@ class TrainConfig:
     aux_loss_coef, z_loss_coef: weights of each MoE layer's load-balancing and router z-losses,
       summed over the MoE layers and added to the cross-entropy.
     bias_update_rate: aux-loss-free balancing (DeepSeek-V3) step for the expert biases after
-      every optimizer step (0: off; None: DEFAULT_BIAS_UPDATE_RATE, for every router).
+      every optimizer step (0: off; None: DEFAULT_BIAS_UPDATE_RATE of the model's score
+      function, for every router).
     router_lr_scale: multiplies the learning rate of the MoE routers' weights.
     eval_every, eval_batches: validation every N steps (and at the end) on eval_batches batches.
     checkpoint_every, keep_checkpoints: Orbax checkpoint every N steps (and at the end), keeping
@@ -148,7 +149,8 @@ class TrainConfig:
                 f"{describe('seq_len')} must be at most the model's seq_len={model.seq_len} "
                 f"(the longest sequence it accepts; raise it with --set seq_len={seq_len}), "
                 f"got {seq_len}")
-        rate = DEFAULT_BIAS_UPDATE_RATE if self.bias_update_rate is None else self.bias_update_rate
+        rate = (DEFAULT_BIAS_UPDATE_RATE[model.score_function] if self.bias_update_rate is None
+                else self.bias_update_rate)
         warmup = self.steps // 10 if self.warmup_steps is None else self.warmup_steps
         return dataclasses.replace(self, seq_len=seq_len, bias_update_rate=rate,
                                    warmup_steps=warmup)
@@ -164,10 +166,13 @@ class TrainConfig:
         return cls(**fields)
 
 
-# DeepSeek-V3 moves its biases by 1e-3 a step over batches of millions of tokens and tens of
-# thousands of steps; runs of hundreds to thousands of steps need the routers balanced sooner:
-# 5e-3 balanced `tiny` by step 30 where 1e-3 took 60 and 1e-2 oscillated (docs/quality.md).
-DEFAULT_BIAS_UPDATE_RATE = 5e-3
+# The expert-bias step by score function, in the units the bias moves (nodrop.topk_router):
+# softmax logits, sigmoid scores. DeepSeek-V3 moves its sigmoid biases by 1e-3 a step over
+# batches of millions of tokens and tens of thousands of steps; runs of hundreds to thousands of
+# steps need the routers balanced sooner. Measured over steps 20-60 (docs/quality.md): softmax
+# 0.1 held qwen3's worst layer at 2.1 where 0.03 let it reach 2.7, and tiny and mixtral balanced
+# alike at 0.05 and 0.1; sigmoid 1e-2 beat 5e-3 and 3e-2 on deepseek.
+DEFAULT_BIAS_UPDATE_RATE = {"softmax": 0.1, "sigmoid": 1e-2}
 
 # Fields that may change when a run is resumed: they do not change what is computed (steps
 # extends or shortens the run, and with it the cosine schedule's remaining steps).
@@ -287,7 +292,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> No
                      help=f"router z-loss weight (default {d.z_loss_coef})")
     moe.add_argument("--bias-update-rate", type=float, default=S,
                      help="aux-loss-free expert-bias step, 0 for off (default "
-                          f"{DEFAULT_BIAS_UPDATE_RATE:g})")
+                          f"{DEFAULT_BIAS_UPDATE_RATE['softmax']:g} for softmax routers, "
+                          f"{DEFAULT_BIAS_UPDATE_RATE['sigmoid']:g} for sigmoid ones)")
     moe.add_argument("--router-lr-scale", type=float, default=S,
                      help="multiplies the routers' learning rate (default 1; 0.1 for mixtral, "
                           "deepseek and qwen3)")

@@ -92,8 +92,11 @@ Routed naive_router(const std::vector<float>& logits, const float* bias, const R
   for (int64_t t = 0; t < T; ++t) {
     const Doubles z(logits.begin() + t * E, logits.begin() + (t + 1) * E);
     Doubles sel = naive_scores(z.data(), E, c.score_function);
-    if (bias)
-      for (int64_t e = 0; e < E; ++e) sel[e] += bias[e];
+    if (bias)  // added to the sigmoid scores, to the softmax logits
+      for (int64_t e = 0; e < E; ++e) {
+        sel[e] = c.score_function == ScoreFunction::kSoftmax ? sel[e] * std::exp(double(bias[e]))
+                                                             : sel[e] + bias[e];
+      }
     if (c.num_groups > 1) {  // keep the topk_groups groups with the best sums of their best few
       const int64_t per_group = E / c.num_groups;
       const int64_t best = std::max<int64_t>(1, c.k / c.topk_groups);

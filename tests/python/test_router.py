@@ -68,7 +68,12 @@ def selection_margin(logits, bias, *, k, score_function="softmax", num_groups=1,
         scores /= scores.sum(-1, keepdims=True)
     else:
         scores = 1 / (1 + np.exp(-logits))
-    selection = scores + (0.0 if bias is None else np.asarray(bias, np.float64))
+    if bias is None:
+        selection = scores
+    elif score_function == "softmax":  # the bias is added to the logits
+        selection = scores * np.exp(np.asarray(bias, np.float64))
+    else:
+        selection = scores + np.asarray(bias, np.float64)
     tokens, experts = selection.shape
     margins = [np.inf]
     allowed = np.ones((tokens, experts), bool)

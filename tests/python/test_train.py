@@ -236,10 +236,10 @@ def test_a_new_run_refuses_a_folder_that_holds_one(reference, capsys, text_file)
 def test_defaults_that_depend_on_the_model_or_the_steps():
     config, model = build({})
     assert (config.preset, config.steps, config.seq_len) == ("tiny", 400, model.seq_len)
-    assert config.warmup_steps == 40 and config.bias_update_rate == 5e-3
+    assert config.warmup_steps == 40 and config.bias_update_rate == 0.1  # softmax
     assert config.router_lr_scale == 1.0
     config, model = build({"preset": "deepseek"})
-    assert model.score_function == "sigmoid" and config.bias_update_rate == 5e-3
+    assert model.score_function == "sigmoid" and config.bias_update_rate == 1e-2
     assert config.lr == 3e-4 and config.warmup_steps == config.steps // 10
     assert config.router_lr_scale == 0.1  # a 2048-wide preset
     assert build({"preset": "small"})[0].router_lr_scale == 1.0

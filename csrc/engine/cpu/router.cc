@@ -74,7 +74,9 @@ Status topk_router(const float* logits, const float* expert_bias, const RouterCo
     for (int64_t t = begin; t < end; ++t) {
       token_scores(logits + t * E, c, scores.data());
       for (int64_t e = 0; e < E; ++e) {
-        selection[e] = scores[e] + (expert_bias ? double(expert_bias[e]) : 0.0);
+        const double bias = expert_bias ? double(expert_bias[e]) : 0.0;
+        selection[e] = c.score_function == ScoreFunction::kSoftmax ? scores[e] * std::exp(bias)
+                                                                   : scores[e] + bias;
       }
       allowed_experts(selection.data(), c, allowed);
       double sum = 0.0;

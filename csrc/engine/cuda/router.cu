@@ -203,11 +203,13 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   const int E = static_cast<int>(c.num_experts), k = static_cast<int>(c.k);
   float p[kPerLane];
   token_scores(logits + t * E, c, lane, p);
-  uint32_t keys[kPerLane];  // of the selection scores, score + bias
+  uint32_t keys[kPerLane];  // of the selection scores (engine.h: RouterConfig)
+  const bool softmax = c.score_function == ScoreFunction::kSoftmax;
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) {
     const int e = 32 * j + lane;
-    keys[j] = order_key(p[j] + (expert_bias != nullptr && e < E ? expert_bias[e] : 0.0f));
+    const float bias = expert_bias != nullptr && e < E ? expert_bias[e] : 0.0f;
+    keys[j] = order_key(softmax ? p[j] * expf(bias) : p[j] + bias);
   }
   uint32_t allowed = allowed_experts(keys, c, lane);
 

@@ -51,8 +51,10 @@ Status clamp_group_offsets(const int32_t* sizes, int64_t num_groups, int64_t row
 
 enum class ScoreFunction : int32_t { kSoftmax = 0, kSigmoid = 1 };
 
-// Top-k routing. Selection uses score + expert_bias (bias optional, DeepSeek-V3's aux-loss-free
-// balancing); the returned weights use the unbiased score. With num_groups > 1 the experts are
+// Top-k routing. Selection uses the score moved by expert_bias (optional; DeepSeek-V3's
+// aux-loss-free balancing): sigmoid score + bias, as DeepSeek-V3; softmax probability *
+// exp(bias), i.e. the bias added to the logit, so that one bias step moves an expert by the same
+// factor whatever the number of experts. The returned weights use the unbiased score. With num_groups > 1 the experts are
 // split into num_groups equal groups, each group is scored by the sum of its best
 // max(1, k / topk_groups) selection scores, and only the topk_groups best groups may be chosen.
 // Weights are optionally renormalised to sum to one over the k slots, then multiplied by

@@ -61,12 +61,16 @@ def tokens(seed=0, hidden=16):
     return random_normal(np.random.default_rng(seed), (BATCH, SEQ, hidden)).at[..., 0].set(1.0)
 
 
-def loss_and_grads(block, x, cotangent, mesh=None):
-    """Output, MoEAux and the gradients w.r.t. x and every parameter, under jit (and the mesh)."""
+def loss_and_grads(block, x, cotangent, mesh=None, remat=False):
+    """Output, MoEAux and the gradients w.r.t. x and every parameter, under jit (and the mesh;
+    with remat, the block's forward is recomputed in the backward pass)."""
     graphdef, params, rest = nnx.split(block, nnx.Param, ...)
+    apply = lambda params, x: nnx.merge(graphdef, params, rest)(x)
+    if remat:
+        apply = jax.checkpoint(apply)
 
     def loss(params, x):
-        y, aux = nnx.merge(graphdef, params, rest)(x)
+        y, aux = apply(params, x)
         return jnp.sum(y * cotangent) + 0.1 * aux.load_balancing_loss + 0.01 * aux.z_loss, (y, aux)
 
     run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
@@ -78,13 +82,14 @@ def loss_and_grads(block, x, cotangent, mesh=None):
     return y, aux, {"x": grad_x, **nnx.to_pure_dict(grad_params)}
 
 
-def assert_same_block(config, routing, mesh, seed=0):
+def assert_same_block(config, routing, mesh, seed=0, remat=False):
     """The block on `mesh` against the block on one device: output, statistics, gradients."""
     x = tokens(seed, config.hidden)
     cotangent = random_normal(np.random.default_rng(seed + 1), x.shape)
     y, aux, grads = loss_and_grads(make_block(dataclasses.replace(config, expert_parallel=False),
                                               routing), x, cotangent)
-    ep_y, ep_aux, ep_grads = loss_and_grads(make_block(config, routing), x, cotangent, mesh)
+    ep_y, ep_aux, ep_grads = loss_and_grads(make_block(config, routing), x, cotangent, mesh,
+                                            remat)
     assert ep_y.shape == y.shape and ep_y.dtype == y.dtype
     assert_close(ep_y, y, F32_TOL, "output")
     np.testing.assert_array_equal(np.asarray(ep_aux.tokens_per_expert),
@@ -122,6 +127,17 @@ def test_expert_parallel_with_shared_experts_and_group_limited_routing(mesh):
     """The DeepSeek-style block (sigmoid, group-limited top-3, shared experts) with the default
     buffer, which balanced routing fits."""
     assert_same_block(DEEPSEEK, "uniform", mesh_of(mesh))
+
+
+@pytest.mark.parametrize("variant", ["remat", "reference_ops", "ragged_dot_experts"])
+def test_expert_parallel_under_remat_and_on_the_other_implementations(variant):
+    """jax.checkpoint around the block; MoEConfig(ops="reference") and matmul="ragged_dot" take
+    the same expert-parallel path on their own ops."""
+    worst_case = dataclasses.replace(SOFTMAX_TOP2, ep_buffer_factor=None)
+    config = {"remat": worst_case,
+              "reference_ops": dataclasses.replace(worst_case, ops="reference"),
+              "ragged_dot_experts": dataclasses.replace(worst_case, matmul="ragged_dot")}
+    assert_same_block(config[variant], "zipf", mesh_of("data2_ep4"), remat=variant == "remat")
 
 
 def test_expert_parallel_block_exchanges_rows_with_all_to_all():

@@ -19,6 +19,7 @@ test-cpp:
 # The editable install runs the repository's own Python files, from here as from anywhere.
 test-python:
 	.venv/bin/pytest -q tests/python
+	.venv/bin/pytest -q tests/python/multidevice
 
 bench: setup
 	.venv/bin/python bench/cpu_grouped_matmul.py --out bench/results

@@ -88,21 +88,59 @@ def on_platform(*operands, cpu, cuda):
     return jax.lax.platform_dependent(*operands, cpu=cpu, cuda=cuda)
 
 
+def varying_axes(*operands) -> frozenset:
+    """The manual mesh axes (inside `jax.shard_map`) over which any operand varies: its value
+    differs between the devices of that axis. Empty outside shard_map or with check_vma=False."""
+    return frozenset().union(*(jax.typeof(x).mat.varying for x in operands))
+
+
+def match_vma(*operands):
+    """The operands cast to vary over the union of their varying manual axes.
+
+    Inside `jax.shard_map` with check_vma (its default) every operand of an op, and every
+    cotangent a custom_vjp rule returns, must have the type of its primal, varying axes
+    included. An op whose operands differ (tokens varying over the mesh, weights replicated)
+    casts them all to the union first: the cast (`pcast` to varying) is free, and its
+    transpose sums the replicated operand's gradient over the axes, as JAX does for its own
+    primitives. A no-op outside shard_map.
+    """
+    varying = varying_axes(*operands)
+    return tuple(
+        jax.lax.pcast(x, tuple(sorted(missing, key=str)), to="varying")
+        if (missing := varying - jax.typeof(x).mat.varying) else x
+        for x in operands)
+
+
+def _typed_like(operands, shape, dtype):
+    """A result type varying over the manual axes the operands vary over. The type names the
+    operands' (shard_map's) mesh, on which those axes are manual."""
+    varying = varying_axes(*operands)
+    if not varying:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    mesh = jax.typeof(operands[0]).sharding.mesh
+    return jax.ShapeDtypeStruct(
+        shape, dtype, sharding=jax.sharding.NamedSharding(mesh, jax.P()),
+        manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+
+
 def engine_call(target: str, result_types, *, workspace_bytes=None, **attrs):
     """The function of the operands that runs `target`'s handler (`jax.ffi.ffi_call`).
 
     workspace_bytes: for a CUDA handler, a function giving its workspace size; the handler
     returns the workspace as one more (uint8) result, dropped here. Results are as
-    `result_types` (one, or a tuple).
+    `result_types` (one, or a tuple); inside `jax.shard_map` they vary over the axes the
+    operands vary over (`ffi_call` cannot know that: it takes the types it is given).
     """
     single = not isinstance(result_types, (tuple, list))
     results = (result_types,) if single else tuple(result_types)
 
     def run(*operands):
+        operands = match_vma(*operands)
+        typed = tuple(_typed_like(operands, r.shape, r.dtype) for r in results)
         workspace = ()  # sized when traced: only the CUDA branch asks the CUDA library
         if workspace_bytes is not None:
-            workspace = (jax.ShapeDtypeStruct((workspace_bytes(),), jnp.uint8),)
-        out = jax.ffi.ffi_call(target, results + workspace,
+            workspace = (_typed_like(operands, (workspace_bytes(),), jnp.uint8),)
+        out = jax.ffi.ffi_call(target, typed + workspace,
                                vmap_method="sequential")(*operands, **attrs)
         out = tuple(out)[:len(results)]
         return out[0] if single else out

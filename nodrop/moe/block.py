@@ -11,6 +11,7 @@ demo` checks one against the other.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -25,6 +26,9 @@ from nodrop.ops._checks import FLOAT_DTYPES
 from nodrop.ops.grouped_matmul import grouped_matmul
 from nodrop.ops.permute import permute, unpermute
 from nodrop.ops.router import SCORE_FUNCTIONS, topk_router
+from nodrop.parallel import expert as ep_exchange
+from nodrop.parallel.mesh import (EXPERT_AXIS, check_batch, check_experts, expert_shards,
+                                  token_axes)
 
 EXPERT_MATMULS = ("nodrop", "ragged_dot")
 # config.ops -> the implementation of each op the block calls.
@@ -55,6 +59,12 @@ class MoEConfig:
     residual_init_scale: multiplies the std of the down projections' lecun_normal init (the
       model sets 1 / sqrt(2 * num_layers): they write into the residual stream).
     dtype: compute dtype (bfloat16 is the GPU setting). param_dtype: master weights.
+    expert_parallel: split the experts over the `expert` axis of the mesh set with
+      `jax.set_mesh` (nodrop.parallel.make_mesh); see MoEBlock. Without such an axis, or with
+      size 1, the block is the single-device one. Dropless only (capacity_factor None).
+    ep_buffer_factor: expert parallelism's receive buffer, as a factor of the balanced load
+      (nodrop.parallel.expert.pair_capacity); None sizes it for the worst case (every token to
+      one rank), where it cannot overflow.
     """
 
     num_experts: int
@@ -73,6 +83,8 @@ class MoEConfig:
     residual_init_scale: float = 1.0
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
+    expert_parallel: bool = False
+    ep_buffer_factor: float | None = 2.0
 
     def __post_init__(self):
         require = requirer(self, lambda field: f"MoEConfig.{field}")
@@ -104,6 +116,12 @@ class MoEConfig:
         require(self.ops in OPS, "ops", f"one of {tuple(OPS)}")
         require(is_finite_number(self.residual_init_scale) and self.residual_init_scale > 0,
                 "residual_init_scale", "a positive finite number")
+        require(isinstance(self.expert_parallel, bool), "expert_parallel", "a bool")
+        require(not self.expert_parallel or self.capacity_factor is None, "capacity_factor",
+                "None (dropless) with expert_parallel")
+        require(self.ep_buffer_factor is None or (
+            is_finite_number(self.ep_buffer_factor) and self.ep_buffer_factor > 0),
+            "ep_buffer_factor", "None (the worst case) or a positive finite number")
         for field in ("dtype", "param_dtype"):
             try:
                 dtype = jnp.dtype(getattr(self, field))
@@ -124,6 +142,9 @@ class MoEAux:
       any drop.
     dropped_fraction: the fraction of the T*k slots that reached no expert (0 when dropless).
     max_over_mean: the busiest expert's load over the mean load (1 when balanced).
+    overflow: bool scalar, true when expert parallelism's receive buffer was too small: then
+      rows were not computed and the output must not be used (see MoEBlock). Always false on
+      one device.
     """
 
     load_balancing_loss: jax.Array
@@ -131,6 +152,7 @@ class MoEAux:
     tokens_per_expert: jax.Array
     dropped_fraction: jax.Array
     max_over_mean: jax.Array
+    overflow: jax.Array
 
 
 class ExpertBias(nnx.Variable):
@@ -166,6 +188,22 @@ class MoEBlock(nnx.Module):
     pmap) they are the shard's statistics and the caller must aggregate them: psum
     tokens_per_expert over the data axis before `updated_expert_bias` and the load metrics;
     the load-balancing loss is then the shard's (micro-batch) loss, not the global one.
+
+    Expert parallelism (config.expert_parallel, under `jax.set_mesh(mesh)` with an `expert`
+    axis of size ep > 1, nodrop.parallel.make_mesh): the block runs in `jax.shard_map`, the
+    batch (x's first dimension) split over the mesh's data, fsdp and expert axes, gate_up and
+    down over expert (each rank holds E/ep experts; E and the batch must divide). Each rank
+    routes its tokens, sends their rows to the ranks holding their experts, runs its experts
+    and combines the rows that come back (nodrop.parallel.expert). The router, the expert bias
+    and the shared experts are replicated. The losses and counts are those of the whole batch,
+    the same on every device, as on one device.
+
+    The receive buffers are bounded (config.ep_buffer_factor). When routing sends more rows
+    to a rank than its buffer holds, the rows past it are not computed and aux.overflow is true
+    on every device: that call's output, losses and gradients must not be used. The caller
+    discards the step (parameters, optimizer state and step count unchanged) and reruns the
+    batch with a larger factor, or with None (the worst case, which cannot overflow). No row is
+    ever dropped silently: dropped_fraction counts the rows cut, and is 0 without overflow.
     """
 
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
@@ -192,26 +230,21 @@ class MoEBlock(nnx.Module):
         if x.ndim not in (2, 3) or x.shape[-1] != cfg.hidden:
             raise ValueError(f"x must be [B, S, H] or [T, H] with H = hidden = {cfg.hidden}, "
                              f"got shape {tuple(x.shape)}")
+        shared = (self.shared_gate_up[...], self.shared_down[...]) if cfg.shared_ffn else ()
+        mesh = jax.sharding.get_abstract_mesh()
+        if cfg.expert_parallel and not mesh.empty and expert_shards(mesh) > 1:
+            return self._expert_parallel(x, mesh, shared)
         flat = x.reshape(-1, cfg.hidden)
         tokens = flat.astype(cfg.dtype)
         num_slots = tokens.shape[0] * cfg.k
-        # The router runs in float32 whatever the compute dtype: rounding its inputs or logits
-        # to bf16 would flip near-tied expert choices.
-        logits = jnp.dot(flat.astype(jnp.float32), self.router[...].astype(jnp.float32),
-                         precision=jax.lax.Precision.HIGHEST)
+        logits, weights, ids = _route(cfg, flat, self.router[...], self.expert_bias[...])
         ops = OPS[cfg.ops]
-        weights, ids = ops["topk_router"](
-            logits, cfg.k, score_function=cfg.score_function,
-            expert_bias=self.expert_bias[...], num_groups=cfg.num_groups,
-            topk_groups=cfg.topk_groups, renormalize=cfg.renormalize,
-            scaling_factor=cfg.scaling_factor)
         gate_up = self.gate_up[...].astype(cfg.dtype)
         down = self.down[...].astype(cfg.dtype)
 
         if cfg.capacity_factor is None:
             rows, group_sizes, row_map = ops["permute"](tokens, ids, cfg.num_experts)
-            matmul = ops["grouped_matmul"] if cfg.matmul == "nodrop" else jax.lax.ragged_dot
-            out_rows = swiglu(lambda a, w: matmul(a, w, group_sizes), rows, gate_up, down)
+            out_rows = _experts(cfg, rows, group_sizes, gate_up, down)
             y = ops["unpermute"](out_rows, row_map, weights)
             load = processed = group_sizes  # measured, not assumed: what the experts received
         else:
@@ -223,22 +256,103 @@ class MoEBlock(nnx.Module):
             load = tokens_per_expert(ids, cfg.num_experts)
             processed = jnp.minimum(load, capacity)
 
-        if cfg.shared_ffn:
-            y = y + swiglu(jnp.dot, tokens, self.shared_gate_up[...].astype(cfg.dtype),
-                            self.shared_down[...].astype(cfg.dtype))
-
-        if cfg.score_function == "softmax":
-            probs = jax.nn.softmax(logits, axis=-1)
-        else:  # normalised sigmoid scores, as DeepSeek-V3's balance loss uses
-            scores = jax.nn.sigmoid(logits)
-            probs = scores / scores.sum(axis=-1, keepdims=True)
-        aux = MoEAux(
-            load_balancing_loss=load_balancing_loss(probs, ids),
-            z_loss=router_z_loss(logits),
-            tokens_per_expert=load,
-            dropped_fraction=(num_slots - processed.sum()).astype(jnp.float32) / num_slots,
-            max_over_mean=load.max().astype(jnp.float32) * cfg.num_experts / num_slots)
+        y = _add_shared(cfg, y, tokens, shared)
+        aux = _aux(cfg, logits, ids, load, processed.sum(), jnp.zeros((), bool))
         return y.astype(cfg.dtype).reshape(x.shape), aux
+
+    def _expert_parallel(self, x, mesh, shared):
+        """The block in `jax.shard_map` over `mesh`: tokens split over its token axes, experts
+        over its expert axis; each rank routes its tokens, sends their rows to the ranks holding
+        their experts (nodrop.parallel.expert), runs its experts and combines what comes back."""
+        cfg = self.config
+        check_experts(cfg.num_experts, mesh, name="MoEConfig.num_experts")
+        check_batch(x.shape[0], mesh, name="x.shape[0]")
+        axes = token_axes(mesh)
+        tokens_spec = jax.P(axes)
+        replicated, by_expert = jax.P(), jax.P(EXPERT_AXIS)
+        per_rank = jax.shard_map(
+            functools.partial(_expert_parallel_rank, cfg, axes), mesh=mesh,
+            in_specs=(tokens_spec, replicated, replicated, by_expert, by_expert,
+                      (replicated,) * len(shared)),
+            out_specs=(tokens_spec, replicated))
+        return per_rank(x, self.router[...], self.expert_bias[...], self.gate_up[...],
+                        self.down[...], shared)
+
+
+def _route(cfg: MoEConfig, flat, router, expert_bias):
+    """flat [T, H] -> (logits [T, E] float32, weights [T, k], ids [T, k])."""
+    # The router runs in float32 whatever the compute dtype: rounding its inputs or logits to
+    # bf16 would flip near-tied expert choices.
+    logits = jnp.dot(flat.astype(jnp.float32), router.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    weights, ids = OPS[cfg.ops]["topk_router"](
+        logits, cfg.k, score_function=cfg.score_function, expert_bias=expert_bias,
+        num_groups=cfg.num_groups, topk_groups=cfg.topk_groups, renormalize=cfg.renormalize,
+        scaling_factor=cfg.scaling_factor)
+    return logits, weights, ids
+
+
+def _experts(cfg: MoEConfig, rows, group_sizes, gate_up, down):
+    """The SwiGLU experts over rows grouped by expert (group_sizes [G] against G experts)."""
+    matmul = OPS[cfg.ops]["grouped_matmul"] if cfg.matmul == "nodrop" else jax.lax.ragged_dot
+    return swiglu(lambda a, w: matmul(a, w, group_sizes), rows, gate_up, down)
+
+
+def _add_shared(cfg: MoEConfig, y, tokens, shared):
+    if not shared:
+        return y
+    gate_up, down = shared
+    return y + swiglu(jnp.dot, tokens, gate_up.astype(cfg.dtype), down.astype(cfg.dtype))
+
+
+def _aux(cfg: MoEConfig, logits, ids, load, processed, overflow, axis_name=None):
+    """MoEAux from this call's routing; with axis_name (inside shard_map) over every token of
+    the mesh. load: [E] slots per expert, processed: slots the experts computed (both already
+    summed over the mesh)."""
+    shards = 1 if axis_name is None else jax.lax.axis_size(axis_name)
+    num_slots = ids.size * shards
+    if cfg.score_function == "softmax":
+        probs = jax.nn.softmax(logits, axis=-1)
+    else:  # normalised sigmoid scores, as DeepSeek-V3's balance loss uses
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / scores.sum(axis=-1, keepdims=True)
+    return MoEAux(
+        load_balancing_loss=load_balancing_loss(probs, ids, axis_name=axis_name),
+        z_loss=router_z_loss(logits, axis_name=axis_name),
+        tokens_per_expert=load,
+        dropped_fraction=(num_slots - processed).astype(jnp.float32) / num_slots,
+        max_over_mean=load.max().astype(jnp.float32) * cfg.num_experts / num_slots,
+        overflow=overflow)
+
+
+def _expert_parallel_rank(cfg: MoEConfig, axes, x, router, expert_bias, gate_up, down, shared):
+    """One rank of MoEBlock._expert_parallel: x [B/n, ...] its tokens, gate_up and down its
+    E/ep experts; the other parameters whole."""
+    ops = OPS[cfg.ops]
+    flat = x.reshape(-1, cfg.hidden)
+    tokens = flat.astype(cfg.dtype)
+    logits, weights, ids = _route(cfg, flat, router, expert_bias)
+    rows, group_sizes, row_map = ops["permute"](tokens, ids, cfg.num_experts)
+    num_ranks = jax.lax.axis_size(EXPERT_AXIS)
+    capacity = ep_exchange.pair_capacity(rows.shape[0], num_ranks, cfg.ep_buffer_factor)
+    received, received_sizes, exchange = ep_exchange.send_rows(
+        rows, group_sizes, axis=EXPERT_AXIS, capacity=capacity, axes=axes)
+    # Regroup the received rows (by source, then local expert) by local expert; the padding rows
+    # form one more group that no expert computes (its output rows stay zero).
+    num_local = gate_up.shape[0]
+    local_ids = ep_exchange.received_expert_ids(received_sizes, capacity)
+    local_rows, local_sizes, local_map = ops["permute"](received, local_ids[:, None],
+                                                        num_local + 1)
+    local_out = _experts(cfg, local_rows, local_sizes[:num_local], gate_up.astype(cfg.dtype),
+                         down.astype(cfg.dtype))
+    out = ops["unpermute"](local_out, local_map,
+                           jnp.ones_like(local_map, jnp.float32, shape=(local_map.shape[0], 1)))
+    out_rows = ep_exchange.return_rows(out, exchange, rows.shape[0], axis=EXPERT_AXIS)
+    y = _add_shared(cfg, ops["unpermute"](out_rows, row_map, weights), tokens, shared)
+    load = jax.lax.psum(group_sizes, axes)
+    processed = jax.lax.psum(exchange.sent.sum(), axes)
+    aux = _aux(cfg, logits, ids, load, processed, exchange.overflow, axis_name=axes)
+    return y.astype(cfg.dtype).reshape(x.shape), aux
 
 
 def residual_init(scale: float, batch_axis=()):

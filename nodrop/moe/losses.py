@@ -14,7 +14,7 @@ def tokens_per_expert(ids, num_experts: int):
         valid.astype(jnp.int32))
 
 
-def load_balancing_loss(probs, ids, num_experts: int | None = None):
+def load_balancing_loss(probs, ids, num_experts: int | None = None, *, axis_name=None):
     """Switch/GShard auxiliary loss: E * sum_e f_e * P_e.
 
     f_e is the fraction of the T*k routed slots that went to expert e and P_e the mean router
@@ -25,18 +25,33 @@ def load_balancing_loss(probs, ids, num_experts: int | None = None):
     Args:
       probs: [T, E] router probabilities (softmax of the logits, or normalised sigmoid scores).
       ids: [T, k] chosen experts.
+      axis_name: inside `jax.shard_map`, the mesh axes the batch is split over: the loss is then
+        that of the whole batch, the same on every device.
     """
     num_tokens, num_experts_probs = probs.shape
     num_experts = num_experts or num_experts_probs
     if num_experts != num_experts_probs:
         raise ValueError(f"probs has {num_experts_probs} experts but num_experts is {num_experts}")
     counts = jax.lax.stop_gradient(tokens_per_expert(ids, num_experts)).astype(jnp.float32)
-    fraction = counts / max(ids.size, 1)
-    mean_prob = probs.astype(jnp.float32).mean(axis=0)
+    if axis_name is None:
+        fraction = counts / max(ids.size, 1)
+        mean_prob = probs.astype(jnp.float32).mean(axis=0)
+    else:
+        shards = jax.lax.axis_size(axis_name)
+        counts, prob_sums = jax.lax.psum((counts, probs.astype(jnp.float32).sum(axis=0)),
+                                         axis_name)
+        fraction = counts / max(ids.size * shards, 1)
+        mean_prob = prob_sums / (num_tokens * shards)
     return num_experts * jnp.sum(fraction * mean_prob)
 
 
-def router_z_loss(logits):
-    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2 (keeps logits small)."""
+def router_z_loss(logits, *, axis_name=None):
+    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2 (keeps logits small).
+
+    axis_name: inside `jax.shard_map`, the mesh axes the tokens are split over (the mean is then
+    over every token)."""
     z = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
-    return jnp.mean(jnp.square(z))
+    if axis_name is None:
+        return jnp.mean(jnp.square(z))
+    return jax.lax.psum(jnp.sum(jnp.square(z)), axis_name) / (
+        z.size * jax.lax.axis_size(axis_name))

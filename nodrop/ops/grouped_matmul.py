@@ -61,6 +61,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, out_dt
     group_sizes = _group_sizes(group_sizes, rhs.shape[0], "rhs")
     lhs, rhs = _common_inputs(lhs, rhs)
     out_dtype = _checks.out_dtype("out_dtype", out_dtype, lhs.dtype)
+    lhs, rhs, group_sizes = _ffi.match_vma(lhs, rhs, group_sizes)  # see match_vma
     return _grouped_matmul(lhs, rhs, group_sizes, transpose_rhs, out_dtype)
 
 
@@ -86,6 +87,7 @@ def grouped_matmul_contract(lhs, rhs, group_sizes, *, out_dtype=None):
     group_sizes = _checks.as_int32("group_sizes", group_sizes)
     lhs, rhs = _common_inputs(lhs, rhs)
     out_dtype = _checks.out_dtype("out_dtype", out_dtype, lhs.dtype)
+    lhs, rhs, group_sizes = _ffi.match_vma(lhs, rhs, group_sizes)
     return _grouped_matmul_contract(lhs, rhs, group_sizes, out_dtype)
 
 

@@ -42,7 +42,8 @@ def permute(x, ids, num_experts: int):
     if num_experts < 1:
         raise ValueError(f"num_experts must be at least 1, got {num_experts}")
     ids = _checks.as_int32("ids", ids)
-    return _permute(jnp.asarray(x), ids, int(num_experts))
+    x, ids = _ffi.match_vma(jnp.asarray(x), ids)  # inside shard_map: see _ffi.match_vma
+    return _permute(x, ids, int(num_experts))
 
 
 def unpermute(rows, row_map, weights):
@@ -65,7 +66,8 @@ def unpermute(rows, row_map, weights):
     _checks.require_dim("row_map", row_map, 0, num_slots, "entries (T*k from weights)")
     _checks.require_dim("rows", rows, 0, num_slots, "rows (T*k from weights)")
     row_map = _checks.as_int32("row_map", row_map)
-    return _unpermute(jnp.asarray(rows), row_map, jnp.asarray(weights, jnp.float32))
+    return _unpermute(*_ffi.match_vma(jnp.asarray(rows), row_map,
+                                      jnp.asarray(weights, jnp.float32)))
 
 
 # --- differentiable cores over the FFI calls ------------------------------------------------
@@ -92,7 +94,8 @@ def _permute_fwd(x, ids, num_experts):
 def _permute_bwd(num_experts, residuals, grads):
     row_map, k = residuals
     grad_rows = grads[0]
-    ones = jnp.ones((row_map.shape[0] // k, k), jnp.float32)
+    # ones_like: the ones vary over the mesh axes row_map does (inside shard_map).
+    ones = jnp.ones_like(row_map, jnp.float32, shape=(row_map.shape[0] // k, k))
     return _unpermute(grad_rows, row_map, ones), None
 
 

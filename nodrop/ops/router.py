@@ -62,8 +62,9 @@ def topk_router(logits, k: int, *, score_function: str = "softmax", expert_bias=
         _checks.require_dim("expert_bias", expert_bias, 0, num_experts, "entries (E from logits)")
     config = (int(k), score_function, int(num_groups), int(topk_groups), bool(renormalize),
               float(scaling_factor))
-    weights, ids = _topk_router(logits.astype(jnp.float32),
-                                jax.lax.stop_gradient(expert_bias.astype(jnp.float32)), config)
+    logits, expert_bias = _ffi.match_vma(logits.astype(jnp.float32),
+                                         jax.lax.stop_gradient(expert_bias.astype(jnp.float32)))
+    weights, ids = _topk_router(logits, expert_bias, config)
     return weights, ids
 
 

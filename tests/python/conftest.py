@@ -8,6 +8,7 @@ inputs must be created with explicit dtypes (int32 group sizes, float32 arrays).
 from __future__ import annotations
 
 import functools
+import pathlib
 
 import jax
 
@@ -35,6 +36,20 @@ INT32_MIN = -(2**31)
 # Relative error bounds (max abs diff / max abs reference) against the float64 reference.
 F32_TOL = 1e-5
 LOW_PRECISION_TOL = 1e-2
+
+
+MULTIDEVICE = pathlib.Path(__file__).parent / "multidevice"
+
+
+def pytest_ignore_collect(collection_path, config):
+    """tests/python/multidevice needs 8 host devices, which JAX takes only before it starts: it
+    runs in a pytest process of its own (`pytest tests/python/multidevice`, as `make test-python`
+    does), never beside the other tests, which keep one device."""
+    if collection_path != MULTIDEVICE:
+        return None
+    asked = [(config.invocation_params.dir / arg.split("::")[0]).resolve()
+             for arg in config.args]
+    return not all(path.is_relative_to(MULTIDEVICE) for path in asked)
 
 
 @pytest.fixture(autouse=True)

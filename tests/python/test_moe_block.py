@@ -240,6 +240,7 @@ def test_reported_statistics(config):
     counts = np.asarray(aux.tokens_per_expert)
     slots = num_tokens * config.k
     assert counts.dtype == np.int32 and counts.sum() == slots
+    assert aux.overflow.dtype == bool and not bool(aux.overflow)  # nothing exchanged
     assert float(aux.max_over_mean) == pytest.approx(counts.max() * config.num_experts / slots)
     if config.capacity_factor is None:
         assert float(aux.dropped_fraction) == 0.0  # measured from the group sizes
@@ -298,7 +299,8 @@ BAD_CONFIGS = [
     ("score_function", "relu"), ("num_groups", 3), ("topk_groups", 5), ("renormalize", 1),
     ("scaling_factor", 0.0), ("shared_ffn", -4), ("capacity_factor", 0.0),
     ("capacity_factor", float("inf")), ("matmul", "einsum"), ("ops", "cuda"),
-    ("dtype", jnp.int32), ("param_dtype", "float64"),
+    ("dtype", jnp.int32), ("param_dtype", "float64"), ("expert_parallel", 1),
+    ("ep_buffer_factor", 0.0), ("ep_buffer_factor", float("nan")),
 ]
 
 
@@ -310,6 +312,13 @@ def test_config_errors_name_the_field_and_value(field, value):
     with pytest.raises(ValueError, match=rf"^MoEConfig\.{field} must be .*, got "
                                          + re.escape(repr(value)) + "$"):
         MoEConfig(**kwargs)
+
+
+def test_config_rejects_expert_parallelism_with_a_capacity_factor():
+    with pytest.raises(ValueError, match=re.escape(
+            "MoEConfig.capacity_factor must be None (dropless) with expert_parallel, got 1.0")):
+        MoEConfig(num_experts=8, k=2, hidden=16, ffn=32, capacity_factor=1.0,
+                  expert_parallel=True)
 
 
 def test_config_rejects_k_beyond_the_selectable_groups():

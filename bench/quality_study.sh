@@ -5,7 +5,8 @@
 #                                    # then batch invariance of the trained dropless model
 #   bench/quality_study.sh gpu OUT   # small, 2000 steps of 4 x 1024 subword tokens, capacity 1.0
 #                                    # and 1.25, seeds 0 and 1; then mixtral, deepseek and qwen3,
-#                                    # 300 steps against 1.25
+#                                    # 300 steps against 1.25 on 48 MiB of the machine's
+#                                    # installed Python packages (bench/make_corpus.py)
 #
 # Started again with the same OUT, each comparison reuses the runs that finished, so a study cut
 # short (a time limit) goes on where it stopped. PYTHON (default python3) runs nodrop.
@@ -26,9 +27,12 @@ case $mode in
     # 4 sequences a step: the GPU machine's standard library is 2.5M BPE tokens, which 16 a step
     # would repeat 13 times in 2000 steps (docs/quality.md).
     compare --preset small --batch-size 4 --seeds 0 1 --checkpoint-every 0 --out "$out/small-b4"
+    # 300 steps of 16 x 2048 read 9.8M tokens: the corpus (12.6M on the H200 machine) is read
+    # once, where the standard library would be read four times.
+    [ -d "$out/corpus" ] || "$python" bench/make_corpus.py "$out/corpus" 48
     for preset in mixtral deepseek qwen3; do
       compare --preset "$preset" --steps 300 --capacity-factors 1.25 --eval-every 50 \
-        --eval-batches 4 --checkpoint-every 0 --out "$out/$preset-300"
+        --eval-batches 4 --checkpoint-every 0 --data "$out/corpus" --out "$out/$preset-300"
     done
     ;;
   *)

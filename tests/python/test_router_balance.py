@@ -97,42 +97,35 @@ def load(records: dict[int, dict], first: int, last: int) -> np.ndarray:
     return np.stack([np.asarray(records[s]["max_over_mean"]) for s in range(first, last + 1)])
 
 
-# `tiny` on the BPE's tokens stands for `tiny` here; on its default bytes it is checked below.
-SUBWORD = {"tokenizer": "bpe", "model_overrides": {"vocab_size": 2048}}
+# max/mean is a statistic of one batch. With fine-grained experts one sequence is a large part
+# of an expert's share: at 16 sequences of deepseek (6 of 64 experts) or qwen3 (8 of 128), a
+# sequence whose tokens all pick one expert (a table, a long list: code has many) adds 0.67 or
+# 1.0 of the mean load to it by itself, whatever the router. These two are measured on 64
+# sequences a step, where one sequence adds 0.17 or 0.25; docs/quality.md has both batches.
+BALANCE_BATCH = {"deepseek": 64, "qwen3": 64}
 
 
-# Not met yet (H200, 2026-12-01, bench/results/2026-12-01-h200-subword/balance): the late
-# layers' load rises during the warm-up, as the residual stream they read turns towards what all
-# tokens share, whatever the routers' learning rate: mean max/mean over steps 20-60 up to 1.73 on
-# deepseek (load-balancing weight 0.1) and 5.7 on qwen3. Strict: passing must drop the marker.
-UNBALANCED = {"deepseek", "qwen3"}
+# Not met yet (H200, 2026-12-01, bench/results/2026-12-01-h200-logit-bias): qwen3's last layer
+# averages 1.71 over steps 20-60 on 64 sequences (1.62 with a load-balancing weight of 0.1;
+# 2.11 on its 16). Strict: passing must drop the marker.
+UNBALANCED = {"qwen3"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(
-    name, marks=pytest.mark.xfail(reason="late layers unbalanced during the warm-up",
+    name, marks=pytest.mark.xfail(reason="qwen3's last layer above 1.5 after the warm-up",
                                   strict=True) if name in UNBALANCED else ())
     for name in PRESETS])
-def test_routers_balanced_by_step_20_on_subword_tokens(name, tmp_path, text):
+def test_routers_balanced_by_step_20(name, tmp_path, text):
     """From step 20 on, every layer's max/mean load averages at most 1.5 and never reaches 2.5
-    (a collapse)."""
+    (a collapse), each preset on its default data and tokenizer."""
     needs_device(name)
-    records = short_run(tmp_path, text, name, **(SUBWORD if name == "tiny" else {}))
-    after = load(records, 20, 60)
+    batch = {"batch_size": BALANCE_BATCH[name]} if name in BALANCE_BATCH else {}
+    after = load(short_run(tmp_path, text, name, **batch), 20, 60)
     assert after.mean(axis=0).max() <= 1.5, f"{name}: mean max/mean load {after.mean(axis=0)}"
     assert after.max() < 2.5, f"{name}: a router collapsed, max/mean load {after.max(axis=0)}"
 
 
 def test_capacity_1_25_drops_few_slots_after_warm_up(tmp_path, text):
-    records = short_run(tmp_path, text, "tiny", **{
-        **SUBWORD, "model_overrides": {**SUBWORD["model_overrides"], "capacity_factor": 1.25}})
+    records = short_run(tmp_path, text, "tiny", model_overrides={"capacity_factor": 1.25})
     dropped = np.mean([records[s]["dropped_fraction"] for s in range(21, 61)])  # [steps, layers]
     assert dropped <= 0.05, f"capacity 1.25 dropped {dropped:.1%} of slots after warm-up"
-
-
-def test_tiny_on_bytes_balanced_after_warm_up(tmp_path, text):
-    """On bytes the load starts near 2 (the space is 28% of the tokens, 'e' 6%: wherever routing
-    follows token identity, as at init, a few experts take most of them) and needs the warm-up
-    to come down: steps 41-60 average under 1.5."""
-    after = load(short_run(tmp_path, text, "tiny"), 41, 60)
-    assert after.mean(axis=0).max() < 1.5, f"tiny: mean max/mean load {after.mean(axis=0)}"
-    assert after.max() < 2.5, f"tiny: a router collapsed, max/mean load {after.max(axis=0)}"

@@ -92,9 +92,7 @@ def load(path: str | os.PathLike | None, vocab_size: int | None, echo=print) -> 
         raise DataError(f"{path}: cannot read it: {error.strerror or error}") from None
     if stat.S_ISDIR(mode):
         return _load_folder(path, vocab_size, echo)
-    if not stat.S_ISREG(mode):
-        raise DataError(f"{path}: expected a regular file or a folder, got "
-                        f"{_file_kind(mode)}")
+    require_regular_file(path, mode, "a regular file or a folder")
     return _tail_split(_read_tokens(path, vocab_size), str(path), text=not _is_token_file(path))
 
 
@@ -125,8 +123,22 @@ def _load_folder(path: Path, vocab_size: int | None, echo) -> Dataset:
     return _split_files(path, files, vocab_size, str(path))
 
 
+def require_regular_file(path: Path, mode: int | None = None,
+                         expected: str = "a regular file") -> None:
+    """Raises DataError unless path (whose st_mode is `mode`, if known) is a regular file:
+    reading a FIFO or a device could block."""
+    if mode is None:
+        try:
+            mode = path.stat().st_mode
+        except OSError as error:
+            raise DataError(f"{path}: cannot read it: {error.strerror or error}") from None
+    if not stat.S_ISREG(mode):
+        raise DataError(f"{path}: expected {expected}, got {_file_kind(mode)}")
+
+
 def _file_kind(mode: int) -> str:
-    kinds = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+             (stat.S_ISCHR, "a character device"),
              (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
     return next((name for test, name in kinds if test(mode)), "another kind of file")
 

@@ -27,7 +27,7 @@ import numpy as np
 import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from nodrop.train.data import Dataset, DataError
+from nodrop.train.data import Dataset, DataError, require_regular_file
 
 FILE = "tokenizer.json"  # in the run folder
 BPE = "bpe"
@@ -39,6 +39,7 @@ _RECIPE = "byte-level-bpe-1"  # part of the cache key: change it when training c
 def load(path: str | os.PathLike) -> Tokenizer:
     """A tokenizer.json; raises DataError naming the file when it cannot be read or parsed."""
     path = Path(path)
+    require_regular_file(path)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:

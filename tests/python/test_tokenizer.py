@@ -4,6 +4,8 @@ tokenizer.json, the cache, and what the run folder keeps of them."""
 from __future__ import annotations
 
 import json
+import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -111,7 +113,7 @@ def test_a_given_tokenizer_file_sets_the_vocabulary(corpus, tmp_path):
     ("token ids", "holds token ids, not text: it needs no tokenizer"),
     ("vocab 256", "needs more than the 256 byte tokens; model.vocab_size is 256"),
     ("too large", "has 300 tokens, more than model.vocab_size=280"),
-    ("not a file", "cannot read the tokenizer"),
+    ("not a file", "missing.json: cannot read it: No such file or directory"),
 ])
 def test_unusable_tokenizer_settings_are_clear_errors(corpus, tmp_path, case, message):
     overrides = run_overrides(corpus)
@@ -145,3 +147,22 @@ def test_the_flag_and_the_presets_defaults(tmp_path):
         assert (config.tokenizer, model.vocab_size, config.aux_loss_coef) == ("bpe", 8192, aux)
     config, model = build({"preset": "tiny"})
     assert (config.tokenizer, model.vocab_size) == (None, 256)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_a_tokenizer_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path, kind):
+    path = tmp_path / "tokenizer.json"
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    errors = []
+
+    def load():
+        try:
+            tokenizer.load(path)
+        except data.DataError as error:
+            errors.append(str(error))
+
+    reader = threading.Thread(target=load, daemon=True)  # a blocked open would hang it
+    reader.start()
+    reader.join(timeout=30)
+    got = "a FIFO (named pipe)" if kind == "fifo" else "a folder"
+    assert errors == [f"{path}: expected a regular file, got {got}"]

@@ -57,7 +57,8 @@ class WriteFailed(RuntimeError):
 
 
 class Interrupted(RuntimeError):
-    """SIGINT or SIGTERM: the run saved a checkpoint of its last finished step and stopped."""
+    """SIGINT or SIGTERM: the run saved a checkpoint of its last finished step and stopped (or,
+    on a second signal, stopped at once without saving)."""
 
     def __init__(self, signum: int, message: str):
         super().__init__(message)
@@ -537,12 +538,14 @@ def _compile(*, config: TrainConfig, graphdef, tx, abstract, metrics: MetricsLog
 class _StopFlag:
     """SIGINT (Ctrl-C) or SIGTERM (what schedulers send before preemption) asks the loop to stop
     after the current step: stopping mid-call could lose donated buffers, so the loop checks the
-    flag between steps. A second signal interrupts at once, except during a checkpoint save,
-    which it lets finish (an interrupted save would leave a temporary folder behind)."""
+    flag between steps. A second signal stops the run at once with Interrupted, without saving
+    the current step, except during a checkpoint save, which it lets finish (an interrupted save
+    would leave a temporary folder behind)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self):
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir  # named in the message of a second signal
         self.signum: int | None = None  # the first signal received
         self.saving = False
         self._previous = {}
@@ -561,7 +564,10 @@ class _StopFlag:
 
     def _handle(self, signum, frame):
         if self.signum is not None and not self.saving:
-            raise KeyboardInterrupt
+            raise Interrupted(signum, (
+                f"interrupted again ({signal.Signals(signum).name}): stopped at once, without "
+                "saving the current step. Continue from the last checkpoint with --resume --out "
+                f"{self.run_dir}"))
         if self.signum is None:
             self.signum = signum
 
@@ -577,7 +583,7 @@ def _train(job: _Job, state: _State) -> None:
     config = job.config
     state.interval_start = time.perf_counter()
     try:
-        with _StopFlag() as stop:
+        with _StopFlag(job.run_dir) as stop:
             while state.step < config.steps:
                 _step(job, state)
                 step = state.step

@@ -486,17 +486,32 @@ def test_a_signal_saves_a_checkpoint_of_the_last_step_and_stops(tmp_path, text_f
     assert json.loads((run_dir / "config.json").read_text())["model"]["remat"] is True
 
 
-def test_a_second_signal_waits_for_the_save_but_not_otherwise():
-    with trainer._StopFlag() as stop:
+def test_a_second_signal_waits_for_the_save_but_not_otherwise(tmp_path):
+    with trainer._StopFlag(tmp_path) as stop:
         signal.raise_signal(signal.SIGTERM)
         assert stop.signum == signal.SIGTERM
         stop.saving = True
         signal.raise_signal(signal.SIGINT)  # during a save: no KeyboardInterrupt
         stop.saving = False
         assert stop.signum == signal.SIGTERM
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(trainer.Interrupted, match="interrupted again \\(SIGINT\\): stopped at "
+                           "once, without saving the current step") as stopped:
             signal.raise_signal(signal.SIGINT)
+        assert stopped.value.signum == signal.SIGINT
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_two_signals_50_ms_apart_stop_in_one_line_leaving_no_temporary_folder(tmp_path,
+                                                                               text_file):
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    proc = start_stepping(run_dir, log, train_flags(text_file, steps=1000,
+                                                    **{"checkpoint-every": 500}))
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130, log.read_text()
+    assert "Traceback" not in log.read_text() and "interrupted" in log.read_text()
+    assert not list(run_dir.rglob("*tmp*"))
 
 
 def test_a_second_process_on_a_run_folder_is_refused_and_touches_nothing(tmp_path, text_file,

@@ -37,6 +37,9 @@ class RunLock:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileExistsError:  # mkdir(exist_ok=True) on an existing file
+            raise RunFolderError(f"cannot use --out {self.path.parent}: expected a folder (or "
+                                 "a path to create one), got a file") from None
         except OSError as error:
             raise RunFolderError(f"cannot use --out {self.path.parent}: "
                                  f"{error.strerror or error}") from None

@@ -558,7 +558,8 @@ def test_an_out_that_is_a_file_is_one_error_line(tmp_path, text_file, capsys):
     code, _, err = run_cli(capsys, "train", *train_flags(text_file, steps=2),
                            "--out", str(tmp_path / "file"))
     assert code == 2 and "Traceback" not in err
-    assert f"cannot use --out {tmp_path / 'file'}: " in err, err
+    assert (f"cannot use --out {tmp_path / 'file'}: expected a folder (or a path to create "
+            "one), got a file") in err, err
 
 
 def no_space(*args, **kwargs):

@@ -168,8 +168,8 @@ class Attention(nnx.Module):
         cached keys and values [B, seq_len, kv_heads, D] of the positions before and to
         themselves. Returns (out [B, S, H], keys, values) with this step's written in."""
         q, k, v = self._qkv(x, cos, sin)
-        keys = jax.lax.dynamic_update_slice(keys, k, (0, position, 0, 0))
-        values = jax.lax.dynamic_update_slice(values, v, (0, position, 0, 0))
+        keys = jax.lax.dynamic_update_slice_in_dim(keys, k, position, axis=1)
+        values = jax.lax.dynamic_update_slice_in_dim(values, v, position, axis=1)
         # Query i sees cached position j <= position + i; the slots past the sequence hold
         # zeros and stay masked. XLA's implementation: cuDNN's takes no such mask.
         visible = (jnp.arange(keys.shape[1])[None, :]

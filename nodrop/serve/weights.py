@@ -13,15 +13,17 @@ import dataclasses
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import safetensors.numpy
 from flax import nnx
-from tokenizers import Tokenizer
 
 from nodrop.models import ModelConfig, MoELM
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -98,6 +100,8 @@ def _load_export(folder: Path, step: int | None, model_changes: dict) -> Loaded:
         raise LoadError(f"{folder / CONFIG_FILE}: not an export's config ({error})") from None
     if step is not None and step != saved["step"]:
         raise LoadError(f"step: {folder} is the export of step {saved['step']}, got {step}")
+    import safetensors.numpy  # here: `import nodrop` needs none of the serving packages
+
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: MoELM(config, rngs=nnx.Rngs(0))))
     arrays = safetensors.numpy.load_file(folder / WEIGHTS_FILE)
     flat = nnx.to_flat_state(abstract)
@@ -130,6 +134,8 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, *,
            step: int | None = None) -> Path:
     """Writes the run's trained weights (its newest checkpoint, or `step`'s) as an export folder
     `out` (see the module's docstring), which must be new or empty. Returns the weights file."""
+    import safetensors.numpy
+
     run_dir, out = Path(run_dir), Path(out)
     if (run_dir / WEIGHTS_FILE).is_file():
         raise LoadError(f"--run {run_dir} is an export already; export a run folder")

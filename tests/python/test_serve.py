@@ -4,6 +4,7 @@ trained here (bytes and BPE)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -118,6 +119,21 @@ def test_a_folder_that_is_neither_a_run_nor_an_export_is_one_line(tmp_path, caps
     assert capsys.readouterr().err == (
         f"nodrop eval: error: {tmp_path} is neither a run folder (config.json, checkpoints/) "
         "nor an export folder (model.safetensors, config.json)\n")
+
+
+def test_loading_a_run_checks_the_params_crc32_and_names_a_missing_step(run, tmp_path, capsys):
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    meta = copy / "checkpoints" / "30" / "meta" / "metadata"
+    record = json.loads(meta.read_text())
+    record["crc32"]["params/embedding/value"] ^= 1  # as if the embedding's bytes had changed
+    meta.write_text(json.dumps(record))
+    assert cli.main(["eval", "--run", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "params/embedding/value differ from what was saved" in err
+    assert cli.main(["export", "--run", str(run), "--step", "7", "--out", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err == (f"nodrop export: error: {run / 'checkpoints'} holds no "
+                                       "checkpoint of step 7; it has [30]\n")
 
 
 def test_a_dropless_models_logits_ignore_the_batch_and_a_capacity_models_do_not(exported):

@@ -37,11 +37,11 @@ def _training(command: str, body) -> int:
     permissions) with 74 (sysexits' EX_IOERR), SIGINT (Ctrl-C) with 130 and SIGTERM with 143
     (128 + the signal's number, the shells' convention)."""
     # Imported here: `nodrop info` and `nodrop demo` need none of Orbax, TensorBoard, matplotlib.
+    from nodrop.serve import LoadError
     from nodrop.train.checkpoint import CheckpointError
     from nodrop.train.config import ConfigError
     from nodrop.train.data import DataError
     from nodrop.train.lock import RunFolderError
-    from nodrop.serve import LoadError
     from nodrop.train.trainer import Diverged, Interrupted, WriteFailed
 
     try:

@@ -85,7 +85,7 @@ def load(path: str | os.PathLike, *, step: int | None = None, **model_changes) -
 def _load_run(run_dir: Path, step: int | None, model_changes: dict) -> Loaded:
     from nodrop.train import tokenizer, trainer  # Orbax and Optax only for run folders
 
-    model, step = trainer.load_trained(run_dir, step=step, **model_changes)
+    model, step = trainer.load_model(run_dir, step=step, **model_changes)
     saved = json.loads((run_dir / CONFIG_FILE).read_text())
     run_tokenizer = (tokenizer.load(run_dir / TOKENIZER_FILE)
                      if saved["train"].get("tokenizer") is not None else None)

@@ -5,9 +5,9 @@ do not change when its batch-mates do (up to float rounding: the expert matmuls 
 counts). Under a capacity factor an expert's buffer fills with whichever tokens of the batch come
 first, so the same sequence next to other sequences loses other tokens and its logits change.
 
-`measure` loads a run's (or its export's) trained weights once per dispatch (dropless and each capacity factor:
-the same weights), puts each probe sequence into two batches whose other sequences differ, and
-reports how far its logits moved.
+`measure` loads a run's (or its export's) trained weights once per dispatch (dropless and each
+capacity factor: the same weights), puts each probe sequence into two batches whose other
+sequences differ, and reports how far its logits moved.
 """
 
 from __future__ import annotations

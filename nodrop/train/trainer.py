@@ -443,21 +443,16 @@ def run_config(run_dir: str | os.PathLike) -> tuple[TrainConfig, ModelConfig]:
 
 
 def load_model(run_dir: str | os.PathLike, *, step: int | None = None,
-               **model_changes) -> MoELM:
-    """The trained model of a run folder, from its newest complete checkpoint (or `step`'s).
+               **model_changes) -> tuple[MoELM, int]:
+    """The trained model of a run folder, from its newest complete checkpoint (or `step`'s), and
+    that checkpoint's step. Only the params and the expert biases are read (and checked against
+    their CRC32s), not the optimizer state.
 
     model_changes replace ModelConfig fields that leave the parameters as they are
     (capacity_factor, moe_matmul, dtype, remat): the same weights, dispatched another way.
     Raises ConfigError for a folder that is not a run, CheckpointError for a missing or
     unusable checkpoint.
     """
-    return load_trained(run_dir, step=step, **model_changes)[0]
-
-
-def load_trained(run_dir: str | os.PathLike, *, step: int | None = None,
-                 **model_changes) -> tuple[MoELM, int]:
-    """load_model's model and the step of the checkpoint it came from. Only the params and the
-    expert biases are read (and checked against their CRC32s), not the optimizer state."""
     run_dir = Path(run_dir)
     config, model_config = run_config(run_dir)
     model_config = model_config.replace(**model_changes)

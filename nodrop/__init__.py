@@ -7,10 +7,11 @@ from nodrop.ops._checks import checks, checks_enabled
 from nodrop.ops.grouped_matmul import grouped_matmul, grouped_matmul_contract, ragged_dot
 from nodrop.ops.permute import permute, unpermute
 from nodrop.ops.router import topk_router
+from nodrop.serve import load
 
 __version__ = "0.1.0"
 __all__ = [
-    "backends", "checks", "checks_enabled", "grouped_matmul", "grouped_matmul_contract",
+    "backends", "checks", "checks_enabled", "grouped_matmul", "grouped_matmul_contract", "load",
     "load_balancing_loss", "permute", "ragged_dot", "router_z_loss", "tokens_per_expert",
     "topk_router", "unpermute",
 ]

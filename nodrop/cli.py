@@ -1,4 +1,5 @@
-"""The nodrop command line: `nodrop train`, `nodrop compare`, `nodrop demo`, `nodrop info`.
+"""The nodrop command line: `nodrop train`, `nodrop compare`, `nodrop export`, `nodrop generate`,
+`nodrop eval`, `nodrop demo`, `nodrop info`.
 
 The benchmarks are programs of their own, in bench/ (bench/README.md)."""
 
@@ -36,6 +37,7 @@ def _training(command: str, body) -> int:
     permissions) with 74 (sysexits' EX_IOERR), SIGINT (Ctrl-C) with 130 and SIGTERM with 143
     (128 + the signal's number, the shells' convention)."""
     # Imported here: `nodrop info` and `nodrop demo` need none of Orbax, TensorBoard, matplotlib.
+    from nodrop.serve import LoadError
     from nodrop.train.checkpoint import CheckpointError
     from nodrop.train.config import ConfigError
     from nodrop.train.data import DataError
@@ -44,7 +46,7 @@ def _training(command: str, body) -> int:
 
     try:
         return body()
-    except (ConfigError, DataError, CheckpointError, RunFolderError) as error:
+    except (ConfigError, DataError, CheckpointError, RunFolderError, LoadError) as error:
         print(f"nodrop {command}: error: {error}", file=sys.stderr)
         return 2
     except Diverged as error:
@@ -92,6 +94,87 @@ def compare(args: argparse.Namespace) -> int:
     return _training("compare", body)
 
 
+def export(args: argparse.Namespace) -> int:
+    def body():
+        from nodrop import serve
+        weights = serve.export(args.run_dir, args.out, step=args.step)
+        files = ", ".join(f"{f.name} ({f.stat().st_size:,} bytes)"
+                          for f in sorted(weights.parent.iterdir()))
+        print(f"nodrop export: wrote {weights.parent}: {files}")
+        return 0
+
+    return _training("export", body)
+
+
+def generate(args: argparse.Namespace) -> int:
+    def body():
+        from nodrop import serve
+        from nodrop.serve.generate import check_sampling, generate as sample
+        from nodrop.train.config import ConfigError
+
+        def flag_error(error: ValueError) -> ConfigError:  # "top_k must ..." -> "--top-k must ..."
+            name, rest = str(error).split(" ", 1)
+            return ConfigError(f"--{name.replace('_', '-')} {rest}")
+
+        settings = dict(max_tokens=args.max_tokens, temperature=args.temperature,
+                        top_k=args.top_k, top_p=args.top_p)
+        try:  # before the model loads
+            check_sampling(**settings)
+        except ValueError as error:
+            raise flag_error(error) from None
+        loaded = serve.load(args.run_dir, step=args.step)
+        try:
+            tokens = sample(loaded, loaded.encode(args.prompt), seed=args.seed, **settings)
+        except ValueError as error:
+            raise flag_error(error) from None
+        print(args.prompt + loaded.decode(tokens))
+        if len(tokens) < args.max_tokens:
+            print(f"nodrop generate: stopped after {len(tokens)} tokens at the model's seq_len="
+                  f"{loaded.config.seq_len}", file=sys.stderr)
+        return 0
+
+    return _training("generate", body)
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    def body():
+        import dataclasses
+        import json
+        import math
+
+        from nodrop import serve
+        from nodrop.serve.generate import evaluate as loss_of
+        from nodrop.train import data, trainer
+        loaded = serve.load(args.run_dir, step=args.step)
+        config, _ = trainer.run_config(args.run_dir)  # an export keeps the run's config.json
+        if args.data is not None:
+            config = dataclasses.replace(config, data=args.data)
+        dataset, _ = trainer.load_data(config, loaded.config, echo=lambda _: None,
+                                       run_dir=Path(args.run_dir))
+        seq_len = config.seq_len
+        data.check_length(dataset, seq_len)
+        batches = data.eval_batches(dataset.val, args.batches or config.eval_batches,
+                                    config.batch_size, seq_len)
+        loss = loss_of(loaded, batches)
+        result = {"run": str(Path(args.run_dir).absolute()), "step": loaded.step,
+                  "data": str(config.data), "split": "validation", "tokens": sum(
+                      b[:, 1:].size for b in batches), "loss": loss,
+                  "perplexity": math.exp(loss)}
+        print(json.dumps(result) if args.json else
+              f"step {loaded.step}: validation loss {loss:.4f}, perplexity "
+              f"{result['perplexity']:.2f} over {result['tokens']:,} tokens of {config.data}")
+        return 0
+
+    return _training("eval", body)
+
+
+def _add_use_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", required=True, metavar="DIR", dest="run_dir",
+                        help="a run folder (nodrop train --out) or an export (nodrop export)")
+    parser.add_argument("--step", type=int, metavar="N",
+                        help="the checkpoint of step N (default: the newest)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nodrop", description=nodrop.__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -118,6 +201,35 @@ def build_parser() -> argparse.ArgumentParser:
     compare_parser.add_argument("--with-ragged-dot", action="store_true",
                                 help="also train dropless on jax.lax.ragged_dot")
     compare_parser.set_defaults(run=compare)
+    export_parser = commands.add_parser(
+        "export", help="a run's trained weights as safetensors, with config.json and tokenizer",
+        description="Write a run's params (no optimizer state) as model.safetensors, with its "
+                    "config.json and tokenizer.json, into --out; nodrop.load() reads it.")
+    _add_use_arguments(export_parser)
+    export_parser.add_argument("--out", required=True, metavar="EXPORT_DIR",
+                               help="a new or empty folder")
+    export_parser.set_defaults(run=export)
+    generate_parser = commands.add_parser(
+        "generate", help="sample text from a trained model (KV cache; greedy at temperature 0)")
+    _add_use_arguments(generate_parser)
+    generate_parser.add_argument("--prompt", required=True, metavar="TEXT")
+    generate_parser.add_argument("--max-tokens", type=int, default=100, metavar="N")
+    generate_parser.add_argument("--temperature", type=float, default=1.0, metavar="T",
+                                 help="0: greedy (default 1)")
+    generate_parser.add_argument("--top-k", type=int, metavar="K")
+    generate_parser.add_argument("--top-p", type=float, metavar="P")
+    generate_parser.add_argument("--seed", type=int, default=0, metavar="S")
+    generate_parser.set_defaults(run=generate)
+    eval_parser = commands.add_parser(
+        "eval", help="validation loss and perplexity of a trained model")
+    _add_use_arguments(eval_parser)
+    eval_parser.add_argument("--data", metavar="PATH",
+                             help="data as nodrop train --data takes it; its validation split "
+                                  "(default: the run's own)")
+    eval_parser.add_argument("--batches", type=int, metavar="N",
+                             help="batches of the run's batch size (default: its eval_batches)")
+    eval_parser.add_argument("--json", action="store_true", help="print one JSON object")
+    eval_parser.set_defaults(run=evaluate)
     demo_parser = commands.add_parser(
         "demo", help="MoE layer forward+backward: check against the references, time it")
     demo.add_arguments(demo_parser)

@@ -1,6 +1,6 @@
 """Models on nodrop's MoE block: a decoder-only MoE language model and its presets."""
 
 from nodrop.models.config import PRESETS, ModelConfig, preset
-from nodrop.models.lm import ModelAux, MoELM
+from nodrop.models.lm import KVCache, ModelAux, MoELM
 
-__all__ = ["ModelAux", "ModelConfig", "MoELM", "PRESETS", "preset"]
+__all__ = ["KVCache", "ModelAux", "ModelConfig", "MoELM", "PRESETS", "preset"]

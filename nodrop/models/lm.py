@@ -65,6 +65,18 @@ class ModelAux:
                    max_over_mean=stacked("max_over_mean", jnp.float32))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """MoELM.decode's cache: per layer, the rotated keys and the values of the positions so far,
+    [B, seq_len, num_kv_heads, head_dim] in config.dtype (zeros past `length`), and `length`,
+    int32 [], the positions filled."""
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    length: jax.Array
+
+
 # --- rotary embeddings -----------------------------------------------------------------------
 
 
@@ -125,7 +137,8 @@ class Attention(nnx.Module):
         self.output = _param(rngs, residual_init(config.residual_init_scale),
                              (q_width, config.hidden), config.param_dtype)
 
-    def __call__(self, x, cos, sin):
+    def _qkv(self, x, cos, sin):
+        """q [B, S, heads, D] and k, v [B, S, kv_heads, D] in config.dtype, q and k rotated."""
         cfg = self.config
         batch, seq, _ = x.shape
         x = x.astype(cfg.dtype)
@@ -136,12 +149,34 @@ class Attention(nnx.Module):
 
         q = apply_rope(project(self.query, cfg.num_heads), cos, sin).astype(cfg.dtype)
         k = apply_rope(project(self.key, cfg.num_kv_heads), cos, sin).astype(cfg.dtype)
-        v = project(self.value, cfg.num_kv_heads)
+        return q, k, project(self.value, cfg.num_kv_heads)
+
+    def _output(self, out):
+        batch, seq = out.shape[:2]
+        return jnp.dot(out.reshape(batch, seq, -1), self.output[...].astype(self.config.dtype))
+
+    def __call__(self, x, cos, sin):
+        cfg = self.config
+        q, k, v = self._qkv(x, cos, sin)
         # K and V keep their num_kv_heads heads: dot_product_attention does GQA itself.
-        out = jax.nn.dot_product_attention(
+        return self._output(jax.nn.dot_product_attention(
             q, k, v, is_causal=True,
-            implementation=attention_implementation(cfg.dtype, cfg.head_dim))
-        return jnp.dot(out.reshape(batch, seq, -1), self.output[...].astype(cfg.dtype))
+            implementation=attention_implementation(cfg.dtype, cfg.head_dim)))
+
+    def decode(self, x, cos, sin, keys, values, position):
+        """x [B, S, H] at positions position..position+S-1 (cos, sin: theirs), attending to the
+        cached keys and values [B, seq_len, kv_heads, D] of the positions before and to
+        themselves. Returns (out [B, S, H], keys, values) with this step's written in."""
+        q, k, v = self._qkv(x, cos, sin)
+        keys = jax.lax.dynamic_update_slice_in_dim(keys, k, position, axis=1)
+        values = jax.lax.dynamic_update_slice_in_dim(values, v, position, axis=1)
+        # Query i sees cached position j <= position + i; the slots past the sequence hold
+        # zeros and stay masked. XLA's implementation: cuDNN's takes no such mask.
+        visible = (jnp.arange(keys.shape[1])[None, :]
+                   <= position + jnp.arange(x.shape[1])[:, None])
+        out = jax.nn.dot_product_attention(q, keys, values, mask=visible[None, None],
+                                           implementation="xla")
+        return self._output(out), keys, values
 
 
 class DenseMLP(nnx.Module):
@@ -181,7 +216,16 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, cos, sin):
         dtype = self.config.dtype
-        x = x + self.attention(self.attention_norm(x).astype(dtype), cos, sin)
+        return self._ffn(x + self.attention(self.attention_norm(x).astype(dtype), cos, sin))
+
+    def decode(self, x, cos, sin, keys, values, position):
+        """As __call__ on new positions, with Attention.decode's cache: (x, keys, values)."""
+        attended, keys, values = self.attention.decode(
+            self.attention_norm(x).astype(self.config.dtype), cos, sin, keys, values, position)
+        return self._ffn(x + attended)[0], keys, values
+
+    def _ffn(self, x):
+        dtype = self.config.dtype
         hidden = self.ffn_norm(x).astype(dtype)
         if isinstance(self.ffn, MoEBlock):
             out, aux = self.ffn(hidden)
@@ -226,14 +270,8 @@ class MoELM(nnx.Module):
 
     def __call__(self, tokens):
         cfg = self.config
-        tokens = jnp.asarray(tokens)
-        if (tokens.ndim != 2 or tokens.dtype != jnp.int32 or not 1 <= tokens.shape[1]
-                <= cfg.seq_len or tokens.shape[0] < 1):
-            raise ValueError(
-                f"tokens must be int32 [B, S] with B >= 1 and 1 <= S <= seq_len={cfg.seq_len}, "
-                f"got {tokens.dtype} {tuple(tokens.shape)}")
-        x = jnp.take(self.embedding[...], tokens, axis=0, mode="fill",
-                     fill_value=jnp.nan).astype(cfg.dtype)
+        tokens = self._check_tokens(tokens, cfg.seq_len)
+        x = self._embed(tokens)
         cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
         call_layer = _call_layer_remat if cfg.remat else _call_layer
         moe_aux = []
@@ -241,9 +279,54 @@ class MoELM(nnx.Module):
             x, aux = call_layer(layer, x, cos, sin)
             if aux is not None:
                 moe_aux.append(aux)
+        return self._logits(x), ModelAux.stack(moe_aux, cfg.num_experts)
+
+    def init_cache(self, batch: int) -> KVCache:
+        """An empty cache for `batch` sequences of up to seq_len tokens."""
+        cfg = self.config
+        shape = (batch, cfg.seq_len, cfg.num_kv_heads, cfg.head_dim)
+        empty = tuple(jnp.zeros(shape, cfg.dtype) for _ in self.layers)
+        return KVCache(keys=empty, values=empty, length=jnp.zeros((), jnp.int32))
+
+    def decode(self, tokens, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """The logits [B, S, vocab_size] of tokens [B, S] that continue the cached sequences (at
+        positions cache.length..cache.length+S-1), and the cache with them added: a prompt into
+        an empty cache, then one token at a time. The same logits as __call__ on the whole
+        sequence, up to float rounding. The caller keeps cache.length + S <= seq_len: under jit
+        it cannot be checked, and a write past the end would land on the last slots."""
+        cfg = self.config
+        tokens = self._check_tokens(tokens, cfg.seq_len)
+        position = cache.length
+        cos, sin = (jax.lax.dynamic_slice_in_dim(table, position, tokens.shape[1])
+                    for table in rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta))
+        x = self._embed(tokens)
+        keys, values = [], []
+        for layer, layer_keys, layer_values in zip(self.layers, cache.keys, cache.values):
+            x, layer_keys, layer_values = layer.decode(x, cos, sin, layer_keys, layer_values,
+                                                       position)
+            keys.append(layer_keys)
+            values.append(layer_values)
+        return self._logits(x), KVCache(keys=tuple(keys), values=tuple(values),
+                                        length=position + tokens.shape[1])
+
+    @staticmethod
+    def _check_tokens(tokens, seq_len: int):
+        tokens = jnp.asarray(tokens)
+        if (tokens.ndim != 2 or tokens.dtype != jnp.int32 or not 1 <= tokens.shape[1]
+                <= seq_len or tokens.shape[0] < 1):
+            raise ValueError(
+                f"tokens must be int32 [B, S] with B >= 1 and 1 <= S <= seq_len={seq_len}, "
+                f"got {tokens.dtype} {tuple(tokens.shape)}")
+        return tokens
+
+    def _embed(self, tokens):
+        return jnp.take(self.embedding[...], tokens, axis=0, mode="fill",
+                        fill_value=jnp.nan).astype(self.config.dtype)
+
+    def _logits(self, x):
+        cfg = self.config
         x = self.final_norm(x).astype(cfg.dtype)
         if self.lm_head is None:  # T5's tied head: the normal(1) table would give logits ~ sqrt(H)
             x = (x * cfg.hidden ** -0.5).astype(cfg.dtype)
         head = self.embedding[...].T if self.lm_head is None else self.lm_head[...]
-        logits = jnp.dot(x, head.astype(cfg.dtype), preferred_element_type=jnp.float32)
-        return logits, ModelAux.stack(moe_aux, cfg.num_experts)
+        return jnp.dot(x, head.astype(cfg.dtype), preferred_element_type=jnp.float32)

@@ -76,10 +76,12 @@ class Checkpoints:
                     else os.strerror(code))
             raise OSError(code, text, str(self.directory / str(step))) from None
 
-    def restore(self, step: int, abstract_state):
+    def restore(self, step: int, abstract_state, *, partial: bool = False):
         """(state, meta) of `step`, restored into the structure, shapes and dtypes of
         `abstract_state` (a pytree of jax.ShapeDtypeStruct); CheckpointError if they differ, if
-        the checkpoint is damaged, or if it holds another step's state."""
+        the checkpoint is damaged, or if it holds another step's state. With `partial`,
+        abstract_state is a dict holding some of the saved top-level entries (the params
+        without the optimizer state), and only those are read and checked."""
         where = self.directory / str(step)
         advice = (f"it is damaged: resume from an earlier one with --resume-from STEP (this "
                   f"run has {self.all_steps()}), or start again")
@@ -93,18 +95,30 @@ class Checkpoints:
         if not _leaves(stored):
             raise CheckpointError(f"{where} is incomplete: {where / 'state' / '_METADATA'} is "
                                   f"missing or lists no arrays; {advice}")
+        if partial:
+            stored = {key: stored[key] for key in abstract_state if key in stored}
         problems = mismatches(stored, abstract_state)
         if problems:
             shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more"
                                                if len(problems) > 6 else "")
             raise CheckpointError(f"{where} does not fit this model and optimizer: {shown}")
         try:
-            restored = self._manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+            if partial:
+                # The manager's StandardCheckpointHandler restores whole trees only.
+                with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+                    state = checkpointer.restore(where / "state", args=ocp.args.PyTreeRestore(
+                        abstract_state, partial_restore=True,
+                        restore_args=ocp.checkpoint_utils.construct_restore_args(
+                            abstract_state)))
+                meta = self._manager.restore(step, args=ocp.args.Composite(
+                    meta=ocp.args.JsonRestore()))["meta"]
+            else:
+                restored = self._manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+                state, meta = restored["state"], restored["meta"]
         except Exception as error:  # noqa: BLE001 - a corrupt file in any of Orbax's layers
             raise CheckpointError(f"{where} cannot be read ({_first_line(error)}); "
                                   f"{advice}") from None
-        state, meta = restored["state"], restored["meta"]
         if meta.get("step") != step:
             raise CheckpointError(f"{where} holds the state of step {meta.get('step')}, not of "
                                   f"step {step}; {advice}")

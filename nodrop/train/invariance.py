@@ -5,9 +5,9 @@ do not change when its batch-mates do (up to float rounding: the expert matmuls 
 counts). Under a capacity factor an expert's buffer fills with whichever tokens of the batch come
 first, so the same sequence next to other sequences loses other tokens and its logits change.
 
-`measure` loads a run's trained weights once per dispatch (dropless and each capacity factor:
-the same weights), puts each probe sequence into two batches whose other sequences differ, and
-reports how far its logits moved.
+`measure` loads a run's (or its export's) trained weights once per dispatch (dropless and each
+capacity factor: the same weights), puts each probe sequence into two batches whose other
+sequences differ, and reports how far its logits moved.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nodrop.serve import load
 from nodrop.train import trainer
 
 
@@ -60,7 +61,7 @@ def measure(run_dir: str | os.PathLike, *, capacity_factors=(1.0, 1.25), batch_s
 
     results = []
     for capacity_factor in (None, *capacity_factors):
-        model = trainer.load_model(run_dir, capacity_factor=capacity_factor)
+        model = load(run_dir, capacity_factor=capacity_factor).model
         forward = nnx.jit(lambda m, tokens: m(tokens))
         logits, dropped = [], []
         for side in range(2):

@@ -444,8 +444,10 @@ def run_config(run_dir: str | os.PathLike) -> tuple[TrainConfig, ModelConfig]:
 
 
 def load_model(run_dir: str | os.PathLike, *, step: int | None = None,
-               **model_changes) -> MoELM:
-    """The trained model of a run folder, from its newest complete checkpoint (or `step`'s).
+               **model_changes) -> tuple[MoELM, int]:
+    """The trained model of a run folder, from its newest complete checkpoint (or `step`'s), and
+    that checkpoint's step. Only the params and the expert biases are read (and checked against
+    their CRC32s), not the optimizer state.
 
     model_changes replace ModelConfig fields that leave the parameters as they are
     (capacity_factor, moe_matmul, dtype, remat): the same weights, dispatched another way.
@@ -455,17 +457,21 @@ def load_model(run_dir: str | os.PathLike, *, step: int | None = None,
     run_dir = Path(run_dir)
     config, model_config = run_config(run_dir)
     model_config = model_config.replace(**model_changes)
-    graphdef, _, abstract = _state_structure(config, model_config, optimizer(config),
-                                             jax.devices()[0])
+    graphdef, _, (params, _, model_state) = _state_structure(
+        config, model_config, optimizer(config), jax.devices()[0])
     checkpoints = Checkpoints(run_dir / "checkpoints", config.keep_checkpoints)
     try:
         step = checkpoints.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"{run_dir / 'checkpoints'} holds no complete checkpoint")
-        state = _restore(checkpoints, step, abstract)
+        if step not in checkpoints.all_steps():
+            raise CheckpointError(f"{run_dir / 'checkpoints'} holds no checkpoint of step "
+                                  f"{step}; it has {checkpoints.all_steps()}")
+        arrays, _ = checkpoints.restore(step, {"params": params, "model_state": model_state},
+                                        partial=True)
     finally:
         checkpoints.close()
-    return nnx.merge(graphdef, state.params, state.model_state)
+    return nnx.merge(graphdef, arrays["params"], arrays["model_state"]), step
 
 
 @dataclasses.dataclass

@@ -483,3 +483,22 @@ def test_preset_shapes():
     assert deepseek.moe_layers()[0] == 1
     assert (qwen3.num_experts, qwen3.k, qwen3.score_function, qwen3.renormalize) == (
         128, 8, "softmax", True)
+
+
+@pytest.mark.parametrize("config", [SMALL, DEEPSEEK_LIKE.replace(tie_embeddings=True)],
+                         ids=["small", "deepseek-like-tied"])
+def test_decode_with_the_cache_gives_the_full_passes_logits(config):
+    """A prompt into an empty cache, then one token at a time, to the end of seq_len: each
+    position's logits as the full pass over the whole sequence gives them."""
+    model = make_model(config)
+    tokens = random_tokens(config)
+    full = model(tokens)[0]
+    prompt = 5
+    logits, cache = model.decode(tokens[:, :prompt], model.init_cache(tokens.shape[0]))
+    pieces = [logits]
+    step = nnx.jit(lambda m, t, c: m.decode(t, c))
+    for position in range(prompt, config.seq_len):
+        logits, cache = step(model, tokens[:, position:position + 1], cache)
+        pieces.append(logits)
+    assert int(cache.length) == config.seq_len
+    assert_close(jnp.concatenate(pieces, axis=1), full, 1e-5, "decoded logits")

@@ -709,8 +709,9 @@ def test_a_trained_models_logits_ignore_the_batch_dropless_but_not_under_a_capac
 
 def test_load_model_restores_the_trained_weights(reference):
     from nodrop.train import trainer
-    model = trainer.load_model(reference)
-    twin = trainer.load_model(reference, capacity_factor=1.0)
+    model, step = trainer.load_model(reference)
+    twin, _ = trainer.load_model(reference, capacity_factor=1.0)
+    assert step == STEPS
     np.testing.assert_array_equal(model.layers[0].ffn.router[...], twin.layers[0].ffn.router[...])
     assert twin.config.capacity_factor == 1.0 and model.config.capacity_factor is None
     from flax import nnx

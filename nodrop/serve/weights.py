@@ -1,0 +1,155 @@
+"""A trained model from a run folder (its Orbax checkpoint) or an export folder (safetensors).
+
+An export folder holds `model.safetensors` (every variable of the model: the params and the
+MoE layers' expert biases, which routing needs; named by their NNX paths joined with '.', e.g.
+`layers.0.ffn.router`), `config.json` (the run's config.json with the step it was exported at)
+and the run's `tokenizer.json` where it has one. No optimizer state: a fraction of the
+checkpoint's size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nodrop.models import ModelConfig, MoELM
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class LoadError(ValueError):
+    """A folder that is neither a run nor an export, or an export that does not fit its config."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """A trained model ready to run, with what it was trained with.
+
+    saved: the run's config.json ({"train": ..., "model": ...}): the data and evaluation settings.
+    tokenizer: the run's subword tokenizer; None where it trained on bytes.
+    """
+
+    model: MoELM
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    step: int
+    saved: dict
+
+    @property
+    def vocabulary(self) -> int:
+        """The ids that mean something: the tokenizer's, or the 256 bytes."""
+        if self.tokenizer is None:
+            return min(256, self.config.vocab_size)
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            return list(text.encode("utf-8"))
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        if self.tokenizer is None:
+            return bytes(ids).decode("utf-8", errors="replace")
+        return self.tokenizer.decode(list(ids))
+
+
+def load(path: str | os.PathLike, *, step: int | None = None, **model_changes) -> Loaded:
+    """The model of a run folder (its newest checkpoint, or `step`'s) or of an export folder.
+
+    model_changes replace ModelConfig fields that keep the weights as they are
+    (capacity_factor, moe_matmul, dtype, remat). Raises LoadError for a folder that is neither;
+    a run folder's errors are the trainer's (ConfigError, CheckpointError).
+    """
+    path = Path(path)
+    if (path / WEIGHTS_FILE).is_file():
+        return _load_export(path, step, model_changes)
+    if (path / CONFIG_FILE).is_file():
+        return _load_run(path, step, model_changes)
+    raise LoadError(f"{path} is neither a run folder (config.json, checkpoints/) nor an export "
+                    f"folder ({WEIGHTS_FILE}, config.json)")
+
+
+def _load_run(run_dir: Path, step: int | None, model_changes: dict) -> Loaded:
+    from nodrop.train import tokenizer, trainer  # Orbax and Optax only for run folders
+
+    model, step = trainer.load_model(run_dir, step=step, **model_changes)
+    saved = json.loads((run_dir / CONFIG_FILE).read_text())
+    run_tokenizer = (tokenizer.load(run_dir / TOKENIZER_FILE)
+                     if saved["train"].get("tokenizer") is not None else None)
+    return Loaded(model, model.config, run_tokenizer, step, saved)
+
+
+def _load_export(folder: Path, step: int | None, model_changes: dict) -> Loaded:
+    try:
+        saved = json.loads((folder / CONFIG_FILE).read_text())
+        config = ModelConfig.from_dict(saved["model"]).replace(**model_changes)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise LoadError(f"{folder / CONFIG_FILE}: not an export's config ({error})") from None
+    if step is not None and step != saved["step"]:
+        raise LoadError(f"step: {folder} is the export of step {saved['step']}, got {step}")
+    import safetensors.numpy  # here: `import nodrop` needs none of the serving packages
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: MoELM(config, rngs=nnx.Rngs(0))))
+    arrays = safetensors.numpy.load_file(folder / WEIGHTS_FILE)
+    flat = nnx.to_flat_state(abstract)
+    expected = {_name(path): variable for path, variable in flat}
+    problems = sorted(set(arrays) ^ set(expected))
+    problems += [f"{name} is {arrays[name].dtype}{list(arrays[name].shape)}, expected "
+                 f"{np.dtype(v.get_value().dtype)}{list(v.get_value().shape)}"
+                 for name, v in expected.items() if name in arrays
+                 and (arrays[name].shape, arrays[name].dtype)
+                 != (v.get_value().shape, np.dtype(v.get_value().dtype))]
+    if problems:
+        raise LoadError(f"{folder / WEIGHTS_FILE} does not fit its config.json: "
+                        f"{', '.join(problems[:6])}")
+    for name, variable in expected.items():
+        variable.set_value(jnp.asarray(arrays[name]))
+    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    tokenizer_file = folder / TOKENIZER_FILE
+    run_tokenizer = None
+    if tokenizer_file.exists():
+        from nodrop.train import tokenizer
+        run_tokenizer = tokenizer.load(tokenizer_file)
+    return Loaded(model, config, run_tokenizer, saved["step"], saved)
+
+
+def _name(path) -> str:
+    return ".".join(str(key) for key in path)
+
+
+def export(run_dir: str | os.PathLike, out: str | os.PathLike, *,
+           step: int | None = None) -> Path:
+    """Writes the run's trained weights (its newest checkpoint, or `step`'s) as an export folder
+    `out` (see the module's docstring), which must be new or empty. Returns the weights file."""
+    import safetensors.numpy
+
+    run_dir, out = Path(run_dir), Path(out)
+    if (run_dir / WEIGHTS_FILE).is_file():
+        raise LoadError(f"--run {run_dir} is an export already; export a run folder")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise LoadError(f"--out {out} must be a new or empty folder")
+    loaded = _load_run(run_dir, step, {})
+    arrays = {_name(path): np.asarray(jax.device_get(variable.get_value()))
+              for path, variable in nnx.to_flat_state(nnx.state(loaded.model))}
+    out.mkdir(parents=True, exist_ok=True)
+    weights = out / WEIGHTS_FILE
+    safetensors.numpy.save_file(arrays, weights, metadata={"format": "nodrop",
+                                                           "step": str(loaded.step)})
+    (out / CONFIG_FILE).write_text(json.dumps({**loaded.saved, "step": loaded.step},
+                                              indent=2) + "\n")
+    if loaded.tokenizer is not None:
+        (out / TOKENIZER_FILE).write_text(loaded.tokenizer.to_str())
+    return weights

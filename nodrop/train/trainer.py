@@ -277,7 +277,8 @@ def make_steps(config: TrainConfig, graphdef, tx, *, can_overflow: bool = False)
         return loss, (ce, aux)
 
     def train_step(params, opt_state, model_state, batch, step, halted):
-        given = params, opt_state, model_state
+        # The arrays themselves: the expert-bias update below writes into model_state's variables.
+        given = jax.tree.leaves((params, opt_state, model_state))
         # nnx.value_and_grad (gradients of the nnx.Param leaves only), not jax's: the model's
         # nnx.remat must see the model's variables under an nnx transform.
         model = nnx.merge(graphdef, params, model_state)
@@ -294,9 +295,9 @@ def make_steps(config: TrainConfig, graphdef, tx, *, can_overflow: bool = False)
             # Decided here, not by the host, so that the host need not wait for this step
             # before queueing the next; the host reruns from the first overflowing step.
             halted = halted | aux.overflow
-            params, opt_state, model_state = jax.tree.map(
-                lambda old, new: jnp.where(halted, old, new), given,
-                (params, opt_state, model_state))
+            new, treedef = jax.tree.flatten((params, opt_state, model_state))
+            params, opt_state, model_state = jax.tree.unflatten(
+                treedef, [jnp.where(halted, old, value) for old, value in zip(given, new)])
         grad_norm, update_norm = _norm(grads), _norm(updates)
         metrics = {
             "loss": loss, "ce": ce, "aux_loss": _mean(aux.load_balancing_loss),

@@ -151,17 +151,21 @@ class TrainConfig:
     def model_config(self) -> ModelConfig:
         """The model: the preset with the overrides, validated; raises ConfigError naming the
         field."""
-        overrides = self.model_overrides
-        if (self.mesh_shape() or {}).get("expert", 1) > 1:
-            # The mesh's expert axis is what the MoE layers' expert parallelism runs on.
-            overrides = {"expert_parallel": True, **overrides}
         try:
-            return preset(self.preset, **overrides)
+            model = preset(self.preset, **self.model_overrides)
         except TypeError as error:  # an unknown field
             raise ConfigError(f"--set: {error}") from None
         except ValueError as error:
             message = re.sub(r"^ModelConfig\.(\w+)", lambda m: describe_model(m[1]), str(error))
             raise ConfigError(message) from None
+        if (self.mesh_shape() or {}).get("expert", 1) > 1:
+            # The mesh's expert axis is what the MoE layers' expert parallelism runs on.
+            if model.capacity_factor is not None:
+                raise ConfigError(
+                    f"{describe_model('capacity_factor')} must be none (dropless) on a mesh "
+                    f"with an expert axis (--mesh {self.mesh}), got {model.capacity_factor}")
+            model = model.replace(expert_parallel=True)
+        return model
 
     def resolved(self, model: ModelConfig) -> TrainConfig:
         """A copy with the defaults that depend on the model or on other fields filled in

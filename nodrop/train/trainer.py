@@ -370,7 +370,7 @@ def _run(overrides, *, run_dir, resume, resume_from, progress, dataset, echo) ->
         device = jax.devices()[0]
         tx = optimizer(config)
 
-        graphdef, init, abstract = _state_structure(config, model_config, tx, device, mesh)
+        _, init, abstract = _state_structure(config, model_config, tx, device, mesh)
         if resume_from is not None:
             _set_aside_checkpoints_after(run_dir / "checkpoints", resume_from, echo)
         checkpoints = Checkpoints(run_dir / "checkpoints", config.keep_checkpoints)
@@ -586,7 +586,7 @@ class _Job:
     checkpoints: Checkpoints
     metrics: MetricsLog
     progress: Progress
-    peak_flops: float | None  # of the device; None: no MFU logged
+    peak_flops: float | None  # of the devices trained on; None: no MFU logged
 
     @property
     def tokens_per_step(self) -> int:

@@ -202,9 +202,10 @@ class TrainConfig:
 DEFAULT_BIAS_UPDATE_RATE = {"softmax": 0.1, "sigmoid": 1e-2}
 
 # Fields that may change when a run is resumed: they do not change what is computed (steps
-# extends or shortens the run, and with it the cosine schedule's remaining steps).
+# extends or shortens the run, and with it the cosine schedule's remaining steps; mesh only
+# where the state lives, up to float32 rounding: Orbax reshards the checkpoint onto it).
 RESUMABLE_CHANGES = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints",
-                     "log_every")
+                     "log_every", "mesh")
 
 # The GPU presets' training defaults (the tiny preset's are TrainConfig's own).
 # Their routers read a 2048-wide residual stream: Adam moves every router weight by about lr a

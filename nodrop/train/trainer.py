@@ -124,8 +124,10 @@ def configure(overrides: dict, saved: dict | None) -> tuple[TrainConfig, ModelCo
                for name, value in config.to_dict().items()
                if name not in RESUMABLE_CHANGES and name != "model_overrides"
                and value != saved["train"].get(name)]
+    # expert_parallel follows the mesh's expert axis, which may change.
     changed += [f"model.{name}: {saved['model'].get(name)!r} -> {value!r}"
-                for name, value in model.to_dict().items() if value != saved["model"].get(name)]
+                for name, value in model.to_dict().items()
+                if name != "expert_parallel" and value != saved["model"].get(name)]
     if changed:
         raise ConfigError(
             "cannot resume: the configuration differs from the run's config.json in "

@@ -30,6 +30,8 @@ class ModelConfig:
     tie_embeddings: the LM head is the embedding table transposed (no separate head weights).
     rope_theta: rotary embedding base. norm_eps: RMSNorm epsilon.
     remat: recompute each layer's activations in the backward pass (`nnx.remat`).
+    expert_parallel, ep_buffer_factor: each MoE layer's, as in `nodrop.moe.MoEConfig` (the
+      trainer sets expert_parallel when its mesh has an expert axis).
     dtype: compute dtype. param_dtype: master weights.
     """
 
@@ -58,6 +60,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     remat: bool = False
+    expert_parallel: bool = False
+    ep_buffer_factor: float | None = 2.0
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
 
@@ -105,7 +109,8 @@ class ModelConfig:
             scaling_factor=self.scaling_factor, shared_ffn=self.shared_ffn,
             capacity_factor=self.capacity_factor, matmul=self.moe_matmul,
             residual_init_scale=self.residual_init_scale, dtype=self.dtype,
-            param_dtype=self.param_dtype)
+            param_dtype=self.param_dtype, expert_parallel=self.expert_parallel,
+            ep_buffer_factor=self.ep_buffer_factor)
 
     @property
     def residual_init_scale(self) -> float:

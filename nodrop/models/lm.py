@@ -38,6 +38,8 @@ class ModelAux:
 
     load_balancing_loss, z_loss, dropped_fraction, max_over_mean: [L_moe] float32.
     tokens_per_expert: [L_moe, E] int32. With no MoE layers the leading dimension is 0.
+    overflow: bool scalar, some MoE layer's expert-parallel receive buffer overflowed: the
+      call's outputs and gradients must not be used (see MoEBlock).
     """
 
     load_balancing_loss: jax.Array
@@ -45,6 +47,7 @@ class ModelAux:
     tokens_per_expert: jax.Array
     dropped_fraction: jax.Array
     max_over_mean: jax.Array
+    overflow: jax.Array
 
     @classmethod
     def stack(cls, layers: list[MoEAux], num_experts: int) -> ModelAux:
@@ -53,7 +56,8 @@ class ModelAux:
             empty = jnp.zeros((0,), jnp.float32)
             return cls(load_balancing_loss=empty, z_loss=empty,
                        tokens_per_expert=jnp.zeros((0, num_experts), jnp.int32),
-                       dropped_fraction=empty, max_over_mean=empty)
+                       dropped_fraction=empty, max_over_mean=empty,
+                       overflow=jnp.zeros((), bool))
 
         def stacked(name, dtype):
             return jnp.stack([getattr(aux, name) for aux in layers]).astype(dtype)
@@ -62,7 +66,8 @@ class ModelAux:
                    z_loss=stacked("z_loss", jnp.float32),
                    tokens_per_expert=stacked("tokens_per_expert", jnp.int32),
                    dropped_fraction=stacked("dropped_fraction", jnp.float32),
-                   max_over_mean=stacked("max_over_mean", jnp.float32))
+                   max_over_mean=stacked("max_over_mean", jnp.float32),
+                   overflow=jnp.any(stacked("overflow", bool)))
 
 
 @jax.tree_util.register_dataclass

@@ -2,6 +2,6 @@
 MoEBlock runs inside `jax.shard_map`."""
 
 from nodrop.parallel.mesh import (AXES, check_batch, check_experts, make_mesh,
-                                  parse_mesh_spec)
+                                  parse_mesh_spec, state_spec)
 
-__all__ = ["AXES", "check_batch", "check_experts", "make_mesh", "parse_mesh_spec"]
+__all__ = ["AXES", "check_batch", "check_experts", "make_mesh", "parse_mesh_spec", "state_spec"]

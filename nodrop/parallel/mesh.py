@@ -101,3 +101,22 @@ def check_experts(num_experts: int, mesh, *, name: str = "num_experts") -> None:
     if num_experts % shards:
         raise ValueError(f"{name} must be divisible by the mesh's expert axis ({shards}), "
                          f"got {num_experts}")
+
+
+def state_spec(names: tuple[str, ...], shape: tuple[int, ...], mesh) -> jax.P:
+    """Where one array of the training state lives on `mesh`, from its key path `names` and
+    shape: the one rule for parameters and the optimizer state that mirrors them.
+
+    Expert weights (3-D `gate_up` or `down`, [E, ...]) are split over `expert`, as the
+    expert-parallel MoEBlock holds them. With fsdp > 1 every other matrix is split over `fsdp`
+    along its first axis that fsdp divides (its gradients and Adam moments with it). The rest
+    (norm scales, expert biases, step counts, matrices fsdp divides nowhere) is replicated.
+    """
+    if len(shape) == 3 and names and names[-1] in ("gate_up", "down"):
+        return jax.P(EXPERT_AXIS)
+    fsdp = mesh.shape["fsdp"]
+    if fsdp > 1 and len(shape) >= 2:
+        for axis, size in enumerate(shape):
+            if size % fsdp == 0:
+                return jax.P(*(None,) * axis, "fsdp")
+    return jax.P()

@@ -20,6 +20,7 @@ import numpy as np
 
 from nodrop._fields import is_finite_number, is_int, requirer, unknown_fields
 from nodrop.models import PRESETS, ModelConfig, preset
+from nodrop.parallel import parse_mesh_spec
 from nodrop.train import tokenizer
 
 
@@ -56,6 +57,9 @@ class TrainConfig:
       the newest few; checkpoint_every 0 saves none (benchmark runs: a GPU preset's state is
       tens of GB), and such a run cannot be resumed. log_every: metrics are fetched from the device (one sync) every N steps.
     seed: model initialisation and data order.
+    mesh: None (one device) or a device mesh 'data=2,fsdp=1,expert=4' (axes left out are 1,
+      nodrop.parallel.make_mesh) over every device: the batch split over data x fsdp x expert,
+      the experts over expert (expert parallelism), the dense matrices over fsdp.
     """
 
     preset: str = "tiny"
@@ -83,6 +87,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     log_every: int = 10
     seed: int = 0
+    mesh: str | None = None
 
     def __post_init__(self):
         require = requirer(self, describe, ConfigError)
@@ -128,17 +133,39 @@ class TrainConfig:
         require(self.bias_update_rate is None
                 or (number("bias_update_rate") and self.bias_update_rate >= 0),
                 "bias_update_rate", "a finite number >= 0 (or None for the preset's default)")
+        if self.mesh is not None:
+            self.mesh_shape()  # raises for a malformed spec
+
+    def mesh_shape(self) -> dict[str, int] | None:
+        """{'data': .., 'fsdp': .., 'expert': ..} of `mesh`; None without one."""
+        if self.mesh is None:
+            return None
+        if not isinstance(self.mesh, str):
+            raise ConfigError(f"{describe('mesh')} must be a spec like 'data=2,expert=4' or None, "
+                              f"got {self.mesh!r}")
+        try:
+            return parse_mesh_spec(self.mesh, name="--mesh")
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
     def model_config(self) -> ModelConfig:
         """The model: the preset with the overrides, validated; raises ConfigError naming the
         field."""
         try:
-            return preset(self.preset, **self.model_overrides)
+            model = preset(self.preset, **self.model_overrides)
         except TypeError as error:  # an unknown field
             raise ConfigError(f"--set: {error}") from None
         except ValueError as error:
             message = re.sub(r"^ModelConfig\.(\w+)", lambda m: describe_model(m[1]), str(error))
             raise ConfigError(message) from None
+        if (self.mesh_shape() or {}).get("expert", 1) > 1:
+            # The mesh's expert axis is what the MoE layers' expert parallelism runs on.
+            if model.capacity_factor is not None:
+                raise ConfigError(
+                    f"{describe_model('capacity_factor')} must be none (dropless) on a mesh "
+                    f"with an expert axis (--mesh {self.mesh}), got {model.capacity_factor}")
+            model = model.replace(expert_parallel=True)
+        return model
 
     def resolved(self, model: ModelConfig) -> TrainConfig:
         """A copy with the defaults that depend on the model or on other fields filled in
@@ -175,9 +202,10 @@ class TrainConfig:
 DEFAULT_BIAS_UPDATE_RATE = {"softmax": 0.1, "sigmoid": 1e-2}
 
 # Fields that may change when a run is resumed: they do not change what is computed (steps
-# extends or shortens the run, and with it the cosine schedule's remaining steps).
+# extends or shortens the run, and with it the cosine schedule's remaining steps; mesh only
+# where the state lives, up to float32 rounding: Orbax reshards the checkpoint onto it).
 RESUMABLE_CHANGES = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints",
-                     "log_every")
+                     "log_every", "mesh")
 
 # The GPU presets' training defaults (the tiny preset's are TrainConfig's own).
 # Their routers read a 2048-wide residual stream: Adam moves every router weight by about lr a
@@ -236,7 +264,7 @@ def check_backend(model: ModelConfig, platform: str) -> None:
 
 # ModelConfig fields with a flag of their own; any field can be set with --set FIELD=VALUE.
 _MODEL_FLAGS = {"capacity_factor": "--capacity-factor", "moe_matmul": "--moe-matmul",
-                "remat": "--remat", "dtype": "--dtype"}
+                "remat": "--remat", "dtype": "--dtype", "ep_buffer_factor": "--ep-buffer"}
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> None:
@@ -271,6 +299,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> No
                      help=f"sequences per step (default {d.batch_size})")
     run.add_argument("--seq-len", type=int, default=S,
                      help="tokens per sequence (default: the model's seq_len)")
+    run.add_argument("--mesh", default=S, metavar="data=N,fsdp=N,expert=N",
+                     help="train on a mesh over all devices (axes left out are 1): the batch "
+                          "split over data x fsdp x expert, the experts over expert, the dense "
+                          "matrices over fsdp (default: one device, no mesh)")
     run.add_argument("--no-progress", action="store_true", default=S,
                      help="no progress bar (one line per log interval instead)")
     opt = parser.add_argument_group("optimizer (AdamW, warm-up then cosine decay)")
@@ -317,6 +349,11 @@ def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> No
                        help="recompute each layer's activations in the backward pass")
     model.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=S,
                        help="compute dtype (parameters stay float32)")
+    model.add_argument("--ep-buffer", type=_buffer_factor, default=S, metavar="F|worst",
+                       dest="ep_buffer_factor",
+                       help="expert parallelism's receive buffer, F x the balanced load "
+                            "(default 2; an overflowing step is undone and rerun with 4, then "
+                            "worst); worst: sized for every token to one rank")
     model.add_argument("--set", action="append", default=S, metavar="FIELD=VALUE",
                        dest="model_set",
                        help="any ModelConfig field, e.g. --set num_layers=2 --set hidden=64 "
@@ -376,6 +413,15 @@ def parse_model_setting(text: str) -> tuple[str, Any]:
 
 def _optional_str(text: str) -> str | None:
     return None if text.strip().lower() == "none" else text
+
+
+def _buffer_factor(text: str) -> float | None:
+    if text.strip().lower() == "worst":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'worst', got {text!r}") from None
 
 
 def _optional_float(text: str) -> float | None:

@@ -7,7 +7,11 @@ metrics.jsonl records, each with "kind" and "step":
   the mean) and dropped_fraction; and, for the log interval the step belongs to, step_time_s,
   tokens_per_s, mfu (GPU only) and elapsed_s (training time so far, without compile, evaluation
   and checkpoints).
-- eval: val_loss, elapsed_s. compile: train_step_s, eval_step_s (seconds to compile).
+- eval: val_loss, elapsed_s. compile: ep_buffer_factor (what the steps were compiled for),
+  train_step_s, eval_step_s (seconds to compile).
+- ep_rerun: expert parallelism's receive buffer overflowed at this step (in evaluation if
+  "evaluation" is true, else in its training step, which changed nothing): old_factor, and
+  new_factor (null: the worst case), with which the step or evaluation was run again.
 
 On resume the records after the checkpoint's step are dropped from metrics.jsonl, and a
 TensorBoard SessionLog START at the first re-run step makes TensorBoard discard the old events

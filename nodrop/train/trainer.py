@@ -1,10 +1,17 @@
 """The training job: configure, load data, build or restore the state, then step, evaluate,
 checkpoint and log until `steps`, and summarise.
 
-One process, one device (the default one). The state is three pytrees split off the Flax NNX
-model: params (float32 masters, trained by AdamW), model_state (the MoE layers' expert biases,
-moved by the aux-loss-free rule, not by gradients) and the optimizer state. The jitted step
-takes and returns them with their buffers donated.
+One process, on one device (the default one) or on a mesh over every device (--mesh,
+nodrop.parallel.make_mesh). The state is three pytrees split off the Flax NNX model: params
+(float32 masters, trained by AdamW), model_state (the MoE layers' expert biases, moved by the
+aux-loss-free rule, not by gradients) and the optimizer state. The jitted step takes and returns
+them with their buffers donated; on a mesh they carry the NamedShardings of
+nodrop.parallel.state_spec and the batch is split over data x fsdp x expert.
+
+Expert parallelism's receive buffers are bounded (ModelConfig.ep_buffer_factor). A step whose
+buffers overflow changes nothing, decided on the device, and so does every step queued after it
+until the host, reading the metrics, notices: it then recompiles with the next factor of
+EP_BUFFER_FACTORS, keeps it, and reruns from the overflowing step's batch.
 
 Step n (1-based) reads batch `data.train_batch(train, n, seed, ...)`, so the data position is
 the step number; a checkpoint at step n holds the state after n updates, and a resumed run goes
@@ -20,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import signal
@@ -37,12 +45,17 @@ from flax import nnx
 import nodrop
 from nodrop.models import ModelConfig, MoELM
 from nodrop.moe import updated_expert_bias
+from nodrop.parallel import check_batch, check_experts, make_mesh, state_spec
+from nodrop.parallel.mesh import token_axes
 from nodrop.train import data, lock, plots, tokenizer
 from nodrop.train.checkpoint import CheckpointError, Checkpoints
 from nodrop.train.config import RESUMABLE_CHANGES, ConfigError, TrainConfig, build
 from nodrop.train.metrics import MetricsLog, Progress, peak_flops
 
 CONFIG_FILE = "config.json"
+# The receive-buffer factors an overflowing run grows through; None: the worst case, which
+# cannot overflow.
+EP_BUFFER_FACTORS = (2.0, 4.0, None)
 SUMMARY_FILE = "summary.json"
 
 
@@ -112,8 +125,10 @@ def configure(overrides: dict, saved: dict | None) -> tuple[TrainConfig, ModelCo
                for name, value in config.to_dict().items()
                if name not in RESUMABLE_CHANGES and name != "model_overrides"
                and value != saved["train"].get(name)]
+    # expert_parallel follows the mesh's expert axis, which may change.
     changed += [f"model.{name}: {saved['model'].get(name)!r} -> {value!r}"
-                for name, value in model.to_dict().items() if value != saved["model"].get(name)]
+                for name, value in model.to_dict().items()
+                if name != "expert_parallel" and value != saved["model"].get(name)]
     if changed:
         raise ConfigError(
             "cannot resume: the configuration differs from the run's config.json in "
@@ -240,8 +255,14 @@ def _all_finite(tree):
                               if jnp.issubdtype(leaf.dtype, jnp.floating)]))
 
 
-def make_steps(config: TrainConfig, graphdef, tx):
-    """(train_step, eval_step), pure functions of the state pytrees, for jit."""
+def make_steps(config: TrainConfig, graphdef, tx, *, can_overflow: bool = False):
+    """(train_step, eval_step), pure functions of the state pytrees, for jit.
+
+    train_step(params, opt_state, model_state, batch, step, halted) also returns halted: with
+    can_overflow (expert parallelism's bounded buffers), a step whose buffers overflow, or that
+    runs while halted, returns the state it was given and halted true. eval_step returns
+    (cross-entropy, overflow).
+    """
     schedule = learning_rate_schedule(config)
 
     def forward(model, batch):
@@ -258,7 +279,9 @@ def make_steps(config: TrainConfig, graphdef, tx):
                 + config.z_loss_coef * aux.z_loss.sum())
         return loss, (ce, aux)
 
-    def train_step(params, opt_state, model_state, batch, step):
+    def train_step(params, opt_state, model_state, batch, step, halted):
+        # The arrays themselves: the expert-bias update below writes into model_state's variables.
+        given = jax.tree.leaves((params, opt_state, model_state))
         # nnx.value_and_grad (gradients of the nnx.Param leaves only), not jax's: the model's
         # nnx.remat must see the model's variables under an nnx transform.
         model = nnx.merge(graphdef, params, model_state)
@@ -271,6 +294,13 @@ def make_steps(config: TrainConfig, graphdef, tx):
                 block.expert_bias[...] = updated_expert_bias(
                     block.expert_bias[...], counts, config.bias_update_rate)
             _, _, model_state = nnx.split(model, nnx.Param, ...)
+        if can_overflow:
+            # Decided here, not by the host, so that the host need not wait for this step
+            # before queueing the next; the host reruns from the first overflowing step.
+            halted = halted | aux.overflow
+            new, treedef = jax.tree.flatten((params, opt_state, model_state))
+            params, opt_state, model_state = jax.tree.unflatten(
+                treedef, [jnp.where(halted, old, value) for old, value in zip(given, new)])
         grad_norm, update_norm = _norm(grads), _norm(updates)
         metrics = {
             "loss": loss, "ce": ce, "aux_loss": _mean(aux.load_balancing_loss),
@@ -281,11 +311,13 @@ def make_steps(config: TrainConfig, graphdef, tx):
             # not): only a state with all three true is kept.
             "finite": {"loss": jnp.isfinite(loss), "gradients": _all_finite(grads),
                        "state": _all_finite((params, opt_state))},
+            "overflow": aux.overflow,
         }
-        return params, opt_state, model_state, metrics
+        return params, opt_state, model_state, metrics, halted
 
     def eval_step(params, model_state, batch):
-        return forward(nnx.merge(graphdef, params, model_state), batch)[0]
+        ce, aux = forward(nnx.merge(graphdef, params, model_state), batch)
+        return ce, aux.overflow
 
     return train_step, eval_step
 
@@ -324,6 +356,7 @@ def _run(overrides, *, run_dir, resume, resume_from, progress, dataset, echo) ->
     wall_start = time.perf_counter()
     saved = _read_saved(run_dir) if resume else None
     config, model_config = configure(overrides, saved)
+    mesh = _mesh(config, model_config)
     dataset, run_tokenizer = load_data(config, model_config, dataset=dataset,
                                        run_dir=run_dir if resume else None, echo=echo)
     data.check_length(dataset, config.seq_len)
@@ -340,7 +373,7 @@ def _run(overrides, *, run_dir, resume, resume_from, progress, dataset, echo) ->
         device = jax.devices()[0]
         tx = optimizer(config)
 
-        graphdef, init, abstract = _state_structure(config, model_config, tx, device)
+        _, init, abstract = _state_structure(config, model_config, tx, device, mesh)
         if resume_from is not None:
             _set_aside_checkpoints_after(run_dir / "checkpoints", resume_from, echo)
         checkpoints = Checkpoints(run_dir / "checkpoints", config.keep_checkpoints)
@@ -351,30 +384,35 @@ def _run(overrides, *, run_dir, resume, resume_from, progress, dataset, echo) ->
             "train": config.to_dict(), "model": model_config.to_dict(),
             "data": dataset.describe(),
             "environment": {"nodrop": nodrop.__version__, "jax": jax.__version__,
-                            "device": device.device_kind, "platform": device.platform}})
+                            "device": device.device_kind, "platform": device.platform,
+                            "devices": 1 if mesh is None else mesh.size}})
         if start is None:
             if resume:
                 echo(f"nodrop train: {run_dir} has no complete checkpoint; starting from step 0")
-            state = _State(
-                *jax.jit(init, out_shardings=jax.sharding.SingleDeviceSharding(device))(),
-                step=0, elapsed_s=0.0)
+            state = _State(*jax.jit(init, out_shardings=_shardings(abstract))(), step=0,
+                           elapsed_s=0.0, ep_buffer_factor=model_config.ep_buffer_factor)
         else:
-            state = _restore(checkpoints, start, abstract)
+            state = _restore(checkpoints, start, abstract, model_config.ep_buffer_factor)
             echo(f"nodrop train: resuming {run_dir} from step {start}")
 
         metrics = MetricsLog(run_dir, state.step)
         try:
-            train_step, eval_step, compile_s = _compile(
-                config=config, graphdef=graphdef, tx=tx, abstract=abstract, metrics=metrics,
-                step=state.step)
+            device_peak = peak_flops(device.device_kind)
+            placement = _placement(mesh, device)
             job = _Job(
                 config=config, model_config=model_config, dataset=dataset, run_dir=run_dir,
-                train_step=train_step, eval_step=eval_step, compile_s=compile_s,
+                compile_steps=functools.partial(
+                    _compile, config=config, model_config=model_config, tx=tx,
+                    abstract=abstract, mesh=mesh, placement=placement, metrics=metrics),
+                batch_sharding=placement[0], replicated=placement[1],
                 val_batches=data.eval_batches(dataset.val, config.eval_batches,
                                               config.batch_size, config.seq_len),
                 checkpoints=checkpoints, metrics=metrics,
                 progress=Progress(config.steps, state.step, progress),
-                peak_flops=peak_flops(device.device_kind))
+                peak_flops=None if device_peak is None else device_peak * (
+                    1 if mesh is None else mesh.size))
+            _use_steps(job, state, state.ep_buffer_factor)
+            state.halted = jax.device_put(np.bool_(False), job.replicated)
             _train(job, state)
             summary = _finish(job, state, wall_start=wall_start)
         except BaseException:
@@ -419,22 +457,68 @@ def _check_new_run_dir(run_dir: Path, saved: dict | None) -> None:
                           "--resume, or choose another folder")
 
 
-def _state_structure(config: TrainConfig, model_config: ModelConfig, tx, device):
+def _mesh(config: TrainConfig, model_config: ModelConfig):
+    """The run's mesh (None without --mesh); ConfigError, before anything compiles, for a mesh
+    that does not use every device or does not divide the experts or the batch."""
+    if config.mesh is None:
+        return None
+    try:
+        mesh = make_mesh(config.mesh, name="--mesh")
+        check_batch(config.batch_size, mesh, name="--batch-size")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    try:
+        check_experts(model_config.num_experts, mesh, name="model.num_experts")
+    except ValueError as error:
+        raise ConfigError(f"--mesh {config.mesh}: {error}") from None
+    return mesh
+
+
+def _placement(mesh, device):
+    """(batch sharding, replicated sharding): batches split over the mesh's token axes (data
+    x fsdp x expert) and scalars on every device; without a mesh both on `device`."""
+    if mesh is None:
+        return (jax.sharding.SingleDeviceSharding(device),) * 2
+    return jax.NamedSharding(mesh, jax.P(token_axes(mesh))), jax.NamedSharding(mesh, jax.P())
+
+
+def _shardings(abstract):
+    return jax.tree.map(lambda leaf: leaf.sharding, abstract)
+
+
+def _key_names(path) -> tuple[str, ...]:
+    return tuple(str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key))))
+                 for key in path)
+
+
+def _state_structure(config: TrainConfig, model_config: ModelConfig, tx, device, mesh=None):
     """(graphdef, init, abstract): the model's graph, a function that initialises the state
     pytrees (params, opt_state, model_state) from config.seed, and their abstract values on
-    `device` (shapes only: the restore target, and what the steps compile for)."""
+    `device`, or on `mesh` as nodrop.parallel.state_spec places them (shapes and shardings
+    only: the restore target, and what the steps compile for)."""
 
     def init():
         model = MoELM(model_config, rngs=nnx.Rngs(config.seed))
         _, params, model_state = nnx.split(model, nnx.Param, ...)
         return params, tx.init(params), model_state
 
-    graphdef = nnx.split(nnx.eval_shape(lambda: MoELM(model_config, rngs=nnx.Rngs(0))),
-                         nnx.Param, ...)[0]
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                            jax.eval_shape(init))
-    return graphdef, init, abstract
+    def sharding(path, leaf):
+        if mesh is None:
+            return jax.sharding.SingleDeviceSharding(device)
+        # Names with "value" dropped: nnx.State keeps a Variable's array under it in some
+        # layouts.
+        names = tuple(name for name in _key_names(path) if name != "value")
+        return jax.NamedSharding(mesh, state_spec(names, leaf.shape, mesh))
+
+    abstract = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(path, x)),
+        jax.eval_shape(init))
+    return _graphdef(model_config), init, abstract
+
+
+def _graphdef(model_config: ModelConfig):
+    return nnx.split(nnx.eval_shape(lambda: MoELM(model_config, rngs=nnx.Rngs(0))),
+                     nnx.Param, ...)[0]
 
 
 def run_config(run_dir: str | os.PathLike) -> tuple[TrainConfig, ModelConfig]:
@@ -476,14 +560,19 @@ def load_model(run_dir: str | os.PathLike, *, step: int | None = None,
 
 @dataclasses.dataclass
 class _State:
-    """What the loop changes: the state pytrees after `step` updates, the training time so far
-    and the log interval in progress."""
+    """What the loop changes: the state pytrees after `step` updates, the training time so far,
+    the log interval in progress, and the steps compiled for the receive buffer in use."""
 
     params: Any
     opt_state: Any
     model_state: Any
     step: int  # updates done; the state is that after step `step` (1-based)
     elapsed_s: float  # training steps only: no compile, evaluation or checkpoints
+    ep_buffer_factor: float | None  # expert parallelism's buffer (grows on overflow)
+    train_step: Callable | None = None  # compiled; donates the state pytrees it is given
+    eval_step: Callable | None = None  # compiled
+    compile_s: float = 0.0
+    halted: Any = None  # on the device: a step overflowed, the steps after it change nothing
     # The log interval: the steps whose metrics are still on the device (fetched together, so
     # the host need not wait for each step), and when its timing began.
     pending: list[tuple[int, dict]] = dataclasses.field(default_factory=list)
@@ -499,14 +588,14 @@ class _Job:
     model_config: ModelConfig
     dataset: data.Dataset
     run_dir: Path
-    train_step: Callable  # compiled; donates the state pytrees it is given
-    eval_step: Callable  # compiled
-    compile_s: float
+    compile_steps: Callable  # (ep_buffer_factor, step) -> (train_step, eval_step, seconds)
+    batch_sharding: Any  # where a batch goes: split over the mesh's token axes
+    replicated: Any  # where scalars go: every device
     val_batches: list[np.ndarray]  # the same windows at every evaluation
     checkpoints: Checkpoints
     metrics: MetricsLog
     progress: Progress
-    peak_flops: float | None  # of the device; None: no MFU logged
+    peak_flops: float | None  # of the devices trained on; None: no MFU logged
 
     @property
     def tokens_per_step(self) -> int:
@@ -518,27 +607,65 @@ def _checkpoint_tree(params, opt_state, model_state) -> dict:
     return {"params": params, "opt_state": opt_state, "model_state": model_state}
 
 
-def _restore(checkpoints: Checkpoints, step: int, abstract) -> _State:
+def _restore(checkpoints: Checkpoints, step: int, abstract,
+             ep_buffer_factor: float | None) -> _State:
+    """The state of checkpoint `step`, with the receive buffer it was saved with (the
+    configured `ep_buffer_factor` for checkpoints that predate the record)."""
     arrays, meta = checkpoints.restore(step, _checkpoint_tree(*abstract))
     return _State(arrays["params"], arrays["opt_state"], arrays["model_state"], step=step,
-                  elapsed_s=float(meta["elapsed_s"]))
+                  elapsed_s=float(meta["elapsed_s"]),
+                  ep_buffer_factor=meta.get("ep_buffer_factor", ep_buffer_factor))
 
 
-def _compile(*, config: TrainConfig, graphdef, tx, abstract, metrics: MetricsLog, step: int):
-    """(train_step, eval_step, seconds), compiled ahead of the loop for the abstract state; logs
-    a compile record at `step`."""
-    train_step, eval_step = make_steps(config, graphdef, tx)
+def _compile(ep_buffer_factor: float | None, step: int, *, config: TrainConfig,
+             model_config: ModelConfig, tx, abstract, mesh, placement,
+             metrics: MetricsLog):
+    """(train_step, eval_step, seconds), compiled ahead of the loop for the abstract state and
+    the receive buffer `ep_buffer_factor` (on `mesh`, under jax.set_mesh, so that the MoE
+    blocks see its expert axis; placement: _placement's); logs a compile record at `step`."""
+    model_config = model_config.replace(ep_buffer_factor=ep_buffer_factor)
+    train_step, eval_step = make_steps(config, _graphdef(model_config), tx,
+                                       can_overflow=model_config.expert_parallel)
     params, opt_state, model_state = abstract
-    batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32)
+    state_shardings = _shardings(abstract)
+    batch_sharding, replicated = placement
+    batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32,
+                                 sharding=batch_sharding)
+    scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=replicated)
     begin = time.perf_counter()
-    train_compiled = jax.jit(train_step, donate_argnums=(0, 1, 2)).lower(
-        params, opt_state, model_state, batch, jax.ShapeDtypeStruct((), jnp.int32)).compile()
-    middle = time.perf_counter()
-    eval_compiled = jax.jit(eval_step).lower(params, model_state, batch).compile()
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        # The outputs placed as the inputs: the next step takes them as they are.
+        train_compiled = jax.jit(
+            train_step, donate_argnums=(0, 1, 2, 5),
+            out_shardings=(*state_shardings, replicated, replicated)).lower(
+            params, opt_state, model_state, batch, scalar(jnp.int32), scalar(bool)).compile()
+        middle = time.perf_counter()
+        eval_compiled = jax.jit(eval_step).lower(params, model_state, batch).compile()
     end = time.perf_counter()
-    metrics.write({"kind": "compile", "step": step, "train_step_s": middle - begin,
-                   "eval_step_s": end - middle})
+    metrics.write({"kind": "compile", "step": step, "ep_buffer_factor": ep_buffer_factor,
+                   "train_step_s": middle - begin, "eval_step_s": end - middle})
     return train_compiled, eval_compiled, end - begin
+
+
+def _use_steps(job: _Job, state: _State, ep_buffer_factor: float | None) -> None:
+    """Compiles the steps for the receive buffer `ep_buffer_factor` and makes them the run's."""
+    state.train_step, state.eval_step, seconds = job.compile_steps(ep_buffer_factor, state.step)
+    state.ep_buffer_factor = ep_buffer_factor
+    state.compile_s += seconds
+
+
+def _grow_buffer(job: _Job, state: _State, step: int, during: str) -> None:
+    """Expert parallelism's receive buffer overflowed at `step` (during "training" or
+    "evaluation"): recompiles for the next factor of EP_BUFFER_FACTORS, logged."""
+    old = state.ep_buffer_factor
+    # Only a bounded buffer can overflow, so `old` is a number.
+    new = next((f for f in EP_BUFFER_FACTORS if f is None or f > old), None)
+    job.metrics.write({"kind": "ep_rerun", "step": step, "evaluation": during == "evaluation",
+                       "old_factor": old, "new_factor": new})
+    job.progress.write(f"step {step}: expert-parallel receive buffer overflowed during {during}; "
+                       f"rerunning with factor {'worst' if new is None else f'{new:g}'} "
+                       f"(was {old:g})")
+    _use_steps(job, state, new)
 
 
 class _StopFlag:
@@ -599,7 +726,13 @@ def _train(job: _Job, state: _State) -> None:
                 do_save = config.checkpoint_every > 0 and (
                     step % config.checkpoint_every == 0 or last or stopping)
                 if step % config.log_every == 0 or do_eval or do_save:
-                    _flush(job, state)
+                    overflow = _flush(job, state)
+                    if overflow is not None:
+                        # Nothing after it changed the state: go on from its batch.
+                        _grow_buffer(job, state, overflow, "training")
+                        state.step = overflow - 1
+                        state.halted = jax.device_put(np.bool_(False), job.replicated)
+                        continue
                 if do_eval:
                     _validate(job, state)
                 if do_save:
@@ -628,18 +761,23 @@ def _step(job: _Job, state: _State) -> None:
     step, config = state.step + 1, job.config
     batch = data.train_batch(job.dataset.train, step, config.seed, config.batch_size,
                              config.seq_len)
-    state.params, state.opt_state, state.model_state, metrics = job.train_step(
-        state.params, state.opt_state, state.model_state, jax.device_put(batch), np.int32(step))
+    (state.params, state.opt_state, state.model_state, metrics,
+     state.halted) = state.train_step(state.params, state.opt_state, state.model_state,
+                                      jax.device_put(batch, job.batch_sharding), np.int32(step),
+                                      state.halted)
     state.pending.append((step, metrics))
     state.step = step
 
 
-def _flush(job: _Job, state: _State) -> None:
+def _flush(job: _Job, state: _State) -> int | None:
     """Fetches the pending steps' metrics (this is where the host waits for the device), logs
-    them, and stops the run if one is not finite."""
+    them, and stops the run if one is not finite. Returns the first step whose receive buffer
+    overflowed, else None: that step and those after it changed nothing and are not logged."""
     if not state.pending:
-        return
+        return None
     values = jax.device_get([m for _, m in state.pending])
+    overflow = next((step for (step, _), value in zip(state.pending, values)
+                     if value.pop("overflow")), None)
     seconds = time.perf_counter() - state.interval_start
     state.elapsed_s += seconds
     step_time = seconds / len(state.pending)
@@ -648,7 +786,10 @@ def _flush(job: _Job, state: _State) -> None:
     if job.peak_flops is not None:
         flops_per_token = job.model_config.flops_per_token(job.config.seq_len)
         timing["mfu"] = flops_per_token * timing["tokens_per_s"] / job.peak_flops
+    record, finite = None, {}
     for (step, _), value in zip(state.pending, values):
+        if overflow is not None and step >= overflow:
+            break
         finite = {what: bool(ok) for what, ok in value.pop("finite").items()}
         record = {"kind": "train", "step": step,
                   **{key: np.asarray(v).tolist() for key, v in value.items()}, **timing}
@@ -656,10 +797,12 @@ def _flush(job: _Job, state: _State) -> None:
         if not all(finite.values()):
             break
     state.pending.clear()
-    job.progress.update(record["step"], record)
+    if record is not None:
+        job.progress.update(record["step"], record)
     if not all(finite.values()):
         raise Diverged(_divergence(job, record, finite))
     state.interval_start = time.perf_counter()
+    return overflow
 
 
 def _divergence(job: _Job, record: dict, finite: dict[str, bool]) -> str:
@@ -679,8 +822,14 @@ def _divergence(job: _Job, record: dict, finite: dict[str, bool]) -> str:
 
 
 def _evaluate(job: _Job, state: _State, batches: list[np.ndarray]) -> float:
-    losses = [job.eval_step(state.params, state.model_state, jax.device_put(b)) for b in batches]
-    return float(np.mean(jax.device_get(losses)))
+    """The mean loss over `batches`; on a receive-buffer overflow, again with a larger one."""
+    while True:
+        results = jax.device_get([
+            state.eval_step(state.params, state.model_state,
+                            jax.device_put(b, job.batch_sharding)) for b in batches])
+        if not any(overflow for _, overflow in results):
+            return float(np.mean([loss for loss, _ in results]))
+        _grow_buffer(job, state, state.step, "evaluation")
 
 
 def _validate(job: _Job, state: _State) -> None:
@@ -696,6 +845,7 @@ def _save(job: _Job, state: _State) -> None:
     job.checkpoints.save(
         state.step, _checkpoint_tree(state.params, state.opt_state, state.model_state), {
             "step": state.step, "elapsed_s": state.elapsed_s,
+            "ep_buffer_factor": state.ep_buffer_factor,  # the grown buffer, kept on --resume
             # The loader is stateless: step n + 1 reads train_batch(seed, n + 1).
             "data_position": {"seed": job.config.seed, "next_step": state.step + 1,
                               "tokens_seen": state.step * job.tokens_per_step}})
@@ -718,7 +868,7 @@ def _finish(job: _Job, state: _State, *, wall_start: float) -> Summary:
         unigram_loss=data.unigram_loss(job.dataset.train, model_config.vocab_size),
         tokens_per_s=(len(train_records) * job.tokens_per_step / state.elapsed_s
                       if state.elapsed_s else 0.0),
-        train_time_s=state.elapsed_s, compile_s=job.compile_s,
+        train_time_s=state.elapsed_s, compile_s=state.compile_s,
         wall_s=time.perf_counter() - wall_start,
         dropped_fraction=float(np.mean(dropped)) if dropped else 0.0,
         num_params=model_config.num_params(),

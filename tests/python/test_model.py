@@ -86,12 +86,15 @@ def test_aux_without_moe_layers_has_a_zero_leading_dimension():
     assert aux.tokens_per_expert.dtype == jnp.int32
     for name in ("load_balancing_loss", "z_loss", "dropped_fraction", "max_over_mean"):
         assert getattr(aux, name).shape == (0,) and getattr(aux, name).dtype == jnp.float32
+    assert aux.overflow.shape == () and aux.overflow.dtype == jnp.bool_ and not aux.overflow
 
 
 def test_aux_is_a_pytree():
     _, aux = make_model(SMALL)(random_tokens(SMALL))
     assert isinstance(aux, ModelAux)
-    assert len(jax.tree.leaves(aux)) == 5
+    assert len(jax.tree.leaves(aux)) == 6
+    # One device: no expert-parallel buffer, nothing can overflow.
+    assert aux.overflow.shape == () and aux.overflow.dtype == jnp.bool_ and not aux.overflow
     doubled = jax.tree.map(lambda a: a * 2, aux)
     np.testing.assert_array_equal(doubled.tokens_per_expert, aux.tokens_per_expert * 2)
 

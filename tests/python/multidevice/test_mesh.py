@@ -10,7 +10,8 @@ import jax
 import pytest
 from jax.sharding import AxisType
 
-from nodrop.parallel import AXES, check_batch, check_experts, make_mesh, parse_mesh_spec
+from nodrop.parallel import (AXES, check_batch, check_experts, make_mesh, parse_mesh_spec,
+                             state_spec)
 
 
 def test_mesh_from_a_spec_and_from_keywords():
@@ -77,3 +78,17 @@ def test_experts_and_batch_must_divide_over_the_mesh():
             "--batch-size must be divisible by data=2 x fsdp=1 x expert=4 = 8, got 12") + "$"):
         check_batch(12, mesh, name="--batch-size")
     check_experts(3, make_mesh("data=8"))  # no experts to split
+
+
+def test_state_spec_splits_experts_over_expert_and_matrices_over_fsdp():
+    mesh = make_mesh("fsdp=2,expert=4")
+    layer = ("params", "layers", "0", "ffn")
+    assert state_spec((*layer, "gate_up"), (8, 128, 512), mesh) == jax.P("expert")
+    assert state_spec(("opt_state", "0", "mu", *layer[1:], "down"), (8, 256, 128),
+                      mesh) == jax.P("expert")
+    assert state_spec((*layer, "router"), (128, 8), mesh) == jax.P("fsdp")
+    # The first axis fsdp divides; none: replicated.
+    assert state_spec(("params", "embedding"), (255, 128), mesh) == jax.P(None, "fsdp")
+    assert state_spec(("params", "odd"), (3, 5), mesh) == jax.P()
+    assert state_spec(("params", "final_norm", "scale"), (128,), mesh) == jax.P()
+    assert state_spec((*layer, "router"), (128, 8), make_mesh("data=2,expert=4")) == jax.P()

@@ -120,21 +120,32 @@ def configure(overrides: dict, saved: dict | None) -> tuple[TrainConfig, ModelCo
     if saved is None:
         return build(overrides)
     config, model = _saved_config(saved, overrides)
-    # A field the saved config lacks (a run older than the field) counts as changed.
-    changed = [f"{name}: {saved['train'].get(name)!r} -> {value!r}"
+
+    def saved_value(section: str, name: str):
+        # A field the saved config lacks (a run older than the field) counts as changed,
+        # unless it is one of ADDED_FIELDS at the value those runs computed with.
+        return saved[section].get(name, ADDED_FIELDS[section].get(name, "(not saved)"))
+
+    changed = [f"{name}: {saved_value('train', name)!r} -> {value!r}"
                for name, value in config.to_dict().items()
                if name not in RESUMABLE_CHANGES and name != "model_overrides"
-               and value != saved["train"].get(name)]
+               and value != saved_value("train", name)]
     # expert_parallel follows the mesh's expert axis, which may change.
-    changed += [f"model.{name}: {saved['model'].get(name)!r} -> {value!r}"
+    changed += [f"model.{name}: {saved_value('model', name)!r} -> {value!r}"
                 for name, value in model.to_dict().items()
-                if name != "expert_parallel" and value != saved["model"].get(name)]
+                if name != "expert_parallel" and value != saved_value("model", name)]
     if changed:
         raise ConfigError(
             "cannot resume: the configuration differs from the run's config.json in "
             + "; ".join(changed) + f" (on --resume only {', '.join(RESUMABLE_CHANGES)} may "
             "change; start a new run with another --out for the rest)")
     return config, model
+
+
+# Fields added after runs were saved, with the value that computes what those runs computed
+# (one device: no mesh, so no expert-parallel buffer either); a saved config.json that lacks one
+# resumes with it.
+ADDED_FIELDS = {"train": {"mesh": None}, "model": {"ep_buffer_factor": 2.0}}
 
 
 def _saved_config(saved: dict, overrides: dict) -> tuple[TrainConfig, ModelConfig]:

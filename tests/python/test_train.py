@@ -169,6 +169,25 @@ def test_resume_refuses_a_different_configuration_naming_the_fields(reference, t
     assert code == 2 and "--steps 29 is below the checkpoint's step 30" in err
 
 
+def test_a_run_saved_before_the_mesh_fields_resumes(reference, tmp_path, capsys, text_file):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    saved = json.loads((run_dir / "config.json").read_text())
+    del saved["train"]["mesh"]
+    del saved["model"]["ep_buffer_factor"], saved["model"]["expert_parallel"]
+    (run_dir / "config.json").write_text(json.dumps(saved))
+    code, out, err = run_cli(capsys, "train", *train_flags(text_file, steps=STEPS + 1),
+                             "--resume", "--out", str(run_dir))
+    assert code == 0, err
+    assert f"resuming {run_dir} from step {STEPS}" in out
+    # A field added later and absent from an old run is still a change when it is not inert.
+    saved = json.loads((run_dir / "config.json").read_text())
+    del saved["train"]["z_loss_coef"]
+    (run_dir / "config.json").write_text(json.dumps(saved))
+    code, _, err = run_cli(capsys, "train", "--resume", "--out", str(run_dir))
+    assert code == 2 and "z_loss_coef: '(not saved)' -> 0.001" in err, err
+
+
 def test_resume_refuses_a_checkpoint_that_does_not_fit_the_model(reference, tmp_path, capsys):
     from test_checkpoint import train_state  # a small model's state, another shape
 

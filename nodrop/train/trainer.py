@@ -124,7 +124,7 @@ def configure(overrides: dict, saved: dict | None) -> tuple[TrainConfig, ModelCo
     def saved_value(section: str, name: str):
         # A field the saved config lacks (a run older than the field) counts as changed,
         # unless it is one of ADDED_FIELDS at the value those runs computed with.
-        return saved[section].get(name, ADDED_FIELDS[section].get(name, "(not saved)"))
+        return saved[section].get(name, ADDED_FIELDS[section].get(name))
 
     changed = [f"{name}: {saved_value('train', name)!r} -> {value!r}"
                for name, value in config.to_dict().items()
@@ -143,9 +143,9 @@ def configure(overrides: dict, saved: dict | None) -> tuple[TrainConfig, ModelCo
 
 
 # Fields added after runs were saved, with the value that computes what those runs computed
-# (one device: no mesh, so no expert-parallel buffer either); a saved config.json that lacks one
-# resumes with it.
-ADDED_FIELDS = {"train": {"mesh": None}, "model": {"ep_buffer_factor": 2.0}}
+# (one device, so no expert-parallel buffer); a saved config.json that lacks one resumes with
+# it. (The mesh itself may change on --resume.)
+ADDED_FIELDS = {"train": {}, "model": {"ep_buffer_factor": 2.0}}
 
 
 def _saved_config(saved: dict, overrides: dict) -> tuple[TrainConfig, ModelConfig]:

@@ -36,13 +36,15 @@ from nodrop.moe.block import residual_init, swiglu
 class ModelAux:
     """The MoE layers' statistics (MoEAux), stacked over the MoE layers in layer order.
 
-    load_balancing_loss, z_loss, dropped_fraction, max_over_mean: [L_moe] float32.
+    load_balancing_loss, sequence_balance_loss, z_loss, dropped_fraction, max_over_mean:
+      [L_moe] float32.
     tokens_per_expert: [L_moe, E] int32. With no MoE layers the leading dimension is 0.
     overflow: bool scalar, some MoE layer's expert-parallel receive buffer overflowed: the
       call's outputs and gradients must not be used (see MoEBlock).
     """
 
     load_balancing_loss: jax.Array
+    sequence_balance_loss: jax.Array
     z_loss: jax.Array
     tokens_per_expert: jax.Array
     dropped_fraction: jax.Array
@@ -54,7 +56,7 @@ class ModelAux:
         """The MoE layers' MoEAux (in layer order) stacked, in the documented dtypes."""
         if not layers:
             empty = jnp.zeros((0,), jnp.float32)
-            return cls(load_balancing_loss=empty, z_loss=empty,
+            return cls(load_balancing_loss=empty, sequence_balance_loss=empty, z_loss=empty,
                        tokens_per_expert=jnp.zeros((0, num_experts), jnp.int32),
                        dropped_fraction=empty, max_over_mean=empty,
                        overflow=jnp.zeros((), bool))
@@ -63,6 +65,7 @@ class ModelAux:
             return jnp.stack([getattr(aux, name) for aux in layers]).astype(dtype)
 
         return cls(load_balancing_loss=stacked("load_balancing_loss", jnp.float32),
+                   sequence_balance_loss=stacked("sequence_balance_loss", jnp.float32),
                    z_loss=stacked("z_loss", jnp.float32),
                    tokens_per_expert=stacked("tokens_per_expert", jnp.int32),
                    dropped_fraction=stacked("dropped_fraction", jnp.float32),

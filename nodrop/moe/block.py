@@ -20,7 +20,8 @@ from flax import nnx
 
 from nodrop._fields import is_finite_number, is_int, requirer
 from nodrop.moe.capacity import capacity_rows, combine, dispatch
-from nodrop.moe.losses import load_balancing_loss, router_z_loss, tokens_per_expert
+from nodrop.moe.losses import (load_balancing_loss, router_z_loss, sequence_balance_loss,
+                               tokens_per_expert)
 from nodrop.ops import reference
 from nodrop.ops._checks import FLOAT_DTYPES
 from nodrop.ops.grouped_matmul import grouped_matmul
@@ -137,6 +138,8 @@ class MoEAux:
     """What one block call reports besides its output.
 
     load_balancing_loss: Switch/GShard loss over every token of the call (1 when balanced).
+    sequence_balance_loss: the same loss per sequence, averaged over the sequences
+      (DeepSeek-V3's sequence-wise term; a [T, H] input counts as one sequence).
     z_loss: ST-MoE router z-loss.
     tokens_per_expert: [E] int32, the (token, slot) pairs the router sent to each expert, before
       any drop.
@@ -148,6 +151,7 @@ class MoEAux:
     """
 
     load_balancing_loss: jax.Array
+    sequence_balance_loss: jax.Array
     z_loss: jax.Array
     tokens_per_expert: jax.Array
     dropped_fraction: jax.Array
@@ -257,7 +261,8 @@ class MoEBlock(nnx.Module):
             processed = jnp.minimum(load, capacity)
 
         y = _add_shared(cfg, y, tokens, shared)
-        aux = _aux(cfg, logits, ids, load, processed.sum(), jnp.zeros((), bool))
+        aux = _aux(cfg, logits, ids, load, processed.sum(), jnp.zeros((), bool),
+                   num_sequences=_num_sequences(x))
         return y.astype(cfg.dtype).reshape(x.shape), aux
 
     def _expert_parallel(self, x, mesh, shared):
@@ -305,10 +310,15 @@ def _add_shared(cfg: MoEConfig, y, tokens, shared):
     return y + swiglu(jnp.dot, tokens, gate_up.astype(cfg.dtype), down.astype(cfg.dtype))
 
 
-def _aux(cfg: MoEConfig, logits, ids, load, processed, overflow, axis_name=None):
-    """MoEAux from this call's routing; with axis_name (inside shard_map) over every token of
-    the mesh. load: [E] slots per expert, processed: slots the experts computed (both already
-    summed over the mesh)."""
+def _num_sequences(x) -> int:
+    return x.shape[0] if x.ndim == 3 else 1
+
+
+def _aux(cfg: MoEConfig, logits, ids, load, processed, overflow, *, num_sequences: int,
+         axis_name=None):
+    """MoEAux from this call's routing (num_sequences of equal length); with axis_name (inside
+    shard_map) over every token of the mesh. load: [E] slots per expert, processed: slots the
+    experts computed (both already summed over the mesh)."""
     shards = 1 if axis_name is None else jax.lax.axis_size(axis_name)
     num_slots = ids.size * shards
     if cfg.score_function == "softmax":
@@ -318,6 +328,8 @@ def _aux(cfg: MoEConfig, logits, ids, load, processed, overflow, axis_name=None)
         probs = scores / scores.sum(axis=-1, keepdims=True)
     return MoEAux(
         load_balancing_loss=load_balancing_loss(probs, ids, axis_name=axis_name),
+        sequence_balance_loss=sequence_balance_loss(probs, ids, num_sequences,
+                                                    axis_name=axis_name),
         z_loss=router_z_loss(logits, axis_name=axis_name),
         tokens_per_expert=load,
         dropped_fraction=(num_slots - processed).astype(jnp.float32) / num_slots,
@@ -351,7 +363,8 @@ def _expert_parallel_rank(cfg: MoEConfig, axes, x, router, expert_bias, gate_up,
     y = _add_shared(cfg, ops["unpermute"](out_rows, row_map, weights), tokens, shared)
     load = jax.lax.psum(group_sizes, axes)
     processed = jax.lax.psum(exchange.sent.sum(), axes)
-    aux = _aux(cfg, logits, ids, load, processed, exchange.overflow, axis_name=axes)
+    aux = _aux(cfg, logits, ids, load, processed, exchange.overflow,
+               num_sequences=_num_sequences(x), axis_name=axes)
     return y.astype(cfg.dtype).reshape(x.shape), aux
 
 

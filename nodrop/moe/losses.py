@@ -45,6 +45,31 @@ def load_balancing_loss(probs, ids, num_experts: int | None = None, *, axis_name
     return num_experts * jnp.sum(fraction * mean_prob)
 
 
+def sequence_balance_loss(probs, ids, num_sequences: int, *, axis_name=None):
+    """DeepSeek-V3's complementary sequence-wise balance loss: the load-balancing loss of each
+    sequence on its own, averaged over the sequences.
+
+    The batch-wise loss lets a sequence send all its tokens to a few experts as long as other
+    sequences make up for it; with fine-grained experts one such sequence (a table, a long list)
+    is a large part of an expert's share of the batch. This term penalises that per sequence.
+
+    Args:
+      probs: [T, E] router probabilities, T = num_sequences * S in sequence order.
+      ids: [T, k] chosen experts.
+      num_sequences: how many sequences the T tokens are (1: the whole call is one sequence).
+      axis_name: inside `jax.shard_map`, the mesh axes the sequences are split over: the loss is
+        then the mean over every sequence of the mesh, the same on every device.
+    """
+    num_tokens, num_experts = probs.shape
+    if num_sequences < 1 or num_tokens % num_sequences:
+        raise ValueError(f"num_sequences must divide the {num_tokens} tokens, got {num_sequences}")
+    per_sequence = jax.vmap(lambda p, i: load_balancing_loss(p, i, num_experts))(
+        probs.reshape(num_sequences, -1, num_experts), ids.reshape(num_sequences, -1, ids.shape[-1]))
+    if axis_name is None:
+        return per_sequence.mean()
+    return jax.lax.pmean(per_sequence.mean(), axis_name)
+
+
 def router_z_loss(logits, *, axis_name=None):
     """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2 (keeps logits small).
 

@@ -47,7 +47,8 @@ class TrainConfig:
     weight_decay, beta1, beta2, adam_eps: AdamW (decay applied to matrices only, not to norm
       scales). grad_clip: global-norm clipping threshold (0: off).
     aux_loss_coef, z_loss_coef: weights of each MoE layer's load-balancing and router z-losses,
-      summed over the MoE layers and added to the cross-entropy.
+      summed over the MoE layers and added to the cross-entropy. seq_aux_loss_coef: the same
+      for DeepSeek-V3's sequence-wise balance loss (0: off).
     bias_update_rate: aux-loss-free balancing (DeepSeek-V3) step for the expert biases after
       every optimizer step (0: off; None: DEFAULT_BIAS_UPDATE_RATE of the model's score
       function, for every router).
@@ -79,6 +80,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 1e-3
+    seq_aux_loss_coef: float = 0.0
     bias_update_rate: float | None = None
     router_lr_scale: float = 1.0
     eval_every: int = 100
@@ -125,7 +127,8 @@ class TrainConfig:
             require(number(field) and 0 <= getattr(self, field) < 1, field,
                     "a number in [0, 1)")
         require(number("adam_eps") and self.adam_eps > 0, "adam_eps", "a positive number")
-        for field in ("weight_decay", "grad_clip", "aux_loss_coef", "z_loss_coef"):
+        for field in ("weight_decay", "grad_clip", "aux_loss_coef", "z_loss_coef",
+                      "seq_aux_loss_coef"):
             require(number(field) and getattr(self, field) >= 0, field,
                     "a finite number >= 0")
         require(number("router_lr_scale") and self.router_lr_scale > 0, "router_lr_scale",
@@ -320,6 +323,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> No
     moe = parser.add_argument_group("MoE losses and balancing")
     moe.add_argument("--aux-loss-coef", type=float, default=S,
                      help=f"load-balancing loss weight (default {d.aux_loss_coef})")
+    moe.add_argument("--seq-aux-loss-coef", type=float, default=S,
+                     help="sequence-wise load-balancing loss weight (DeepSeek-V3; default "
+                          f"{d.seq_aux_loss_coef:g}: off)")
     moe.add_argument("--z-loss-coef", type=float, default=S,
                      help=f"router z-loss weight (default {d.z_loss_coef})")
     moe.add_argument("--bias-update-rate", type=float, default=S,

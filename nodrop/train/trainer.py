@@ -145,7 +145,7 @@ def configure(overrides: dict, saved: dict | None) -> tuple[TrainConfig, ModelCo
 # Fields added after runs were saved, with the value that computes what those runs computed
 # (one device, so no expert-parallel buffer); a saved config.json that lacks one resumes with
 # it. (The mesh itself may change on --resume.)
-ADDED_FIELDS = {"train": {}, "model": {"ep_buffer_factor": 2.0}}
+ADDED_FIELDS = {"train": {"seq_aux_loss_coef": 0.0}, "model": {"ep_buffer_factor": 2.0}}
 
 
 def _saved_config(saved: dict, overrides: dict) -> tuple[TrainConfig, ModelConfig]:
@@ -272,7 +272,7 @@ def make_steps(config: TrainConfig, graphdef, tx, *, can_overflow: bool = False)
     train_step(params, opt_state, model_state, batch, step, halted) also returns halted: with
     can_overflow (expert parallelism's bounded buffers), a step whose buffers overflow, or that
     runs while halted, returns the state it was given and halted true. eval_step returns
-    (cross-entropy, overflow).
+    (cross-entropy, tokens_per_expert [L_moe, E], overflow).
     """
     schedule = learning_rate_schedule(config)
 
@@ -287,6 +287,7 @@ def make_steps(config: TrainConfig, graphdef, tx, *, can_overflow: bool = False)
         # ST-MoE and Megatron-Core define them; a mean would weaken every layer's balancing by
         # the number of MoE layers.
         loss = (ce + config.aux_loss_coef * aux.load_balancing_loss.sum()
+                + config.seq_aux_loss_coef * aux.sequence_balance_loss.sum()
                 + config.z_loss_coef * aux.z_loss.sum())
         return loss, (ce, aux)
 
@@ -315,6 +316,7 @@ def make_steps(config: TrainConfig, graphdef, tx, *, can_overflow: bool = False)
         grad_norm, update_norm = _norm(grads), _norm(updates)
         metrics = {
             "loss": loss, "ce": ce, "aux_loss": _mean(aux.load_balancing_loss),
+            "seq_aux_loss": _mean(aux.sequence_balance_loss),
             "z_loss": _mean(aux.z_loss), "grad_norm": grad_norm, "update_norm": update_norm,
             "lr": schedule(step - 1), "max_over_mean": aux.max_over_mean,
             "dropped_fraction": aux.dropped_fraction,
@@ -328,7 +330,7 @@ def make_steps(config: TrainConfig, graphdef, tx, *, can_overflow: bool = False)
 
     def eval_step(params, model_state, batch):
         ce, aux = forward(nnx.merge(graphdef, params, model_state), batch)
-        return ce, aux.overflow
+        return ce, aux.tokens_per_expert, aux.overflow
 
     return train_step, eval_step
 
@@ -832,21 +834,26 @@ def _divergence(job: _Job, record: dict, finite: dict[str, bool]) -> str:
             f"saving this state. {where}")
 
 
-def _evaluate(job: _Job, state: _State, batches: list[np.ndarray]) -> float:
-    """The mean loss over `batches`; on a receive-buffer overflow, again with a larger one."""
+def _evaluate(job: _Job, state: _State, batches: list[np.ndarray]) -> tuple[float, list]:
+    """The mean loss over `batches`, and per MoE layer the busiest expert's load over the mean
+    load counted over all of them (the routers' balance on more tokens than a training step
+    sees); on a receive-buffer overflow, again with a larger buffer."""
     while True:
         results = jax.device_get([
             state.eval_step(state.params, state.model_state,
                             jax.device_put(b, job.batch_sharding)) for b in batches])
-        if not any(overflow for _, overflow in results):
-            return float(np.mean([loss for loss, _ in results]))
+        if not any(overflow for *_, overflow in results):
+            break
         _grow_buffer(job, state, state.step, "evaluation")
+    counts = np.sum([load for _, load, _ in results], axis=0, dtype=np.float64)
+    max_over_mean = counts.max(axis=-1, initial=0) / np.maximum(counts.mean(axis=-1), 1)
+    return float(np.mean([loss for loss, *_ in results])), max_over_mean.tolist()
 
 
 def _validate(job: _Job, state: _State) -> None:
-    val_loss = _evaluate(job, state, job.val_batches)
+    val_loss, val_load = _evaluate(job, state, job.val_batches)
     job.metrics.write({"kind": "eval", "step": state.step, "val_loss": val_loss,
-                       "elapsed_s": state.elapsed_s})
+                       "val_max_over_mean": val_load, "elapsed_s": state.elapsed_s})
     job.progress.write(f"step {state.step}: validation loss {val_loss:.4f}")
 
 
@@ -866,9 +873,9 @@ def _finish(job: _Job, state: _State, *, wall_start: float) -> Summary:
     """The final losses on both splits, the plots and summary.json. The last step needs no
     evaluation or save here: the loop did both, or, resumed at its last step, the run before."""
     config, model_config = job.config, job.model_config
-    train_loss = _evaluate(job, state, data.eval_batches(
+    train_loss, _ = _evaluate(job, state, data.eval_batches(
         job.dataset.train, config.eval_batches, config.batch_size, config.seq_len))
-    val_loss = _evaluate(job, state, job.val_batches)
+    val_loss, _ = _evaluate(job, state, job.val_batches)
     job.metrics.write({"kind": "final", "step": config.steps, "train_loss": train_loss,
                        "val_loss": val_loss})
     _plots(job)

@@ -1,4 +1,5 @@
-"""tokens_per_expert, load_balancing_loss and router_z_loss against numpy."""
+"""tokens_per_expert, load_balancing_loss, sequence_balance_loss and router_z_loss against
+numpy."""
 
 from __future__ import annotations
 
@@ -114,6 +115,36 @@ def test_load_balancing_loss_rejects_mismatched_num_experts():
     with pytest.raises(ValueError, match="^" + re.escape(
             "probs has 8 experts but num_experts is 4") + "$"):
         nodrop.load_balancing_loss(probs, int32(np.zeros((4, 2))), num_experts=4)
+
+
+# --- sequence_balance_loss --------------------------------------------------------------------
+
+
+def test_sequence_balance_loss_is_the_mean_of_each_sequences_loss():
+    rng = np.random.default_rng(3)
+    num_sequences, seq, num_experts, k = 3, 10, 6, 2
+    probs = numpy_softmax(rng.normal(size=(num_sequences * seq, num_experts)))
+    ids = rng.integers(0, num_experts, size=(num_sequences * seq, k))
+    expected = np.mean([numpy_load_balancing_loss(probs[i * seq:(i + 1) * seq],
+                                                  ids[i * seq:(i + 1) * seq], num_experts)
+                        for i in range(num_sequences)])
+    loss = nodrop.moe.sequence_balance_loss(jnp.asarray(probs, jnp.float32), int32(ids),
+                                            num_sequences)
+    np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
+
+
+def test_sequence_balance_loss_sees_what_the_batch_loss_does_not():
+    """Two sequences, each all on its own expert: balanced over the batch, not per sequence."""
+    probs = jnp.asarray(np.repeat(np.eye(2, dtype=np.float32), 4, axis=0))  # [8, 2]
+    ids = int32(np.repeat([[0], [1]], 4, axis=0))
+    assert float(nodrop.load_balancing_loss(probs, ids)) == pytest.approx(1.0)
+    assert float(nodrop.moe.sequence_balance_loss(probs, ids, 2)) == pytest.approx(2.0)
+    assert float(nodrop.moe.sequence_balance_loss(probs, ids, 1)) == pytest.approx(1.0)
+
+
+def test_sequence_balance_loss_refuses_sequences_that_do_not_divide_the_tokens():
+    with pytest.raises(ValueError, match="num_sequences must divide the 8 tokens, got 3"):
+        nodrop.moe.sequence_balance_loss(jnp.ones((8, 2)) / 2, int32(np.zeros((8, 1))), 3)
 
 
 # --- router_z_loss ----------------------------------------------------------------------------

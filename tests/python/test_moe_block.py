@@ -69,12 +69,16 @@ def reference_block(config, params, expert_bias, x):
         probs = jax.nn.softmax(logits)
     else:
         probs = jax.nn.sigmoid(logits) / jax.nn.sigmoid(logits).sum(-1, keepdims=True)
-    return y.reshape(x.shape), load_balancing_loss(probs, ids), router_z_loss(logits)
+    num_sequences = x.shape[0] if x.ndim == 3 else 1
+    per_sequence = [load_balancing_loss(p, i, config.num_experts) for p, i in zip(
+        jnp.split(probs, num_sequences), jnp.split(ids, num_sequences))]
+    return (y.reshape(x.shape), load_balancing_loss(probs, ids), sum(per_sequence) / num_sequences,
+            router_z_loss(logits))
 
 
-def scalar_loss(y, lb_loss, z_loss, cotangent):
-    """Touches the output and both auxiliary losses, so every gradient path is exercised."""
-    return jnp.sum(y * cotangent) + 0.1 * lb_loss + 0.01 * z_loss
+def scalar_loss(y, lb_loss, seq_loss, z_loss, cotangent):
+    """Touches the output and the auxiliary losses, so every gradient path is exercised."""
+    return jnp.sum(y * cotangent) + 0.1 * lb_loss + 0.05 * seq_loss + 0.01 * z_loss
 
 
 @pytest.mark.parametrize("config", [SOFTMAX_TOP2, DEEPSEEK], ids=["softmax_top2",
@@ -89,22 +93,25 @@ def test_block_matches_reference_forward_and_gradients(config):
 
     def loss(params, x):
         y, aux = nnx.merge(graphdef, params, rest)(x)
-        return scalar_loss(y, aux.load_balancing_loss, aux.z_loss, cotangent), (y, aux)
+        return scalar_loss(y, aux.load_balancing_loss, aux.sequence_balance_loss, aux.z_loss,
+                           cotangent), (y, aux)
 
     (_, (y, aux)), (grad_params, grad_x) = jax.jit(jax.value_and_grad(
         loss, argnums=(0, 1), has_aux=True))(params, x)
 
     def ref_loss(params, x):
-        y, lb_loss, z_loss = reference_block(config, params, f64(bias), x)
-        return scalar_loss(y, lb_loss, z_loss, f64(cotangent)), (y, lb_loss, z_loss)
+        y, lb_loss, seq_loss, z_loss = reference_block(config, params, f64(bias), x)
+        return (scalar_loss(y, lb_loss, seq_loss, z_loss, f64(cotangent)),
+                (y, lb_loss, seq_loss, z_loss))
 
     params64 = {name: f64(value) for name, value in nnx.to_pure_dict(params).items()}
-    (_, (ref_y, ref_lb, ref_z)), (ref_grad_params, ref_grad_x) = jax.jit(jax.value_and_grad(
+    (_, (ref_y, ref_lb, ref_seq, ref_z)), (ref_grad_params, ref_grad_x) = jax.jit(jax.value_and_grad(
         ref_loss, argnums=(0, 1), has_aux=True))(params64, f64(x))
 
     assert y.shape == x.shape and y.dtype == jnp.float32
     assert_close(y, ref_y, F32_TOL, "output")
     assert_close(aux.load_balancing_loss, ref_lb, F32_TOL, "load-balancing loss")
+    assert_close(aux.sequence_balance_loss, ref_seq, F32_TOL, "sequence balance loss")
     assert_close(aux.z_loss, ref_z, F32_TOL, "z-loss")
     assert_close(grad_x, ref_grad_x, F32_TOL, "grad x")
     grads = nnx.to_pure_dict(grad_params)
@@ -194,7 +201,8 @@ def test_ragged_dot_experts_equal_nodrop_experts():
     def loss_and_grads(block):
         def loss(block, x):
             y, aux = block(x)
-            return scalar_loss(y, aux.load_balancing_loss, aux.z_loss, cotangent)
+            return scalar_loss(y, aux.load_balancing_loss, aux.sequence_balance_loss, aux.z_loss,
+                               cotangent)
         return nnx.value_and_grad(loss, argnums=(0, 1))(block, x)
 
     (value, (block_grads, x_grad)) = loss_and_grads(make_block(DEEPSEEK))
@@ -356,7 +364,8 @@ def test_jit_nnx_jit_and_remat(config):
     def loss(apply_fn):
         def fn(params, x):
             y, aux = apply_fn(params, x)
-            return scalar_loss(y, aux.load_balancing_loss, aux.z_loss, cotangent)
+            return scalar_loss(y, aux.load_balancing_loss, aux.sequence_balance_loss, aux.z_loss,
+                               cotangent)
         return jax.jit(jax.grad(fn, argnums=(0, 1)))
 
     grads, grads_remat = loss(apply)(params, x), loss(jax.checkpoint(apply))(params, x)

@@ -101,6 +101,11 @@ def test_the_run_folder_holds_config_metrics_tensorboard_checkpoints_and_plots(r
     assert lrs[:3] == pytest.approx([1e-3, 2e-3, 3e-3])
     assert lrs[-1] == pytest.approx(3e-4) and all(np.diff(lrs[2:]) <= 0)
     assert [r["step"] for r in records(reference, "eval")] == [10, 20, 30]
+    # The routers' balance over every validation batch: between balanced and every slot on
+    # one expert (E / k = 2 for 4 experts top-2).
+    for r in records(reference, "eval"):
+        assert len(r["val_max_over_mean"]) == 2
+        assert all(1.0 <= v <= 2.0 for v in r["val_max_over_mean"])
     assert len(records(reference, "compile")) == 1
     (final,) = records(reference, "final")
     assert final["val_loss"] == records(reference, "eval")[-1]["val_loss"]

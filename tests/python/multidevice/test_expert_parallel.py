@@ -71,7 +71,8 @@ def loss_and_grads(block, x, cotangent, mesh=None, remat=False):
 
     def loss(params, x):
         y, aux = apply(params, x)
-        return jnp.sum(y * cotangent) + 0.1 * aux.load_balancing_loss + 0.01 * aux.z_loss, (y, aux)
+        return (jnp.sum(y * cotangent) + 0.1 * aux.load_balancing_loss
+                + 0.05 * aux.sequence_balance_loss + 0.01 * aux.z_loss, (y, aux))
 
     run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
     if mesh is None:
@@ -94,7 +95,7 @@ def assert_same_block(config, routing, mesh, seed=0, remat=False):
     assert_close(ep_y, y, F32_TOL, "output")
     np.testing.assert_array_equal(np.asarray(ep_aux.tokens_per_expert),
                                   np.asarray(aux.tokens_per_expert))
-    for name in ("load_balancing_loss", "z_loss", "max_over_mean"):
+    for name in ("load_balancing_loss", "sequence_balance_loss", "z_loss", "max_over_mean"):
         assert_close(getattr(ep_aux, name), getattr(aux, name), F32_TOL, name)
     assert float(ep_aux.dropped_fraction) == 0.0
     assert not bool(ep_aux.overflow)

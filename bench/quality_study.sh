@@ -5,8 +5,8 @@
 #                                    # then batch invariance of the trained dropless model
 #   bench/quality_study.sh gpu OUT   # small, 2000 steps of 4 x 1024 subword tokens, capacity 1.0
 #                                    # and 1.25, seeds 0 and 1; then mixtral, deepseek and qwen3,
-#                                    # 300 steps against 1.25 on 48 MiB of the machine's
-#                                    # installed Python packages (bench/make_corpus.py)
+#                                    # 300 steps against 1.25, seeds 0 and 1, on 48 MiB of the
+#                                    # machine's installed Python packages (bench/make_corpus.py)
 #
 # Started again with the same OUT, each comparison reuses the runs that finished, so a study cut
 # short (a time limit) goes on where it stopped. PYTHON (default python3) runs nodrop.
@@ -31,7 +31,7 @@ case $mode in
     # once, where the standard library would be read four times.
     [ -d "$out/corpus" ] || "$python" bench/make_corpus.py "$out/corpus" 48
     for preset in mixtral deepseek qwen3; do
-      compare --preset "$preset" --steps 300 --capacity-factors 1.25 --eval-every 50 \
+      compare --preset "$preset" --steps 300 --capacity-factors 1.25 --seeds 0 1 --eval-every 50 \
         --eval-batches 4 --checkpoint-every 0 --data "$out/corpus" --out "$out/$preset-300"
     done
     ;;

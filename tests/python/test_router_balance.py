@@ -105,9 +105,10 @@ def load(records: dict[int, dict], first: int, last: int) -> np.ndarray:
 BALANCE_BATCH = {"deepseek": 64, "qwen3": 64}
 
 
-# Not met yet (H200, 2026-12-01, bench/results/2026-12-01-h200-logit-bias): qwen3's last layer
-# averages 1.71 over steps 20-60 on 64 sequences (1.62 with a load-balancing weight of 0.1;
-# 2.11 on its 16). Strict: passing must drop the marker.
+# Not met yet (H200, 2026-12-01, bench/results/2026-12-01-h200-logit-bias and -seeds): qwen3's
+# last layer averages 1.62 over steps 20-60 on 64 sequences with its load-balancing weight of
+# 0.1 (1.68-1.71 with 0.01; 2.11 on its 16), and measures 2.28 on 256 held-out sequences at
+# step 20: the warm-up's imbalance is the router's. Strict: passing must drop the marker.
 UNBALANCED = {"qwen3"}
 
 

@@ -142,7 +142,7 @@ def test_the_flag_and_the_presets_defaults(tmp_path):
     assert overrides_from_args(args)["tokenizer"] == "bpe"
     args = parser.parse_args(["train", "--tokenizer", "t.json"])
     assert Path(overrides_from_args(args)["tokenizer"]).is_absolute()
-    for name, aux in (("small", 0.01), ("mixtral", 0.1), ("deepseek", 0.1), ("qwen3", 0.01)):
+    for name, aux in (("small", 0.01), ("mixtral", 0.1), ("deepseek", 0.1), ("qwen3", 0.1)):
         config, model = build({"preset": name})
         assert (config.tokenizer, model.vocab_size, config.aux_loss_coef) == ("bpe", 8192, aux)
     config, model = build({"preset": "tiny"})

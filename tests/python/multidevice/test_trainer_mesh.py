@@ -85,7 +85,7 @@ def runs(tmp_path_factory, text_file):
     return get
 
 
-@pytest.mark.parametrize("mesh", [EP_MESH, "data=8"])
+@pytest.mark.parametrize("mesh", [EP_MESH, "data=8", "fsdp=8", "data=2,fsdp=2,expert=2"])
 def test_a_mesh_reaches_the_single_device_losses(runs, mesh):
     single = runs("single")
     meshed = runs(mesh, "--mesh", mesh)

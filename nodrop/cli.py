@@ -177,6 +177,9 @@ def _add_use_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nodrop", description=nodrop.__doc__)
+    parser.add_argument("--version", action="version",
+                        version=f"nodrop {nodrop.__version__} (jax {jax.__version__}, jaxlib "
+                                f"{importlib.metadata.version('jaxlib')})")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from nodrop.train import config as train_config
     train_parser = commands.add_parser(

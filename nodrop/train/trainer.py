@@ -918,7 +918,9 @@ def banner(config: TrainConfig, model_config: ModelConfig, devices: list,
            run_dir: Path) -> str:
     """The lines printed before data loading and compiling, which take seconds to minutes:
     what is about to train, on what, and where it writes."""
-    kinds = sorted({f"{d.platform} ({d.device_kind})" for d in devices})
+    kinds = sorted({f"{d.platform} ("
+                    f"{environment.cpu_model() if d.platform == 'cpu' else d.device_kind})"
+                    for d in devices})
     source = config.data if config.data is not None else "this Python's standard library"
     return "\n".join([
         f"nodrop {nodrop.__version__} train: {config.preset}, "

@@ -220,5 +220,7 @@ def table(results, stats, title: str) -> str:
               f"split's token frequencies): {unigram:.4f} nats. Dropped fraction: the share of "
               "(token, expert) slots that reached no expert, averaged over layers and steps. "
               "Tokens/s and training time count the steps only (no compile, evaluation or "
-              "checkpoints); wall time is the whole run. Curves: compare.png.", ""]
+              "checkpoints), over all of a run's steps; compile and wall time are those of the "
+              "process that finished the run (of its last part, for a run resumed after a "
+              "stop). Curves: compare.png.", ""]
     return "\n".join(lines)

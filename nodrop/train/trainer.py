@@ -892,7 +892,8 @@ def _finish(job: _Job, state: _State, *, wall_start: float,
     train_records = [r for r in job.metrics.records if r.get("kind") == "train"]
     dropped = [v for r in train_records for v in r["dropped_fraction"]]
     summary = Summary(
-        run_dir=str(job.run_dir.absolute()), steps=config.steps, train_loss=train_loss, val_loss=val_loss,
+        run_dir=str(job.run_dir.absolute()), steps=config.steps, train_loss=train_loss,
+        val_loss=val_loss,
         unigram_loss=data.unigram_loss(job.dataset.train, model_config.vocab_size),
         tokens_per_s=(len(train_records) * job.tokens_per_step / state.elapsed_s
                       if state.elapsed_s else 0.0),

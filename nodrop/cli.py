@@ -82,7 +82,7 @@ def compare(args: argparse.Namespace) -> int:
         out = getattr(args, "out", None) or trainer.default_run_dir(
             f"compare-{getattr(args, 'preset', config.TrainConfig.preset)}")
         overrides = config.overrides_from_args(args)
-        if args.seeds is not None and "seed" in overrides:
+        if args.seeds is not None and "seed" in vars(args):  # a --config file's seed yields
             raise config.ConfigError("give --seed or --seeds, not both")
         comparison.run(overrides, out, capacity_factors=args.capacity_factors,
                        with_ragged_dot=args.with_ragged_dot, seeds=args.seeds,

@@ -399,6 +399,26 @@ def test_a_missing_or_malformed_config_file_is_one_line(tmp_path, capsys):
     assert code == 2 and "bad.json: not valid JSON: " in err
 
 
+def test_compare_takes_a_config_file_whose_seed_seeds_replaces(tmp_path, capsys,
+                                                              monkeypatch):
+    """A run's config.json holds a seed; --seeds beside it is not '--seed and --seeds'."""
+    file = write_config(tmp_path / "c.json", {"steps": 7, "seed": 5})
+    given = {}
+
+    def run(overrides, out, **kwargs):  # what the comparison is given, not the runs
+        given.update(overrides=overrides, **kwargs)
+        Path(out).mkdir()
+        (Path(out) / "compare.md").write_text("the table\n")
+
+    monkeypatch.setattr(compare, "run", run)
+    code, _, err = run_cli(capsys, "compare", "--config", str(file), "--seeds", "1", "2",
+                           "--out", str(tmp_path / "c"))
+    assert code == 0, err
+    assert given["overrides"] == {"steps": 7, "seed": 5} and given["seeds"] == [1, 2]
+    code, _, err = run_cli(capsys, "compare", "--seed", "3", "--seeds", "1", "2")
+    assert code == 2 and "give --seed or --seeds, not both" in err
+
+
 def test_a_runs_config_json_repeats_the_run(reference, tmp_path, capsys):
     """nodrop train --config RUN/config.json trains the same run again, bit for bit; the
     banner, printed before compiling, says what and where."""

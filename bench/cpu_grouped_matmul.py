@@ -1,14 +1,15 @@
 """CPU grouped-matmul benchmark: nodrop.ragged_dot against jax.lax.ragged_dot and a dense jnp.dot.
 
-    python bench/cpu_grouped_matmul.py [--iters 20] [--out bench/results]    (`make bench`)
+    python bench/cpu_grouped_matmul.py [--iters 20] [--out DIR]    (`make bench`)
 
 One grouped matmul of M=4096 rows, K=N=512 and 8 groups (uniform and Zipf-skewed group sizes), in
 float32 and bfloat16, forward and forward+backward (gradients of lhs and rhs: 3 GEMMs). Every
 implementation is jitted and timed in this process: warm-up, then the median of --iters runs. The
 dense jnp.dot ([M, K] @ [K, N]) does the same FLOPs with no grouping, the speed a grouped matmul
 aims for. Acceptance targets, forward: nodrop >= 0.5x dense, and nodrop faster than
-jax.lax.ragged_dot. Results go to OUT/YYYY-MM-DD-cpu-grouped-matmul.{json,md}; exit status 1 if
-a target or the output check fails.
+jax.lax.ragged_dot. Results go to OUT/YYYY-MM-DD-cpu-grouped-matmul.{json,md} (default OUT: the
+results/ folder beside this program, wherever it is run from; a relative --out is relative to
+the working folder); exit status 1 if a target or the output check fails.
 """
 
 from __future__ import annotations
@@ -130,11 +131,16 @@ def markdown(summary: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Beside the program, not bench/results under whatever folder it is run from.
+DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=positive_int, default=20,
                         help="timed runs per case, after warm-up (default: 20)")
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"),
-                        help="folder for the JSON and markdown results (default: bench/results)")
+    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT,
+                        help="folder for the JSON and markdown results (default: the results/ "
+                             f"folder beside this program, {DEFAULT_OUT})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
                 jax=jax.__version__, jaxlib=importlib.metadata.version("jaxlib"),
                 nodrop=nodrop.__version__, iters=args.iters,
                 shape=dict(M=M, K=K, N=N, groups=GROUPS))
-    print(f"{meta['device']['cpu']}, {meta['device']['cores']} cores, jax {meta['jax']}", flush=True)
+    print(f"{meta['device']['cpu']}, {meta['device']['cores']} cores, jax {meta['jax']}; results "
+          f"to {args.out.absolute()}", flush=True)
     cases = run_cases(args.iters)
     summary = summarize(cases)
     table = markdown(summary, meta)
@@ -153,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     stem.with_suffix(".json").write_text(
         json.dumps(dict(meta, summary=summary, cases=cases), indent=2) + "\n")
     stem.with_suffix(".md").write_text(table)
-    print(f"wrote {stem}.json and {stem}.md")
+    print(f"wrote {stem.absolute()}.json and {stem.absolute()}.md")
     verdicts = [row[key] for row in summary
                 for key in ("check_ok", "vs_dense_pass", "vs_ragged_dot_pass") if key in row]
     return 0 if all(verdicts) else 1

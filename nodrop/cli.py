@@ -82,7 +82,7 @@ def compare(args: argparse.Namespace) -> int:
         out = getattr(args, "out", None) or trainer.default_run_dir(
             f"compare-{getattr(args, 'preset', config.TrainConfig.preset)}")
         overrides = config.overrides_from_args(args)
-        if args.seeds is not None and "seed" in overrides:
+        if args.seeds is not None and "seed" in vars(args):  # a --config file's seed yields
             raise config.ConfigError("give --seed or --seeds, not both")
         comparison.run(overrides, out, capacity_factors=args.capacity_factors,
                        with_ragged_dot=args.with_ragged_dot, seeds=args.seeds,
@@ -177,6 +177,9 @@ def _add_use_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nodrop", description=nodrop.__doc__)
+    parser.add_argument("--version", action="version",
+                        version=f"nodrop {nodrop.__version__} (jax {jax.__version__}, jaxlib "
+                                f"{importlib.metadata.version('jaxlib')})")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from nodrop.train import config as train_config
     train_parser = commands.add_parser(

@@ -162,6 +162,26 @@ def _path_name(path) -> str:
     return "/".join(parts)
 
 
+class NoCheckpoints:
+    """The checkpoints of a run that saves none (--checkpoint-every 0) and has none: no folder
+    is made; there is nothing to list or restore."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory).absolute()
+
+    def latest_step(self) -> int | None:
+        return None
+
+    def all_steps(self) -> list[int]:
+        return []
+
+    def save(self, step: int, state, meta: dict) -> None:
+        raise RuntimeError("a run with --checkpoint-every 0 saves no checkpoints")
+
+    def close(self) -> None:
+        pass
+
+
 def checksums(tree) -> dict[str, int]:
     """CRC32 of every array's bytes, by key path (fetched to the host)."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]

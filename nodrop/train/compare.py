@@ -23,6 +23,9 @@ from nodrop.train.metrics import read_jsonl
 DEFAULT_CAPACITY_FACTORS = (1.0, 1.25)
 # Evaluations per run when --eval-every is not given: enough points for whole curves.
 DEFAULT_EVALUATIONS = 20
+# Said in compare.md, on compare.png and on the console when a comparison has one seed.
+ONE_SEED_CAVEAT = ("one seed: a difference between the variants may be seed noise (on short "
+                   "runs it often is); give --seeds 0 1 2 for the spread")
 
 
 def variants(capacity_factors, with_ragged_dot: bool) -> list[tuple[str, str, dict]]:
@@ -85,7 +88,10 @@ def run(overrides: dict, out: str | os.PathLike, *,
     seed_text = f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {', '.join(map(str, seeds))}"
     title = (f"{config.preset}: {config.steps} steps of {config.batch_size} x {config.seq_len} "
              f"tokens, {seed_text}")
-    plots.plot_compare(records, out / "compare.png", title)
+    plots.plot_compare(records, out / "compare.png", title,
+                       caveat=ONE_SEED_CAVEAT if len(seeds) == 1 else None)
+    if len(seeds) == 1:
+        echo(f"nodrop compare: caveat: {ONE_SEED_CAVEAT}")
     stats = statistics(results, records)
     (out / "compare.md").write_text(table(results, stats, title))
     (out / "compare.json").write_text(json.dumps(
@@ -110,7 +116,7 @@ def finished_run(run_dir: Path, fields: dict) -> trainer.Summary | None:
     wanted = json.loads(json.dumps({"train": config.to_dict(), "model": model.to_dict()}))
     if {key: saved.get(key) for key in wanted} != wanted:
         raise ConfigError(f"{run_dir} holds a finished run of other settings; give another --out")
-    return trainer.Summary(**{**values, "run_dir": str(run_dir)})
+    return trainer.Summary(**{**values, "run_dir": str(run_dir.absolute())})
 
 
 def val_loss_at_time(records: list[dict], seconds: float) -> float | None:
@@ -198,6 +204,8 @@ def table(results, stats, title: str) -> str:
                  f"{_mean([r.compile_s for r in runs]):.1f}",
                  f"{_mean([r.wall_s for r in runs]):.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    if len(seeds) == 1:
+        lines += ["", f"**Caveat: {ONE_SEED_CAVEAT}.**"]
     lines += ["", f"Against {names[0]}, seed by seed (same weights and batches):"]
     for name in names[1:]:
         diffs = stats[name]["difference_to_" + _key(names[0])]
@@ -212,5 +220,7 @@ def table(results, stats, title: str) -> str:
               f"split's token frequencies): {unigram:.4f} nats. Dropped fraction: the share of "
               "(token, expert) slots that reached no expert, averaged over layers and steps. "
               "Tokens/s and training time count the steps only (no compile, evaluation or "
-              "checkpoints); wall time is the whole run. Curves: compare.png.", ""]
+              "checkpoints), over all of a run's steps; compile and wall time are those of the "
+              "process that finished the run (of its last part, for a run resumed after a "
+              "stop). Curves: compare.png.", ""]
     return "\n".join(lines)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import typing
@@ -53,7 +54,8 @@ class TrainConfig:
       every optimizer step (0: off; None: DEFAULT_BIAS_UPDATE_RATE of the model's score
       function, for every router).
     router_lr_scale: multiplies the learning rate of the MoE routers' weights.
-    eval_every, eval_batches: validation every N steps (and at the end) on eval_batches batches.
+    eval_every, eval_batches: validation every N steps (and at the end) on eval_batches batches;
+      eval_every None: steps / DEFAULT_EVALUATIONS, so a run of any length has about that many.
     checkpoint_every, keep_checkpoints: Orbax checkpoint every N steps (and at the end), keeping
       the newest few; checkpoint_every 0 saves none (benchmark runs: a GPU preset's state is
       tens of GB), and such a run cannot be resumed. log_every: metrics are fetched from the device (one sync) every N steps.
@@ -83,7 +85,7 @@ class TrainConfig:
     seq_aux_loss_coef: float = 0.0
     bias_update_rate: float | None = None
     router_lr_scale: float = 1.0
-    eval_every: int = 100
+    eval_every: int | None = None
     eval_batches: int = 8
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
@@ -107,9 +109,10 @@ class TrainConfig:
         require(self.data is None or isinstance(self.data, str), "data", "a path or None")
         require(self.tokenizer is None or (isinstance(self.tokenizer, str) and self.tokenizer),
                 "tokenizer", "None, 'bpe' or the path of a tokenizer.json")
-        for field in ("steps", "batch_size", "eval_every", "eval_batches", "keep_checkpoints",
-                      "log_every"):
+        for field in ("steps", "batch_size", "eval_batches", "keep_checkpoints", "log_every"):
             integer(field, 1)
+        if self.eval_every is not None:
+            integer("eval_every", 1)
         integer("checkpoint_every", 0)
         # JAX's PRNG keys take a seed that fits a signed 64-bit integer.
         require(is_int(self.seed) and 0 <= self.seed <= MAX_SEED, "seed",
@@ -172,7 +175,8 @@ class TrainConfig:
 
     def resolved(self, model: ModelConfig) -> TrainConfig:
         """A copy with the defaults that depend on the model or on other fields filled in
-        (seq_len, bias_update_rate, warmup_steps), and the checks that need the model."""
+        (seq_len, bias_update_rate, warmup_steps, eval_every), and the checks that need the
+        model."""
         seq_len = model.seq_len if self.seq_len is None else self.seq_len
         if seq_len > model.seq_len:
             raise ConfigError(
@@ -182,8 +186,10 @@ class TrainConfig:
         rate = (DEFAULT_BIAS_UPDATE_RATE[model.score_function] if self.bias_update_rate is None
                 else self.bias_update_rate)
         warmup = self.steps // 10 if self.warmup_steps is None else self.warmup_steps
+        eval_every = (max(1, self.steps // DEFAULT_EVALUATIONS) if self.eval_every is None
+                      else self.eval_every)
         return dataclasses.replace(self, seq_len=seq_len, bias_update_rate=rate,
-                                   warmup_steps=warmup)
+                                   warmup_steps=warmup, eval_every=eval_every)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -204,6 +210,10 @@ class TrainConfig:
 # alike at 0.05 and 0.1; sigmoid 1e-2 beat 5e-3 and 3e-2 on deepseek.
 DEFAULT_BIAS_UPDATE_RATE = {"softmax": 0.1, "sigmoid": 1e-2}
 
+# Evaluations per run when --eval-every is not given: a fixed cadence would give a 30-step run
+# one point and a 20000-step run hundreds.
+DEFAULT_EVALUATIONS = 10
+
 # Fields that may change when a run is resumed: they do not change what is computed (steps
 # extends or shortens the run, and with it the cosine schedule's remaining steps; mesh only
 # where the state lives, up to float32 rounding: Orbax reshards the checkpoint onto it).
@@ -220,11 +230,10 @@ RESUMABLE_CHANGES = ("steps", "eval_every", "checkpoint_every", "keep_checkpoint
 # and deepseek's late layers near balance through the warm-up, where 0.01 let them reach 3.0
 # and 5.1; on qwen3 it lowered dropless's loss on two seeds of 300 steps. docs/quality.md.
 PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
-    **{name: dict(steps=2000, batch_size=16, lr=3e-4, router_lr_scale=0.1, eval_every=250,
+    **{name: dict(steps=2000, batch_size=16, lr=3e-4, router_lr_scale=0.1,
                   checkpoint_every=500, tokenizer="bpe", aux_loss_coef=0.1)
        for name in ("mixtral", "deepseek", "qwen3")},
-    "small": dict(steps=2000, batch_size=16, lr=1e-3, eval_every=100, checkpoint_every=500,
-                  tokenizer="bpe"),
+    "small": dict(steps=2000, batch_size=16, lr=1e-3, checkpoint_every=500, tokenizer="bpe"),
 }
 
 
@@ -275,7 +284,13 @@ def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> No
     the saved configuration, the rest taken from it."""
     S = argparse.SUPPRESS
     d = TrainConfig()
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # the --set table's layout
+    parser.epilog = model_fields_help()
     run = parser.add_argument_group("run")
+    run.add_argument("--config", default=S, metavar="FILE",
+                     help="settings from a JSON or YAML file: a run's config.json (repeats that "
+                          "run) or a mapping of training fields (steps: 100, lr: 0.001, "
+                          "model_overrides: {hidden: 64}); flags given beside it win")
     run.add_argument("--preset", choices=sorted(PRESETS), default=S,
                      help=f"model preset (default {d.preset})")
     run.add_argument("--data", default=S, metavar="PATH",
@@ -335,7 +350,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> No
                      help="multiplies the routers' learning rate (default 1; 0.1 for mixtral, "
                           "deepseek and qwen3)")
     cadence = parser.add_argument_group("evaluation, checkpoints, logs")
-    cadence.add_argument("--eval-every", type=int, default=S, help=f"default {d.eval_every}")
+    cadence.add_argument("--eval-every", type=int, default=S,
+                         help=f"validation every N steps and at the end (default: steps / "
+                              f"{DEFAULT_EVALUATIONS}, at least 1)")
     cadence.add_argument("--eval-batches", type=int, default=S, help=f"default {d.eval_batches}")
     cadence.add_argument("--checkpoint-every", type=int, default=S,
                          help=f"default {d.checkpoint_every}; 0: no checkpoints")
@@ -362,22 +379,25 @@ def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> No
     model.add_argument("--set", action="append", default=S, metavar="FIELD=VALUE",
                        dest="model_set",
                        help="any ModelConfig field, e.g. --set num_layers=2 --set hidden=64 "
-                            "(repeatable)")
+                            "(repeatable; the fields are listed below)")
 
 
 _OPTION_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - {"preset", "model_overrides"}
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The TrainConfig fields the user gave (model ones under model_overrides)."""
+    """The TrainConfig fields the user gave (model ones under model_overrides): those of the
+    --config file, overridden by the flags."""
     given = vars(args)
-    overrides = {field: given[field] for field in _OPTION_FIELDS if field in given}
+    from_file = read_config_file(given["config"]) if "config" in given else {}
+    overrides = {**from_file, **{field: given[field] for field in _OPTION_FIELDS
+                                 if field in given}}
     if "preset" in given:
         overrides["preset"] = given["preset"]
     for field in ("data", "tokenizer"):  # absolute, so a resume may run elsewhere
         if overrides.get(field) not in (None, "bpe"):
             overrides[field] = os.path.abspath(overrides[field])
-    model = {}
+    model = dict(from_file.get("model_overrides", {}))
     for text in given.get("model_set", []):
         field, value = parse_model_setting(text)
         model[field] = value
@@ -387,6 +407,118 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if model:
         overrides["model_overrides"] = model
     return overrides
+
+
+# The top-level keys of a run folder's config.json; only "train" configures (the model is the
+# preset with train.model_overrides, "data" and "environment" describe the run).
+RUN_CONFIG_KEYS = ("train", "model", "data", "environment")
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """The TrainConfig fields of a --config file: JSON, or YAML (.yaml, .yml; needs PyYAML).
+    The file is either a run folder's config.json, whose "train" record is taken (its "model",
+    "data" and "environment" are records of the run, not settings), or a mapping of TrainConfig
+    fields. Unknown keys are refused, naming them."""
+    try:
+        text = open(path, encoding="utf-8").read()
+    except OSError as error:
+        raise ConfigError(f"--config {path}: cannot read it: {error.strerror or error}") from None
+    if path.lower().endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml); "
+                              "or give the same settings as a .json file") from None
+        try:
+            fields = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise ConfigError(f"--config {path}: not valid YAML: {error}") from None
+    else:
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"--config {path}: not valid JSON: {error}") from None
+    if not isinstance(fields, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of training fields, got "
+                          f"{type(fields).__name__}")
+    if "train" in fields:  # a run folder's config.json
+        unknown = sorted(set(fields) - set(RUN_CONFIG_KEYS))
+        if unknown:
+            raise ConfigError(f"--config {path}: unknown keys {unknown} beside 'train' (a run's "
+                              f"config.json holds {list(RUN_CONFIG_KEYS)})")
+        fields = fields["train"]
+        if not isinstance(fields, dict):
+            raise ConfigError(f"--config {path}: 'train' must be a mapping of training fields, "
+                              f"got {type(fields).__name__}")
+    unknown = unknown_fields(TrainConfig, fields)
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown keys {unknown}; the training fields are "
+                          f"{sorted(f.name for f in dataclasses.fields(TrainConfig))} (model "
+                          "fields go under model_overrides)")
+    overrides = fields.get("model_overrides", {})
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"--config {path}: model_overrides must be a mapping of ModelConfig "
+                          f"fields, got {overrides!r}")
+    unknown = unknown_fields(ModelConfig, overrides)
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown model_overrides keys {unknown}; the model "
+                          f"fields are {sorted(f.name for f in dataclasses.fields(ModelConfig))}")
+    return dict(fields)
+
+
+# One line on each ModelConfig field, for --help (the --set table).
+MODEL_FIELD_HELP = {
+    "vocab_size": "tokens in the vocabulary (set by --tokenizer FILE)",
+    "seq_len": "the longest sequence the model accepts",
+    "num_layers": "decoder layers",
+    "hidden": "width of the residual stream",
+    "num_heads": "query heads",
+    "num_kv_heads": "key/value heads (grouped-query attention; divides num_heads)",
+    "head_dim": "width of each attention head",
+    "dense_ffn": "SwiGLU width of the dense (non-MoE) layers",
+    "num_experts": "experts per MoE layer",
+    "k": "experts each token is routed to (top-k)",
+    "expert_ffn": "SwiGLU width of each expert",
+    "shared_ffn": "width of the shared experts every token goes through (0: none)",
+    "score_function": "router scores: softmax or sigmoid",
+    "num_groups": "expert groups for group-limited routing (1: off)",
+    "topk_groups": "groups each token may pick experts from",
+    "renormalize": "rescale each token's k routing weights to sum to 1",
+    "scaling_factor": "multiplies the routing weights",
+    "moe_every": "every n-th layer (after first_dense) is MoE, the others dense",
+    "first_dense": "leading dense layers",
+    "tie_embeddings": "the output head is the embedding table transposed",
+    "capacity_factor": "token dropping past CF * T * k / E per expert (none: dropless)",
+    "moe_matmul": "dropless expert matmuls: nodrop or ragged_dot",
+    "rope_theta": "rotary embedding base",
+    "norm_eps": "RMSNorm epsilon",
+    "remat": "recompute each layer's activations in the backward pass",
+    "expert_parallel": "experts split over the mesh's expert axis (set by --mesh)",
+    "ep_buffer_factor": "expert parallelism's receive buffer, x the balanced load (none: worst)",
+    "dtype": "compute dtype: float32, bfloat16 or float16",
+    "param_dtype": "dtype of the master weights",
+}
+
+
+def model_fields_help() -> str:
+    """The --set table: every ModelConfig field with its type, its default (the tiny preset's;
+    the other presets change some) and what it means."""
+    hints = typing.get_type_hints(ModelConfig)
+    default = preset("tiny")
+    rows = []
+    for f in dataclasses.fields(ModelConfig):
+        kind = hints[f.name]
+        kind = getattr(kind, "__name__", None) if isinstance(kind, type) else str(kind)
+        kind = {"Any": "dtype", None: str(hints[f.name])}.get(kind, kind).replace("typing.", "")
+        value = getattr(default, f.name)
+        value = np.dtype(value).name if f.name in ("dtype", "param_dtype") else value
+        rows.append((f.name, kind, str(value), MODEL_FIELD_HELP[f.name]))
+    width = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = ["--set FIELD=VALUE fields (ModelConfig; defaults of the tiny preset, which the other "
+             "presets change):"]
+    lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row[:3], width)) + "  " + row[3]
+              for row in rows]
+    return "\n".join(lines)
 
 
 def parse_model_setting(text: str) -> tuple[str, Any]:

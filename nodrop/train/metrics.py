@@ -3,13 +3,16 @@ progress bar.
 
 metrics.jsonl records, each with "kind" and "step":
 - train (every step): loss (the optimized total), ce, aux_loss, seq_aux_loss and z_loss (means
-  over the MoE layers), grad_norm, update_norm, lr; per MoE layer max_over_mean (busiest expert's load over
-  the mean) and dropped_fraction; and, for the log interval the step belongs to, step_time_s,
-  tokens_per_s, mfu (GPU only) and elapsed_s (training time so far, without compile, evaluation
-  and checkpoints).
+  over the MoE layers), grad_norm, update_norm, lr; per MoE layer max_over_mean (busiest
+  expert's load over the mean) and dropped_fraction.
+- timing (one per log interval, at its last step; the steps run asynchronously, so the host
+  times intervals, not steps): first_step, steps (in the interval), mean_step_time_s (the
+  interval's time over its steps), tokens_per_s, mfu (GPU only) and elapsed_s (training time so
+  far, without compile, evaluation and checkpoints).
 - eval: val_loss; val_max_over_mean, per MoE layer the busiest expert's load over the mean
-  counted over all the validation batches; elapsed_s. compile: ep_buffer_factor (what the steps were compiled for),
-  train_step_s, eval_step_s (seconds to compile).
+  counted over all the validation batches; elapsed_s.
+- compile: ep_buffer_factor (what the steps were compiled for), train_step_s, eval_step_s
+  (seconds to compile).
 - ep_rerun: expert parallelism's receive buffer overflowed at this step (in evaluation if
   "evaluation" is true, else in its training step, which changed nothing): old_factor, and
   new_factor (null: the worst case), with which the step or evaluation was run again.

@@ -83,10 +83,11 @@ def plot_expert_load(records: list[dict], path: str | os.PathLike, title: str) -
 
 
 def plot_compare(runs: dict[str, dict[int, list[dict]]], path: str | os.PathLike,
-                 title: str) -> None:
+                 title: str, caveat: str | None = None) -> None:
     """Each variant's curves, as the mean over its seeds with the min-max band shaded:
     validation loss against steps and against training time, training cross-entropy (EMA)
-    and the dropped fraction (mean over the MoE layers, EMA) against steps."""
+    and the dropped fraction (mean over the MoE layers, EMA) against steps. caveat: a line
+    under the title (one seed: the differences may be noise)."""
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     (by_step, by_time), (train, dropped) = axes
     for index, (name, by_seed) in enumerate(runs.items()):
@@ -127,7 +128,9 @@ def plot_compare(runs: dict[str, dict[int, list[dict]]], path: str | os.PathLike
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     fig.suptitle(title + ("" if all(len(s) == 1 for s in runs.values())
-                          else "  (mean over seeds; band: min to max)"))
+                          else "  (mean over seeds; band: min to max)")
+                 + ("" if caveat is None else f"\nCaveat: {caveat}"),
+                 color="black" if caveat is None else "firebrick")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -47,8 +47,8 @@ from nodrop.models import ModelConfig, MoELM
 from nodrop.moe import updated_expert_bias
 from nodrop.parallel import check_batch, check_experts, make_mesh, state_spec
 from nodrop.parallel.mesh import token_axes
-from nodrop.train import data, lock, plots, tokenizer
-from nodrop.train.checkpoint import CheckpointError, Checkpoints
+from nodrop.train import data, environment, lock, plots, tokenizer
+from nodrop.train.checkpoint import CheckpointError, Checkpoints, NoCheckpoints
 from nodrop.train.config import RESUMABLE_CHANGES, ConfigError, TrainConfig, build
 from nodrop.train.metrics import MetricsLog, Progress, peak_flops
 
@@ -80,18 +80,24 @@ class Interrupted(RuntimeError):
 
 @dataclasses.dataclass
 class Summary:
-    run_dir: str
+    """A finished run. tokens_per_s and train_time_s cover every step of the run, in this
+    process and, resumed, in those before it; compile_s, wall_s and process_train_time_s cover
+    this process only, which trained the steps after resumed_from_step."""
+
+    run_dir: str  # absolute
     steps: int
     train_loss: float  # evaluated at the end on evenly spaced training windows
     val_loss: float
     unigram_loss: float  # entropy of the training split's token frequencies (nats)
-    tokens_per_s: float  # training steps only
-    train_time_s: float  # training steps only: no compile, evaluation or checkpoints
-    compile_s: float
+    tokens_per_s: float  # training steps only, all of them
+    train_time_s: float  # training steps only (no compile, evaluation or checkpoints), all
+    compile_s: float  # this process
     wall_s: float  # this process, from start to end
     dropped_fraction: float  # mean over the MoE layers and the logged steps
     num_params: int
     num_active_params: int
+    resumed_from_step: int = 0  # this process started after this step (0: from the start)
+    process_train_time_s: float | None = None  # training steps of this process only
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -370,6 +376,8 @@ def _run(overrides, *, run_dir, resume, resume_from, progress, dataset, echo) ->
     saved = _read_saved(run_dir) if resume else None
     config, model_config = configure(overrides, saved)
     mesh = _mesh(config, model_config)
+    devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+    echo(banner(config, model_config, devices, run_dir))
     dataset, run_tokenizer = load_data(config, model_config, dataset=dataset,
                                        run_dir=run_dir if resume else None, echo=echo)
     data.check_length(dataset, config.seq_len)
@@ -389,16 +397,16 @@ def _run(overrides, *, run_dir, resume, resume_from, progress, dataset, echo) ->
         _, init, abstract = _state_structure(config, model_config, tx, device, mesh)
         if resume_from is not None:
             _set_aside_checkpoints_after(run_dir / "checkpoints", resume_from, echo)
-        checkpoints = Checkpoints(run_dir / "checkpoints", config.keep_checkpoints)
+        # --checkpoint-every 0 makes no checkpoints/ folder (a resumed run keeps its own).
+        checkpoints = (Checkpoints(run_dir / "checkpoints", config.keep_checkpoints)
+                       if config.checkpoint_every > 0 or (run_dir / "checkpoints").exists()
+                       else NoCheckpoints(run_dir / "checkpoints"))
         start = checkpoints.latest_step() if resume else None
         if start is not None and start > config.steps:
             raise ConfigError(f"--steps {config.steps} is below the checkpoint's step {start}")
         _write_json(run_dir / CONFIG_FILE, {
             "train": config.to_dict(), "model": model_config.to_dict(),
-            "data": dataset.describe(),
-            "environment": {"nodrop": nodrop.__version__, "jax": jax.__version__,
-                            "device": device.device_kind, "platform": device.platform,
-                            "devices": 1 if mesh is None else mesh.size}})
+            "data": dataset.describe(), "environment": environment.record(devices)})
         if start is None:
             if resume:
                 echo(f"nodrop train: {run_dir} has no complete checkpoint; starting from step 0")
@@ -407,6 +415,7 @@ def _run(overrides, *, run_dir, resume, resume_from, progress, dataset, echo) ->
         else:
             state = _restore(checkpoints, start, abstract, model_config.ep_buffer_factor)
             echo(f"nodrop train: resuming {run_dir} from step {start}")
+        begun = (state.step, state.elapsed_s)  # where this process started: step, training time
 
         metrics = MetricsLog(run_dir, state.step)
         try:
@@ -424,10 +433,11 @@ def _run(overrides, *, run_dir, resume, resume_from, progress, dataset, echo) ->
                 progress=Progress(config.steps, state.step, progress),
                 peak_flops=None if device_peak is None else device_peak * (
                     1 if mesh is None else mesh.size))
+            echo(f"nodrop train: compiling the steps (step {state.step + 1} on)")
             _use_steps(job, state, state.ep_buffer_factor)
             state.halted = jax.device_put(np.bool_(False), job.replicated)
             _train(job, state)
-            summary = _finish(job, state, wall_start=wall_start)
+            summary = _finish(job, state, wall_start=wall_start, begun=begun)
         except BaseException:
             with contextlib.suppress(OSError):  # the error in flight says why the run stopped
                 metrics.close()
@@ -793,8 +803,12 @@ def _flush(job: _Job, state: _State) -> int | None:
                      if value.pop("overflow")), None)
     seconds = time.perf_counter() - state.interval_start
     state.elapsed_s += seconds
+    # The steps run asynchronously: the host sees the interval, not a step, so the timing is
+    # one record for the interval, an average, not a value repeated on every step.
     step_time = seconds / len(state.pending)
-    timing = {"step_time_s": step_time, "tokens_per_s": job.tokens_per_step / step_time,
+    timing = {"kind": "timing", "step": state.pending[-1][0],
+              "first_step": state.pending[0][0], "steps": len(state.pending),
+              "mean_step_time_s": step_time, "tokens_per_s": job.tokens_per_step / step_time,
               "elapsed_s": state.elapsed_s}
     if job.peak_flops is not None:
         flops_per_token = job.model_config.flops_per_token(job.config.seq_len)
@@ -805,13 +819,14 @@ def _flush(job: _Job, state: _State) -> int | None:
             break
         finite = {what: bool(ok) for what, ok in value.pop("finite").items()}
         record = {"kind": "train", "step": step,
-                  **{key: np.asarray(v).tolist() for key, v in value.items()}, **timing}
+                  **{key: np.asarray(v).tolist() for key, v in value.items()}}
         job.metrics.write(record)
         if not all(finite.values()):
             break
+    job.metrics.write(timing)
     state.pending.clear()
     if record is not None:
-        job.progress.update(record["step"], record)
+        job.progress.update(record["step"], {**record, **timing})
     if not all(finite.values()):
         raise Diverged(_divergence(job, record, finite))
     state.interval_start = time.perf_counter()
@@ -869,9 +884,11 @@ def _save(job: _Job, state: _State) -> None:
                               "tokens_seen": state.step * job.tokens_per_step}})
 
 
-def _finish(job: _Job, state: _State, *, wall_start: float) -> Summary:
+def _finish(job: _Job, state: _State, *, wall_start: float,
+            begun: tuple[int, float]) -> Summary:
     """The final losses on both splits, the plots and summary.json. The last step needs no
-    evaluation or save here: the loop did both, or, resumed at its last step, the run before."""
+    evaluation or save here: the loop did both, or, resumed at its last step, the run before.
+    begun: the step and the training time this process started from."""
     config, model_config = job.config, job.model_config
     train_loss, _ = _evaluate(job, state, data.eval_batches(
         job.dataset.train, config.eval_batches, config.batch_size, config.seq_len))
@@ -882,7 +899,8 @@ def _finish(job: _Job, state: _State, *, wall_start: float) -> Summary:
     train_records = [r for r in job.metrics.records if r.get("kind") == "train"]
     dropped = [v for r in train_records for v in r["dropped_fraction"]]
     summary = Summary(
-        run_dir=str(job.run_dir), steps=config.steps, train_loss=train_loss, val_loss=val_loss,
+        run_dir=str(job.run_dir.absolute()), steps=config.steps, train_loss=train_loss,
+        val_loss=val_loss,
         unigram_loss=data.unigram_loss(job.dataset.train, model_config.vocab_size),
         tokens_per_s=(len(train_records) * job.tokens_per_step / state.elapsed_s
                       if state.elapsed_s else 0.0),
@@ -890,7 +908,8 @@ def _finish(job: _Job, state: _State, *, wall_start: float) -> Summary:
         wall_s=time.perf_counter() - wall_start,
         dropped_fraction=float(np.mean(dropped)) if dropped else 0.0,
         num_params=model_config.num_params(),
-        num_active_params=model_config.num_active_params())
+        num_active_params=model_config.num_active_params(),
+        resumed_from_step=begun[0], process_train_time_s=state.elapsed_s - begun[1])
     _write_json(job.run_dir / SUMMARY_FILE, summary.to_dict())
     return summary
 
@@ -903,6 +922,25 @@ def _plots(job: _Job) -> None:
     plots.plot_expert_load(job.metrics.records, job.run_dir / "expert_load.png", title)
 
 
+def banner(config: TrainConfig, model_config: ModelConfig, devices: list,
+           run_dir: Path) -> str:
+    """The lines printed before data loading and compiling, which take seconds to minutes:
+    what is about to train, on what, and where it writes."""
+    kinds = sorted({f"{d.platform} ("
+                    f"{environment.cpu_model() if d.platform == 'cpu' else d.device_kind})"
+                    for d in devices})
+    source = config.data if config.data is not None else "this Python's standard library"
+    return "\n".join([
+        f"nodrop {nodrop.__version__} train: {config.preset}, "
+        f"{model_config.num_params() / 1e6:.2f}M parameters "
+        f"({model_config.num_active_params() / 1e6:.2f}M active per token), {config.steps} "
+        f"steps of {config.batch_size} x {config.seq_len} tokens",
+        f"  devices: {len(devices)} x {', '.join(kinds)}"
+        + (f", mesh {config.mesh}" if config.mesh else ""),
+        f"  data: {source} (tokenizer: {config.tokenizer or 'none, bytes'})",
+        f"  run folder: {run_dir.absolute()}"])
+
+
 def format_summary(summary: Summary) -> str:
     def duration(seconds: float) -> str:
         minutes, seconds = divmod(seconds, 60)
@@ -910,7 +948,20 @@ def format_summary(summary: Summary) -> str:
 
     dropped = ("0 (dropless)" if summary.dropped_fraction == 0
                else f"{summary.dropped_fraction:.2%} of token slots")
-    run_dir = summary.run_dir
+    run_dir = Path(summary.run_dir)
+    outputs = sorted(p.name + ("/" if p.is_dir() else "") for p in run_dir.iterdir()
+                     if p.name != lock.FILE) if run_dir.is_dir() else []
+    process = (f"this process: compile {duration(summary.compile_s)}, wall "
+               f"{duration(summary.wall_s)}")
+    if summary.resumed_from_step:
+        training = (f"  {summary.tokens_per_s:,.0f} tokens/s over {duration(summary.train_time_s)}"
+                    f" of training steps (all {summary.steps} steps, before and after the resume)"
+                    f"\n  {process}, training {duration(summary.process_train_time_s or 0.0)} "
+                    f"(steps {summary.resumed_from_step + 1}-{summary.steps}, resumed at step "
+                    f"{summary.resumed_from_step})")
+    else:
+        training = (f"  {summary.tokens_per_s:,.0f} tokens/s over {duration(summary.train_time_s)}"
+                    f" of training steps; {process}")
     return "\n".join([
         f"done: {summary.steps} steps, {summary.num_params / 1e6:.2f}M parameters "
         f"({summary.num_active_params / 1e6:.2f}M active per token)",
@@ -919,10 +970,7 @@ def format_summary(summary: Summary) -> str:
         f"  validation loss  {summary.val_loss:.4f}",
         f"  unigram baseline {summary.unigram_loss:.4f}  (entropy of the training split's "
         "token frequencies, nats)",
-        f"  {summary.tokens_per_s:,.0f} tokens/s over {duration(summary.train_time_s)} of "
-        f"training steps; compile {duration(summary.compile_s)}; wall "
-        f"{duration(summary.wall_s)}",
+        training,
         f"  tokens dropped   {dropped}",
-        f"  outputs in {run_dir}/: config.json, metrics.jsonl, tensorboard/, checkpoints/, "
-        "loss.png, expert_load.png, summary.json",
+        f"  outputs in {run_dir}/: {', '.join(outputs)}",
     ])

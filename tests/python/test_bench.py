@@ -61,6 +61,19 @@ def test_one_definition_of_the_shapes():
     assert config.capacity_factor == 1.0
 
 
+def test_cpu_benchmark_writes_beside_itself_whatever_the_working_folder(tmp_path, monkeypatch):
+    """Run from another folder, the default --out is bench/results of the program's checkout,
+    never a bench/results made under the working folder; --out DIR is taken as given."""
+    import argparse
+
+    import cpu_grouped_matmul as cpu
+    monkeypatch.chdir(tmp_path)
+    parser = argparse.ArgumentParser()
+    cpu.add_arguments(parser)
+    assert parser.parse_args([]).out == BENCH.resolve() / "results"
+    assert parser.parse_args(["--out", "mine"]).out.absolute() == tmp_path / "mine"
+
+
 def test_cpu_benchmark_summary_and_verdicts():
     import cpu_grouped_matmul as cpu
 

@@ -7,10 +7,13 @@ subprocesses (x64 off) and compares their numbers bitwise with that reference.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import errno
 import json
 import math
 import os
+import platform
 import re
 import shutil
 import signal
@@ -26,7 +29,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from nodrop import cli
-from nodrop.train import data, lock, trainer
+from nodrop.train import compare, data, lock, plots, trainer
 from nodrop.train.config import ConfigError, build, check_backend, overrides_from_args
 from nodrop.train.metrics import read_jsonl
 
@@ -87,14 +90,33 @@ def test_the_run_folder_holds_config_metrics_tensorboard_checkpoints_and_plots(r
     assert config["model"]["hidden"] == 32 and config["model"]["capacity_factor"] is None
     assert config["data"]["train_tokens"] + config["data"]["val_tokens"] == 60_000
 
+    environment = config["environment"]
+    assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", environment["git_commit"])  # a git checkout
+    assert environment["argv"] == sys.argv  # the reference runs in this process
+    assert environment["python"] == platform.python_version()
+    for name in ("nodrop", "jax", "jaxlib", "flax", "optax", "orbax"):
+        assert re.fullmatch(r"\d+\.\d+.*", environment[name]), name
+    assert environment["jax"] == jax.__version__ and environment["cpu"]
+    assert environment["accelerator"] is None and environment["devices"] == 1
+    started = datetime.datetime.fromisoformat(environment["start_time"])
+    assert abs(datetime.datetime.now(datetime.timezone.utc) - started).total_seconds() < 3600
+
     train = records(reference, "train")
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
     for r in train:
         assert all(math.isfinite(r[k]) for k in ("loss", "ce", "aux_loss", "z_loss",
-                                                 "grad_norm", "lr", "tokens_per_s"))
+                                                 "grad_norm", "lr"))
+        assert not TIMING_KEYS & set(r)  # no interval's timing repeated on each step
         assert r["dropped_fraction"] == [0.0, 0.0]  # dropless, as counted by the model
         assert len(r["max_over_mean"]) == 2 and min(r["max_over_mean"]) >= 1.0
-        assert "mfu" not in r  # no peak FLOP/s known for a CPU
+    # One timing record per log interval (every 5 steps here), an average over its steps.
+    timing = records(reference, "timing")
+    assert [(r["first_step"], r["step"], r["steps"]) for r in timing] == [
+        (s - 4, s, 5) for s in range(5, STEPS + 1, 5)]
+    for r in timing:
+        assert r["mean_step_time_s"] > 0 and "mfu" not in r  # no peak FLOP/s known for a CPU
+        assert r["tokens_per_s"] == pytest.approx(4 * 32 / r["mean_step_time_s"])
+    assert np.all(np.diff([r["elapsed_s"] for r in timing]) > 0)
     assert np.mean([r["ce"] for r in train[-5:]]) < train[0]["ce"] - 0.5
     # Linear warm-up over 3 steps, then cosine decay to a tenth of the peak at the last step.
     lrs = [r["lr"] for r in train]
@@ -129,7 +151,7 @@ def test_the_run_folder_holds_config_metrics_tensorboard_checkpoints_and_plots(r
     events = EventAccumulator(str(reference / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"train/loss", "train/ce", "train/tokens_per_s", "eval/val_loss",
+    assert {"train/loss", "train/ce", "timing/tokens_per_s", "eval/val_loss",
             "max_over_mean/layer_0", "dropped_fraction/layer_1"} <= tags
     losses = events.Scalars("train/loss")
     assert [e.step for e in losses] == list(range(1, STEPS + 1))
@@ -155,6 +177,33 @@ def test_resume_extends_the_run_and_skips_an_unfinished_checkpoint(reference, tm
     assert [r["step"] for r in records(run_dir, "eval")] == [10, 20, 30, 40]
     assert json.loads((run_dir / "config.json").read_text())["train"]["steps"] == 40
     assert "validation loss" in out and "unigram baseline" in out
+    # The summary tells this process's share from the whole run's, and says which is which.
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 30 and summary["run_dir"] == str(run_dir)
+    before = json.loads((reference / "summary.json").read_text())["train_time_s"]
+    assert summary["train_time_s"] == pytest.approx(before + summary["process_train_time_s"])
+    assert summary["tokens_per_s"] == pytest.approx(40 * 4 * 32 / summary["train_time_s"])
+    assert "(all 40 steps, before and after the resume)" in out
+    assert re.search(r"this process: compile \S+, wall \S+, training \S+ \(steps 31-40, "
+                     r"resumed at step 30\)", out), out
+
+
+def test_the_environment_record_is_not_a_setting(reference, tmp_path, capsys, text_file):
+    """Another machine, commit or library version in config.json's environment neither stops a
+    resume nor changes what --config repeats; the resume writes its own environment."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    saved = json.loads((run_dir / "config.json").read_text())
+    saved["environment"] = {**saved["environment"], "git_commit": "0" * 40, "jax": "0.0.1",
+                            "host": "elsewhere", "argv": ["elsewhere"]}
+    (run_dir / "config.json").write_text(json.dumps(saved))
+    args = cli.build_parser().parse_args(["train", "--config", str(run_dir / "config.json")])
+    assert build(overrides_from_args(args)) == build(saved["train"])
+    code, out, err = run_cli(capsys, "train", "--resume", "--out", str(run_dir), "--steps", "31",
+                             "--no-progress")
+    assert code == 0, err
+    environment = json.loads((run_dir / "config.json").read_text())["environment"]
+    assert environment["jax"] == jax.__version__ and environment["host"] != "elsewhere"
 
 
 def test_resume_refuses_a_different_configuration_naming_the_fields(reference, tmp_path,
@@ -286,6 +335,143 @@ def test_model_overrides_from_flags_are_typed_like_the_model_config():
     assert overrides_from_args(cli.build_parser().parse_args(["train"])) == {}
 
 
+def test_eval_cadence_follows_the_run_length_unless_given():
+    """About ten evaluations a run, however long: a 30-step run is not evaluated once."""
+    assert build({"steps": 30})[0].eval_every == 3
+    assert build({})[0].eval_every == 40  # 400 steps
+    assert build({"steps": 5})[0].eval_every == 1
+    assert build({"preset": "deepseek", "steps": 100})[0].eval_every == 10
+    assert build({"steps": 30, "eval_every": 7})[0].eval_every == 7
+    with pytest.raises(ConfigError, match=r"eval_every \(--eval-every\) must be a positive int, "
+                                          r"got 0"):
+        build({"eval_every": 0})
+
+
+def write_config(path: Path, fields: dict) -> Path:
+    path.write_text(json.dumps(fields))
+    return path
+
+
+def test_config_file_fields_are_overridden_by_flags(tmp_path, text_file):
+    """--config FILE gives the fields; the flags beside it win, model fields merged one by
+    one."""
+    file = write_config(tmp_path / "c.json", {
+        "steps": 12, "lr": 0.01, "data": str(text_file), "seed": 3,
+        "model_overrides": {"hidden": 64, "num_layers": 3}})
+    args = cli.build_parser().parse_args(["train", "--config", str(file), "--lr", "0.002",
+                                          "--set", "hidden=32", "--capacity-factor", "1.5"])
+    assert overrides_from_args(args) == {
+        "steps": 12, "lr": 0.002, "data": str(text_file), "seed": 3,
+        "model_overrides": {"hidden": 32, "num_layers": 3, "capacity_factor": 1.5}}
+
+
+def test_a_yaml_config_file_and_yaml_without_pyyaml(tmp_path, capsys, monkeypatch):
+    file = tmp_path / "c.yaml"
+    file.write_text("steps: 12\nlr: 0.01\nmodel_overrides:\n  hidden: 64\n  remat: true\n")
+    args = cli.build_parser().parse_args(["train", "--config", str(file)])
+    assert overrides_from_args(args) == {"steps": 12, "lr": 0.01,
+                                         "model_overrides": {"hidden": 64, "remat": True}}
+    monkeypatch.setitem(sys.modules, "yaml", None)  # import yaml raises ImportError
+    code, _, err = run_cli(capsys, "train", "--config", str(file), "--out",
+                           str(tmp_path / "run"))
+    assert code == 2 and err == (
+        f"nodrop train: error: --config {file}: reading YAML needs PyYAML (pip install pyyaml); "
+        "or give the same settings as a .json file\n")
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"steps": 5, "stepz": 3, "lr2": 1}, "unknown keys ['lr2', 'stepz']; the training fields"),
+    ({"train": {"steps": 5}, "out": "x"}, "unknown keys ['out'] beside 'train'"),
+    ({"train": {"steps": 5, "hiddn": 3}}, "unknown keys ['hiddn']"),
+    ({"model_overrides": {"hiddn": 3}}, "unknown model_overrides keys ['hiddn']"),
+    ([1, 2], "expected a mapping of training fields, got list"),
+    ({"steps": "ten"}, "steps (--steps) must be a positive int, got 'ten'"),
+])
+def test_a_bad_config_file_is_refused_naming_the_keys(tmp_path, capsys, fields, message):
+    file = write_config(tmp_path / "c.json", fields)
+    code, _, err = run_cli(capsys, "train", "--config", str(file), "--out",
+                           str(tmp_path / "run"))
+    assert code == 2 and err.startswith("nodrop train: error: ") and message in err, err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+def test_a_missing_or_malformed_config_file_is_one_line(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "train", "--config", str(tmp_path / "none.json"))
+    assert code == 2 and err.startswith(f"nodrop train: error: --config {tmp_path}/none.json: "
+                                        "cannot read it: No such file or directory")
+    (tmp_path / "bad.json").write_text("{steps: 3")
+    code, _, err = run_cli(capsys, "train", "--config", str(tmp_path / "bad.json"))
+    assert code == 2 and "bad.json: not valid JSON: " in err
+
+
+def test_compare_takes_a_config_file_whose_seed_seeds_replaces(tmp_path, capsys,
+                                                              monkeypatch):
+    """A run's config.json holds a seed; --seeds beside it is not '--seed and --seeds'."""
+    file = write_config(tmp_path / "c.json", {"steps": 7, "seed": 5})
+    given = {}
+
+    def run(overrides, out, **kwargs):  # what the comparison is given, not the runs
+        given.update(overrides=overrides, **kwargs)
+        Path(out).mkdir()
+        (Path(out) / "compare.md").write_text("the table\n")
+
+    monkeypatch.setattr(compare, "run", run)
+    code, _, err = run_cli(capsys, "compare", "--config", str(file), "--seeds", "1", "2",
+                           "--out", str(tmp_path / "c"))
+    assert code == 0, err
+    assert given["overrides"] == {"steps": 7, "seed": 5} and given["seeds"] == [1, 2]
+    code, _, err = run_cli(capsys, "compare", "--seed", "3", "--seeds", "1", "2")
+    assert code == 2 and "give --seed or --seeds, not both" in err
+
+
+def test_a_runs_config_json_repeats_the_run(reference, tmp_path, capsys):
+    """nodrop train --config RUN/config.json trains the same run again, bit for bit; the
+    banner, printed before compiling, says what and where."""
+    run_dir = tmp_path / "again"
+    code, out, err = run_cli(capsys, "train", "--config", str(reference / "config.json"),
+                             "--out", str(run_dir), "--no-progress")
+    assert code == 0, err
+    saved, again = (json.loads((d / "config.json").read_text()) for d in (reference, run_dir))
+    assert again["train"] == saved["train"] and again["model"] == saved["model"]
+    assert again["data"] == saved["data"]
+    assert records(run_dir, "train") == records(reference, "train")
+    lines = out.splitlines()
+    assert lines[0].startswith("nodrop 0.1.0 train: tiny, 0.05M parameters (0.04M active per "
+                               "token), 30 steps of 4 x 32 tokens")
+    assert lines[1].startswith("  devices: 1 x cpu (")
+    assert lines[2] == f"  data: {saved['train']['data']} (tokenizer: none, bytes)"
+    assert lines[3] == f"  run folder: {run_dir}"
+    assert lines.index("nodrop train: compiling the steps (step 1 on)") > 3
+
+
+def test_help_lists_every_set_field_and_version(capsys):
+    from nodrop.models import ModelConfig
+    for command in ("train", "compare"):
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        text = capsys.readouterr().out
+        table = text[text.index("--set FIELD=VALUE fields"):]
+        for field in dataclasses.fields(ModelConfig):
+            assert re.search(rf"^  {field.name} +\S.* +\S+ +\w", table, re.M), field.name
+        assert re.search(r"^  num_experts +int +8 +experts per MoE layer$", table, re.M)
+        assert re.search(r"^  capacity_factor +float \| None +None +token dropping", table,
+                         re.M)
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["--version"])
+    assert exit.value.code == 0
+    assert re.fullmatch(r"nodrop 0\.1\.0 \(jax \S+, jaxlib \S+\)\n", capsys.readouterr().out)
+
+
+def test_the_loss_plots_ema_is_bias_corrected():
+    """As Adam's moments: no pull towards zero nor towards the first value."""
+    from nodrop.train.plots import _ema
+    np.testing.assert_allclose(_ema(np.full(5, 3.0)), 3.0)
+    steps = _ema(np.asarray([10.0, 0.0, 0.0]))
+    assert steps[0] == 10.0
+    assert steps[1] == pytest.approx(0.9 * 0.1 * 10 / (1 - 0.9 ** 2))  # 4.74, not 9 or 0.9
+    assert steps[2] == pytest.approx(0.81 * 0.1 * 10 / (1 - 0.9 ** 3))
+
+
 def test_learning_rate_schedule():
     config, _ = build({"steps": 100, "warmup_steps": 10, "lr": 1.0, "min_lr_ratio": 0.1})
     schedule = trainer.learning_rate_schedule(config)
@@ -295,16 +481,20 @@ def test_learning_rate_schedule():
     assert lrs[-1] == pytest.approx(0.1) and np.all(np.diff(lrs[9:]) < 0)
 
 
-def test_checkpoint_every_zero_saves_no_checkpoint(tmp_path, text_file, reference):
-    """A benchmark run: the same numbers as the reference run, and no checkpoints folder."""
-    run_dir = tmp_path / "no-checkpoints"
-    args = cli.build_parser().parse_args(
-        ["train", *train_flags(text_file, **{"checkpoint-every": 0}), "--out", str(run_dir)])
-    trainer.run(overrides_from_args(args), out=run_dir, progress=False)
-    checkpoints = run_dir / "checkpoints"
-    assert not checkpoints.exists() or not any(checkpoints.iterdir())
+def test_checkpoint_every_zero_saves_no_checkpoint(tmp_path, text_file, reference, capsys,
+                                                   monkeypatch):
+    """A benchmark run: the same numbers as the reference run, and no checkpoints folder, nor
+    one listed. Its --out is relative: summary.json's run_dir is absolute all the same."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(capsys, "train", *train_flags(text_file, **{"checkpoint-every": 0}),
+                             "--out", "bench-run")
+    assert code == 0, err
+    run_dir = tmp_path / "bench-run"
+    assert not (run_dir / "checkpoints").exists()
+    assert "checkpoints/" not in out and f"outputs in {run_dir}/: config.json," in out
     assert ([without_timing(r) for r in records(run_dir, "train")]
             == [without_timing(r) for r in records(reference, "train")])
+    assert json.loads((run_dir / "summary.json").read_text())["run_dir"] == str(run_dir)
 
 
 # --- bad input -------------------------------------------------------------------------------
@@ -637,8 +827,15 @@ def test_metrics_that_cannot_be_written_stop_the_run_in_one_line(reference, tmp_
 # --- compare ---------------------------------------------------------------------------------
 
 
-def test_compare_dropless_capacity_and_ragged_dot(tmp_path, capsys, text_file):
+def test_compare_dropless_capacity_and_ragged_dot(tmp_path, capsys, text_file, monkeypatch):
     out = tmp_path / "compare"
+    plotted_caveats, plot = [], plots.plot_compare
+
+    def plot_compare(*args, caveat=None, **kwargs):
+        plotted_caveats.append(caveat)
+        plot(*args, caveat=caveat, **kwargs)
+
+    monkeypatch.setattr(plots, "plot_compare", plot_compare)
     flags = train_flags(text_file, steps=6, **{"eval-every": 3, "checkpoint-every": 6})
     code, stdout, err = run_cli(capsys, "compare", *flags, "--capacity-factors", "0.5",
                                 "--with-ragged-dot", "--out", str(out))
@@ -649,6 +846,9 @@ def test_compare_dropless_capacity_and_ragged_dot(tmp_path, capsys, text_file):
     assert [row.split("|")[1].strip() for row in rows[1:]] == [
         "dropless (nodrop)", "dropless (jax.lax.ragged_dot)", "capacity factor 0.5"]
     assert "one seed: no estimate of the noise" in table
+    caveat = "one seed: a difference between the variants may be seed noise"
+    assert f"**Caveat: {caveat}" in table and f"nodrop compare: caveat: {caveat}" in stdout
+    assert plotted_caveats == [compare.ONE_SEED_CAVEAT]
     assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
     results = json.loads((out / "compare.json").read_text())
     dropless, ragged, capacity = (results[name]["seeds"]["0"] for name in (
@@ -688,6 +888,7 @@ def test_compare_over_seeds_reports_the_spread_and_the_noise(tmp_path, capsys, t
     assert capacity["difference_to_dropless"] == pytest.approx(differences)
     table = (out / "compare.md").read_text()
     assert " ± " in table and capacity["verdict"] in table
+    assert "Caveat" not in table and "caveat" not in stdout  # two seeds
     assert ("inside the noise" in capacity["verdict"]) or ("on every seed" in capacity["verdict"])
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
+import threading
 
 import jax
 import numpy as np
@@ -147,30 +149,45 @@ def _count(text) -> int:
         return 0
 
 
-def initialize(how: Settings) -> None:
-    """jax.distributed.initialize, before anything starts a JAX backend; ConfigError, naming
-    the flags, where the processes do not all connect within how.timeout_s."""
+def initialize(how: Settings, *, prog: str = "nodrop train") -> None:
+    """jax.distributed.initialize, before anything starts a JAX backend. Where the processes do
+    not all connect within how.timeout_s, the process prints `prog: error: ...` naming the
+    flags and exits with status 2 (XLA's client would abort it a little later, with a stack
+    trace, for it cannot be made to raise); ConfigError for an error JAX raises."""
     if jax.distributed.is_initialized():
         return
+    joined = threading.Event()
+
+    def give_up():
+        if not joined.wait(how.timeout_s):
+            print(f"{prog}: error: {_join_failure(how)}", file=sys.stderr, flush=True)
+            os._exit(2)  # nothing is written yet; the client's thread would abort the process
+
+    threading.Thread(target=give_up, name="nodrop-join-timeout", daemon=True).start()
     try:
         jax.distributed.initialize(coordinator_address=how.coordinator,
                                    num_processes=how.num_processes, process_id=how.process_id,
-                                   initialization_timeout=how.timeout_s)
+                                   # Past ours, so that give_up says why first.
+                                   initialization_timeout=how.timeout_s + 60)
     except Exception as error:  # noqa: BLE001 - XlaRuntimeError, RuntimeError, ValueError
         first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
-        if how.source == "flags":
-            where = (f"--coordinator {how.coordinator} (--num-processes {how.num_processes}, "
-                     f"--process-id {how.process_id})")
-        elif how.source == "environment":
-            where = (f"JAX_COORDINATOR_ADDRESS={how.coordinator} (JAX_NUM_PROCESSES="
-                     f"{how.num_processes}, JAX_PROCESS_ID={how.process_id})")
-        else:
-            where = f"the coordinator {how.source} describes"
-        raise _config_error(
-            f"the processes did not all join through {where} within --init-timeout "
-            f"{how.timeout_s}s: is process 0 running and reachable there, do all processes "
-            f"give the same --num-processes, and does each give its own --process-id? "
-            f"({type(error).__name__}: {first})") from None
+        raise _config_error(f"{_join_failure(how)} ({type(error).__name__}: {first})") from None
+    finally:
+        joined.set()
+
+
+def _join_failure(how: Settings) -> str:
+    if how.source == "flags":
+        where = (f"--coordinator {how.coordinator} (--num-processes {how.num_processes}, "
+                 f"--process-id {how.process_id})")
+    elif how.source == "environment":
+        where = (f"JAX_COORDINATOR_ADDRESS={how.coordinator} (JAX_NUM_PROCESSES="
+                 f"{how.num_processes}, JAX_PROCESS_ID={how.process_id})")
+    else:
+        where = f"the coordinator {how.source} describes"
+    return (f"the processes did not all join through {where} within --init-timeout "
+            f"{how.timeout_s}s: is process 0 running and reachable there, do all processes give "
+            f"the same --num-processes, and does each give its own --process-id?")
 
 
 def initialize_from_args(args: argparse.Namespace) -> None:

@@ -795,8 +795,11 @@ def _train(job: _Job, state: _State) -> None:
                     _save(job, state)
                     stop.saving = False
                 if stopping:
-                    name = signal.Signals(stop.signum).name
-                    raise Interrupted(stop.signum, (
+                    # Of several processes, one that received no signal stops with another's.
+                    signum = stop.signum if stop.raised else signal.SIGTERM
+                    name = (signal.Signals(signum).name if stop.raised
+                            else "a signal to another process")
+                    raise Interrupted(signum, (
                         f"interrupted ({name}) at step {step}; saved a checkpoint there. "
                         f"Continue with --resume --out {job.run_dir}" if do_save else
                         f"interrupted ({name}) at step {step} (--checkpoint-every 0: nothing "

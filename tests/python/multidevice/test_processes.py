@@ -2,8 +2,9 @@
 each with 2 host devices, on a mesh that spans both: the losses of one process with 4 devices
 and of one device, a checkpoint saved by one process restored by two (and the reverse), a signal
 to process 0 alone stopping both at the same step, and inconsistent process flags, an
-unreachable coordinator and a mesh that does not use every process's devices refused naming
-the flag. Every process is a subprocess with a timeout, so a hang fails the test.
+unreachable coordinator, a run folder process 0 cannot use and a mesh that does not use every
+process's devices refused naming the flag. The two-process run that matches the others is
+started by scripts/ep_run.sh from the JAX_* variables; the rest by the flags. Every process is a subprocess with a timeout, so a hang fails the test.
 """
 
 from __future__ import annotations
@@ -94,10 +95,21 @@ def environment(devices_per_process: int) -> dict:
     return env
 
 
-def start(argv: list[str], devices_per_process: int, log: Path) -> subprocess.Popen:
+def start(argv: list[str], devices_per_process: int, log: Path,
+          env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "nodrop", "train", *argv],
-                            env=environment(devices_per_process), cwd=REPO,
+                            env={**environment(devices_per_process), **(env or {})}, cwd=REPO,
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def start_script(argv: list[str], devices_per_process: int, log: Path,
+                 env: dict) -> subprocess.Popen:
+    """scripts/ep_run.sh, its GPUs per host played by host devices."""
+    return subprocess.Popen(
+        ["bash", str(REPO / "scripts" / "ep_run.sh"), *argv],
+        env={**environment(devices_per_process), **env, "GPUS": str(devices_per_process),
+             "NODROP": f"{sys.executable} -m nodrop"},
+        cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
 def finish(procs: list[subprocess.Popen], logs: list[Path]) -> list[int]:
@@ -116,19 +128,30 @@ def finish(procs: list[subprocess.Popen], logs: list[Path]) -> list[int]:
 
 
 def two_processes(argv: list[str], run_dir: Path, *, expect: int = 0, devices: int = 2,
-                  during=None) -> list[str]:
-    """Runs `nodrop train argv` on two processes of `devices` each; their outputs."""
+                  during=None, script: bool = False) -> list[str]:
+    """Runs `nodrop train argv` on two processes of `devices` each, placed by the flags (or,
+    with `script`, by scripts/ep_run.sh and the JAX_* variables); their outputs."""
     port = free_port()
     logs = [run_dir.parent / f"{run_dir.name}.process{i}.log" for i in range(2)]
-    procs = [start([*argv, "--out", str(run_dir), "--coordinator", f"localhost:{port}",
-                    "--num-processes", "2", "--process-id", str(i)], devices, logs[i])
-             for i in range(2)]
+    if script:
+        procs = [start_script([*argv, "--out", str(run_dir)], devices, logs[i], {
+            "JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2",
+            "JAX_PROCESS_ID": str(i)}) for i in range(2)]
+    else:
+        procs = [start([*argv, "--out", str(run_dir), "--coordinator", f"localhost:{port}",
+                        "--num-processes", "2", "--process-id", str(i)], devices, logs[i])
+                 for i in range(2)]
     if during is not None:
         during(procs)
     codes = finish(procs, logs)
     outputs = [log.read_text() for log in logs]
     assert codes == [expect] * 2, "\n".join(outputs)
     return outputs
+
+
+def last_line(output: str) -> str:
+    """The last line of a process's output but Gloo's notes (its connections, on stdout)."""
+    return [line for line in output.strip().splitlines() if not line.startswith("[Gloo]")][-1]
 
 
 def one_process(argv: list[str], run_dir: Path, devices: int) -> str:
@@ -151,8 +174,8 @@ def runs(tmp_path_factory, text_file):
             train(run_dir, flags(text_file))
         elif name == "one process":
             one_process(flags(text_file, "--mesh", MESH), run_dir, devices=4)
-        elif name == "two processes":
-            two_processes(flags(text_file, "--mesh", MESH), run_dir)
+        elif name == "two processes":  # its mesh: data=<processes>,expert=<devices of one>
+            two_processes(flags(text_file), run_dir, script=True)
         elif name == "one process, resumed on two":
             shutil.copytree(get("one process"), run_dir)
             two_processes(["--resume-from", "3", "--no-progress"], run_dir)
@@ -248,17 +271,29 @@ def test_an_unreachable_coordinator_times_out_naming_the_flag(tmp_path, text_fil
                   "--coordinator", f"localhost:{port}", "--num-processes", "2",
                   "--process-id", "1", "--init-timeout", "3"], 2, log)
     assert finish([proc], [log]) == [2], log.read_text()
-    last = log.read_text().strip().splitlines()[-1]
+    last = last_line(log.read_text())
     assert last.startswith(f"nodrop train: error: the processes did not all join through "
                            f"--coordinator localhost:{port} (--num-processes 2, --process-id 1) "
                            "within --init-timeout 3s"), last
     assert not (tmp_path / "never").exists()
 
 
+def test_a_run_folder_process_0_refuses_stops_both(tmp_path, text_file):
+    run_dir = tmp_path / "taken"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("someone else's")
+    outputs = two_processes(flags(text_file, "--mesh", MESH), run_dir, expect=2)
+    error = (f"--out {run_dir} is not empty; continue the run there with --resume, or choose "
+             "another folder")
+    assert last_line(outputs[0]) == f"nodrop train: error: {error}", outputs[0]
+    assert last_line(outputs[1]) == f"nodrop train: error: process 0: {error}", outputs[1]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["notes.txt"]
+
+
 def test_a_mesh_short_of_the_devices_of_all_processes_is_refused(tmp_path, text_file):
     outputs = two_processes(flags(text_file, "--mesh", "data=2"), tmp_path / "never", expect=2)
     for output in outputs:
-        assert output.strip().splitlines()[-1] == (
+        assert last_line(output) == (
             "nodrop train: error: --mesh must use all 4 devices, got data=2 x fsdp=1 x "
             "expert=1 = 2 (2 processes x 2 devices)"), output
     assert not (tmp_path / "never").exists()

@@ -10,7 +10,8 @@
 #
 # Flags after the script's name go to `nodrop train`; a --mesh among them replaces the default.
 # Environment: GPUS (GPUs per host; default: nvidia-smi's count), NODROP (the command; default
-# .venv/bin/nodrop, else .venv/bin/python -m nodrop), NCCL_NVLS_ENABLE (default 0: NVLink multicast off, see docs/scale-out.md).
+# .venv/bin/nodrop, else .venv/bin/python -m nodrop), NCCL_NVLS_ENABLE (default 0: NVLink
+# multicast off, see docs/scale-out.md).
 # Every host needs the same repository, data and --out path (a shared filesystem for --out:
 # process 0 writes the run folder, every process writes its shards of the checkpoints).
 set -euo pipefail

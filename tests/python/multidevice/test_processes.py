@@ -4,7 +4,8 @@ and of one device, a checkpoint saved by one process restored by two (and the re
 to process 0 alone stopping both at the same step, and inconsistent process flags, an
 unreachable coordinator, a run folder process 0 cannot use and a mesh that does not use every
 process's devices refused naming the flag. The two-process run that matches the others is
-started by scripts/ep_run.sh from the JAX_* variables; the rest by the flags. Every process is a subprocess with a timeout, so a hang fails the test.
+started by scripts/ep_run.sh from the JAX_* variables; the rest by the flags. Every process is
+a subprocess with a timeout, so a hang fails the test.
 """
 
 from __future__ import annotations
@@ -290,10 +291,15 @@ def test_a_run_folder_process_0_refuses_stops_both(tmp_path, text_file):
     assert sorted(p.name for p in run_dir.iterdir()) == ["notes.txt"]
 
 
-def test_a_mesh_short_of_the_devices_of_all_processes_is_refused(tmp_path, text_file):
-    outputs = two_processes(flags(text_file, "--mesh", "data=2"), tmp_path / "never", expect=2)
+@pytest.mark.parametrize(("mesh", "message"), [
+    (["--mesh", "data=2"], "--mesh must use all 4 devices, got data=2 x fsdp=1 x expert=1 = 2 "
+                           "(2 processes x 2 devices)"),
+    ([], "--mesh is needed on several processes (2 processes x 2 devices): give a mesh over all "
+         "4 devices, e.g. --mesh data=4"),
+])
+def test_a_mesh_short_of_the_devices_of_all_processes_is_refused(tmp_path, text_file, mesh,
+                                                                   message):
+    outputs = two_processes(flags(text_file, *mesh), tmp_path / "never", expect=2)
     for output in outputs:
-        assert last_line(output) == (
-            "nodrop train: error: --mesh must use all 4 devices, got data=2 x fsdp=1 x "
-            "expert=1 = 2 (2 processes x 2 devices)"), output
+        assert last_line(output) == f"nodrop train: error: {message}", output
     assert not (tmp_path / "never").exists()

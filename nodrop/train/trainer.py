@@ -2,7 +2,8 @@
 checkpoint and log until `steps`, and summarise.
 
 One process, on one device (the default one) or on a mesh over every device (--mesh,
-nodrop.parallel.make_mesh). The state is three pytrees split off the Flax NNX model: params
+nodrop.parallel.make_mesh); or several processes (nodrop.parallel.distributed) on a mesh over
+all their devices, each reading its own batch rows, process 0 alone writing the run folder. The state is three pytrees split off the Flax NNX model: params
 (float32 masters, trained by AdamW), model_state (the MoE layers' expert biases, moved by the
 aux-loss-free rule, not by gradients) and the optimizer state. The jitted step takes and returns
 them with their buffers donated; on a mesh they carry the NamedShardings of

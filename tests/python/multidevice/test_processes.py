@@ -88,9 +88,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """One persistent compilation cache for the module's processes: a run of the same shapes
+    and mesh as an earlier one loads its steps rather than compiling them."""
+    global CACHE
+    CACHE = tmp_path_factory.mktemp("jax-cache")
+    yield
+    CACHE = None
+
+
+CACHE: Path | None = None
+
+
 def environment(devices_per_process: int) -> dict:
     env = {key: value for key, value in os.environ.items()
            if not key.startswith(("JAX_", "SLURM_", "OMPI_"))}
+    if CACHE is not None:
+        env.update(JAX_COMPILATION_CACHE_DIR=str(CACHE),
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     env.update(JAX_NUM_CPU_DEVICES=str(devices_per_process), JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
     return env

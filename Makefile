@@ -1,5 +1,5 @@
 # Entry points; each one sets up what it needs first (scripts/setup.sh is idempotent).
-.PHONY: setup train demo test test-cpp test-python bench gpu-check clean
+.PHONY: setup train demo test test-cpp test-python bench gpu-check ep-run clean
 
 setup:
 	bash scripts/setup.sh
@@ -26,6 +26,11 @@ bench: setup
 
 clean:
 	rm -rf build .venv
+
+# Expert-parallel training on every GPU of this host, or (under srun, one task per node) of
+# every node: make ep-run ARGS="--preset mixtral --steps 200" (docs/scale-out.md).
+ep-run:
+	bash scripts/ep_run.sh $(ARGS)
 
 # On a Hopper GPU machine: GPU tests, sanitizers and benchmarks into OUT (see scripts/gpu-check.sh).
 gpu-check:

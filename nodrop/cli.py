@@ -14,6 +14,7 @@ import jax
 
 import nodrop
 from nodrop import _ffi, demo
+from nodrop.parallel import distributed
 
 
 EXIT_WRITE_FAILED = 74  # sysexits.h's EX_IOERR
@@ -66,11 +67,13 @@ def _training(command: str, body) -> int:
 def train(args: argparse.Namespace) -> int:
     def body():
         from nodrop.train import config, trainer
+        distributed.initialize_from_args(args)  # several processes: join them, else nothing
         summary = trainer.run(config.overrides_from_args(args), out=getattr(args, "out", None),
                               resume=getattr(args, "resume", False),
                               resume_from=getattr(args, "resume_from", None),
                               progress=False if getattr(args, "no_progress", False) else None)
-        print(trainer.format_summary(summary))
+        if distributed.is_primary():  # of several processes, 0 reports
+            print(trainer.format_summary(summary))
         return 0
 
     return _training("train", body)
@@ -188,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train an MoE language model: AdamW with warm-up and cosine decay, "
                     "evaluation, Orbax checkpoints, metrics.jsonl, TensorBoard, plots.")
     train_config.add_arguments(train_parser)
+    distributed.add_arguments(train_parser)
     train_parser.set_defaults(run=train)
     compare_parser = commands.add_parser(
         "compare", help="train the same model dropless and with capacity factors; table + plot",

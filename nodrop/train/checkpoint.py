@@ -183,9 +183,11 @@ class NoCheckpoints:
 
 
 def checksums(tree) -> dict[str, int]:
-    """CRC32 of every array's bytes, by key path (fetched to the host)."""
+    """CRC32 of every array's bytes, by key path (fetched to the host; on several processes
+    each gathers the global values, so every process must call it)."""
+    from nodrop.parallel import distributed
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    values = jax.device_get([leaf for _, leaf in leaves])
+    values = distributed.gather([leaf for _, leaf in leaves])
     return {_path_name(path): zlib.crc32(np.ascontiguousarray(value).tobytes())
             for (path, _), value in zip(leaves, values)}
 

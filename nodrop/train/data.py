@@ -159,11 +159,12 @@ def check_length(dataset: Dataset, seq_len: int) -> None:
 
 
 def train_batch(tokens: np.ndarray, step: int, seed: int, batch_size: int,
-                seq_len: int) -> np.ndarray:
-    """int32 [batch_size, seq_len + 1]: step `step`'s windows (inputs [:, :-1], targets [:, 1:])."""
+                seq_len: int, *, rows: slice = slice(None)) -> np.ndarray:
+    """int32 [batch_size, seq_len + 1]: step `step`'s windows (inputs [:, :-1], targets [:, 1:]);
+    with `rows`, only those rows of it (what one process of several reads)."""
     rng = np.random.Generator(np.random.PCG64([seed, _TRAIN_STREAM, step]))
     starts = rng.integers(0, tokens.size - seq_len, size=batch_size)  # last start: size-seq_len-1
-    return _windows(tokens, starts, seq_len)
+    return _windows(tokens, starts[rows], seq_len)
 
 
 def eval_batches(tokens: np.ndarray, num_batches: int, batch_size: int,

@@ -152,6 +152,37 @@ class MetricsLog:
                 self._tensorboard.close()
 
 
+class Records:
+    """What a process other than 0 keeps of the log (process 0 writes it): the records, in
+    memory, as MetricsLog keeps them; it writes no file."""
+
+    def __init__(self, run_dir: str | os.PathLike, start_step: int):
+        self.records = [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl")
+                        if 0 < start_step and r["step"] <= start_step]
+
+    def write(self, record: dict) -> None:
+        self.records.append({key: _finite(value) for key, value in record.items()})
+
+    def sync(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Quiet:
+    """The progress of a process other than 0: nothing shown."""
+
+    def update(self, step: int, record: dict) -> None:
+        pass
+
+    def write(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class Progress:
     """A tqdm bar (loss, tokens/s, ETA) on a terminal, else one plain line per log interval."""
 

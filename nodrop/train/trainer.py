@@ -2,7 +2,8 @@
 checkpoint and log until `steps`, and summarise.
 
 One process, on one device (the default one) or on a mesh over every device (--mesh,
-nodrop.parallel.make_mesh). The state is three pytrees split off the Flax NNX model: params
+nodrop.parallel.make_mesh); or several processes (nodrop.parallel.distributed) on a mesh over
+all their devices, each reading its own batch rows, process 0 alone writing the run folder. The state is three pytrees split off the Flax NNX model: params
 (float32 masters, trained by AdamW), model_state (the MoE layers' expert biases, moved by the
 aux-loss-free rule, not by gradients) and the optimizer state. The jitted step takes and returns
 them with their buffers donated; on a mesh they carry the NamedShardings of
@@ -45,12 +46,12 @@ from flax import nnx
 import nodrop
 from nodrop.models import ModelConfig, MoELM
 from nodrop.moe import updated_expert_bias
-from nodrop.parallel import check_batch, check_experts, make_mesh, state_spec
+from nodrop.parallel import check_batch, check_experts, distributed, make_mesh, state_spec
 from nodrop.parallel.mesh import token_axes
 from nodrop.train import data, environment, lock, plots, tokenizer
 from nodrop.train.checkpoint import CheckpointError, Checkpoints, NoCheckpoints
 from nodrop.train.config import RESUMABLE_CHANGES, ConfigError, TrainConfig, build
-from nodrop.train.metrics import MetricsLog, Progress, peak_flops
+from nodrop.train.metrics import MetricsLog, Progress, Quiet, Records, peak_flops
 
 CONFIG_FILE = "config.json"
 # The receive-buffer factors an overflowing run grows through; None: the worst case, which
@@ -186,6 +187,9 @@ def _write_json(path: Path, value: dict) -> None:
 
 
 def _write_text(path: Path, text: str) -> None:
+    """Written atomically, by process 0 only: on several processes it owns the run folder."""
+    if not distributed.is_primary():
+        return
     tmp = path.with_name(path.name + ".tmp")
     try:
         tmp.write_text(text)
@@ -384,19 +388,17 @@ def _run(overrides, *, run_dir, resume, resume_from, progress, dataset, echo) ->
     if saved is not None and saved.get("data") != dataset.describe():
         raise ConfigError(f"cannot resume: the data differs from when the run started "
                           f"(now {dataset.describe()}, then {saved.get('data')})")
-    _check_new_run_dir(run_dir, saved)  # before the lock, which would write into the folder
-    # Held until the run ends, however it ends: a second process on this folder stops here.
-    with lock.RunLock(run_dir, echo):
-        _check_new_run_dir(run_dir, saved)  # again: a run may have ended there meanwhile
-        if run_tokenizer is not None:  # what generating from or evaluating the model will need
-            _write_text(run_dir / tokenizer.FILE, run_tokenizer.to_str())
-
+    primary = distributed.is_primary()  # process 0 writes the folder; the others only read it
+    if not primary:
+        echo, progress = (lambda *_: None), False
+    with _hold_run_dir(run_dir, saved, run_tokenizer, echo):
         device = jax.devices()[0]
         tx = optimizer(config)
 
         _, init, abstract = _state_structure(config, model_config, tx, device, mesh)
         if resume_from is not None:
             _set_aside_checkpoints_after(run_dir / "checkpoints", resume_from, echo)
+            distributed.barrier("nodrop: checkpoints set aside")
         # --checkpoint-every 0 makes no checkpoints/ folder (a resumed run keeps its own).
         checkpoints = (Checkpoints(run_dir / "checkpoints", config.keep_checkpoints)
                        if config.checkpoint_every > 0 or (run_dir / "checkpoints").exists()
@@ -417,7 +419,7 @@ def _run(overrides, *, run_dir, resume, resume_from, progress, dataset, echo) ->
             echo(f"nodrop train: resuming {run_dir} from step {start}")
         begun = (state.step, state.elapsed_s)  # where this process started: step, training time
 
-        metrics = MetricsLog(run_dir, state.step)
+        metrics = MetricsLog(run_dir, state.step) if primary else Records(run_dir, state.step)
         try:
             device_peak = peak_flops(device.device_kind)
             placement = _placement(mesh, device)
@@ -430,7 +432,8 @@ def _run(overrides, *, run_dir, resume, resume_from, progress, dataset, echo) ->
                 val_batches=data.eval_batches(dataset.val, config.eval_batches,
                                               config.batch_size, config.seq_len),
                 checkpoints=checkpoints, metrics=metrics,
-                progress=Progress(config.steps, state.step, progress),
+                progress=(Progress(config.steps, state.step, progress) if primary
+                          else Quiet()),
                 peak_flops=None if device_peak is None else device_peak * (
                     1 if mesh is None else mesh.size))
             echo(f"nodrop train: compiling the steps (step {state.step + 1} on)")
@@ -460,7 +463,7 @@ def _set_aside_checkpoints_after(directory: Path, step: int, echo) -> None:
         raise ConfigError(f"--resume-from {step}: {directory} holds checkpoints of steps "
                           f"{sorted(steps)}")
     later = sorted(s for s in steps if s > step)
-    if later:
+    if later and distributed.is_primary():  # the others wait for it (barrier)
         aside = directory.parent / "checkpoints-set-aside"
         aside.mkdir(exist_ok=True)
         for s in later:
@@ -480,13 +483,50 @@ def _check_new_run_dir(run_dir: Path, saved: dict | None) -> None:
                           "--resume, or choose another folder")
 
 
+@contextlib.contextmanager
+def _hold_run_dir(run_dir: Path, saved: dict | None, run_tokenizer, echo):
+    """Holds the run folder until the run ends, however it ends: a second run on this folder
+    stops here (lock.RunLock). On several processes process 0 holds it and writes into it; the
+    others wait until it has, and stop with its error where it could not."""
+    with contextlib.ExitStack() as held:
+        error = None
+        if distributed.is_primary():
+            try:
+                _check_new_run_dir(run_dir, saved)  # before the lock, which writes a file there
+                held.enter_context(lock.RunLock(run_dir, echo))
+                _check_new_run_dir(run_dir, saved)  # again: a run may have ended there meanwhile
+                if run_tokenizer is not None:  # what generating from or evaluating will need
+                    _write_text(run_dir / tokenizer.FILE, run_tokenizer.to_str())
+            except (ConfigError, lock.RunFolderError, OSError) as caught:
+                if distributed.process_count() == 1:
+                    raise
+                error = caught
+        message = distributed.broadcast_error(
+            None if error is None else f"{type(error).__name__}:{error}")
+        if error is not None:
+            raise error
+        if message is not None:
+            kind, _, text = message.partition(":")
+            raise (ConfigError if kind == "ConfigError" else lock.RunFolderError)(
+                f"process 0: {text}")
+        yield
+
+
 def _mesh(config: TrainConfig, model_config: ModelConfig):
     """The run's mesh (None without --mesh); ConfigError, before anything compiles, for a mesh
     that does not use every device or does not divide the experts or the batch."""
+    processes = distributed.describe()  # '' for one process
     if config.mesh is None:
+        if processes:
+            raise ConfigError(f"--mesh is needed on several processes ({processes}): give a "
+                              f"mesh over all {jax.device_count()} devices, e.g. --mesh "
+                              f"data={jax.device_count()}")
         return None
     try:
         mesh = make_mesh(config.mesh, name="--mesh")
+    except ValueError as error:
+        raise ConfigError(f"{error}{f' ({processes})' if processes else ''}") from None
+    try:
         check_batch(config.batch_size, mesh, name="--batch-size")
     except ValueError as error:
         raise ConfigError(str(error)) from None
@@ -745,6 +785,11 @@ def _train(job: _Job, state: _State) -> None:
                 step = state.step
                 last = step == config.steps
                 stopping = stop.raised  # read once: a Ctrl-C from here on waits a step
+                if distributed.process_count() > 1:
+                    # All processes stop together, at a step where the host waits anyway: a
+                    # signal reaches them at different steps, or only some of them.
+                    stopping = (step % config.log_every == 0 or step % config.eval_every == 0
+                                or last) and distributed.agree(stopping)
                 do_eval = step % config.eval_every == 0 or last
                 do_save = config.checkpoint_every > 0 and (
                     step % config.checkpoint_every == 0 or last or stopping)
@@ -763,8 +808,11 @@ def _train(job: _Job, state: _State) -> None:
                     _save(job, state)
                     stop.saving = False
                 if stopping:
-                    name = signal.Signals(stop.signum).name
-                    raise Interrupted(stop.signum, (
+                    # Of several processes, one that received no signal stops with another's.
+                    signum = stop.signum if stop.raised else signal.SIGTERM
+                    name = (signal.Signals(signum).name if stop.raised
+                            else "a signal to another process")
+                    raise Interrupted(signum, (
                         f"interrupted ({name}) at step {step}; saved a checkpoint there. "
                         f"Continue with --resume --out {job.run_dir}" if do_save else
                         f"interrupted ({name}) at step {step} (--checkpoint-every 0: nothing "
@@ -782,14 +830,22 @@ def _train(job: _Job, state: _State) -> None:
 def _step(job: _Job, state: _State) -> None:
     """One update, queued on the device: its metrics stay there until the next flush."""
     step, config = state.step + 1, job.config
-    batch = data.train_batch(job.dataset.train, step, config.seed, config.batch_size,
-                             config.seq_len)
+    # Each process reads only the rows its devices hold.
+    batch = _global_batch(job, lambda rows: data.train_batch(
+        job.dataset.train, step, config.seed, config.batch_size, config.seq_len, rows=rows))
     (state.params, state.opt_state, state.model_state, metrics,
      state.halted) = state.train_step(state.params, state.opt_state, state.model_state,
-                                      jax.device_put(batch, job.batch_sharding), np.int32(step),
-                                      state.halted)
+                                      batch, np.int32(step), state.halted)
     state.pending.append((step, metrics))
     state.step = step
+
+
+def _global_batch(job: _Job, rows: Callable[[slice], np.ndarray]) -> jax.Array:
+    """The batch, split over the mesh's token axes, from `rows(slice)`: the windows of the batch
+    rows this process's devices hold (each process reads only its own)."""
+    config = job.config
+    return jax.make_array_from_callback((config.batch_size, config.seq_len + 1),
+                                        job.batch_sharding, lambda index: rows(index[0]))
 
 
 def _flush(job: _Job, state: _State) -> int | None:
@@ -856,7 +912,7 @@ def _evaluate(job: _Job, state: _State, batches: list[np.ndarray]) -> tuple[floa
     while True:
         results = jax.device_get([
             state.eval_step(state.params, state.model_state,
-                            jax.device_put(b, job.batch_sharding)) for b in batches])
+                            _global_batch(job, b.__getitem__)) for b in batches])
         if not any(overflow for *_, overflow in results):
             break
         _grow_buffer(job, state, state.step, "evaluation")
@@ -915,6 +971,8 @@ def _finish(job: _Job, state: _State, *, wall_start: float,
 
 
 def _plots(job: _Job) -> None:
+    if not distributed.is_primary():
+        return
     model_config = job.model_config
     unigram = data.unigram_loss(job.dataset.train, model_config.vocab_size)
     title = f"{job.config.preset} ({model_config.num_params() / 1e6:.1f}M parameters)"

@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 
 import nodrop
-from nodrop import _ffi, demo
+from nodrop import _deps, _ffi, demo
 
 
 EXIT_WRITE_FAILED = 74  # sysexits.h's EX_IOERR
@@ -36,6 +36,11 @@ def _training(command: str, body) -> int:
     exit status 2 (no traceback), a diverged run with 1, a failed write (a full disk, lost
     permissions) with 74 (sysexits' EX_IOERR), SIGINT (Ctrl-C) with 130 and SIGTERM with 143
     (128 + the signal's number, the shells' convention)."""
+    missing = _deps.missing_train_packages()
+    if missing:  # before importing the trainer, which would fail on the first of them
+        print(f"nodrop {command}: error: needs the trainer's packages, which are not installed "
+              f"({', '.join(missing)}): {_deps.INSTALL_TRAIN}", file=sys.stderr)
+        return 2
     # Imported here: `nodrop info` and `nodrop demo` need none of Orbax, TensorBoard, matplotlib.
     from nodrop.serve import LoadError
     from nodrop.train.checkpoint import CheckpointError

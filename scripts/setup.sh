@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine for nodrop: system libraries, a Python 3.12 virtual environment with the
-# pinned jax, and the package itself built with its C++ tests. Safe to re-run: finished steps are
-# skipped, and the C++ build is incremental (build/wheel).
+# pinned jax, and the package itself with its train and test extras, built with its C++ tests.
+# Safe to re-run: finished steps are skipped, and the C++ build is incremental (build/wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -60,6 +60,6 @@ fi
 # and notebooks in the repository root run them); the built libraries go to site-packages.
 .venv/bin/pip install -v --no-build-isolation \
   -C build-dir=build/wheel -C cmake.define.NODROP_BUILD_TESTS=ON \
-  -e ".[test]" \
+  -e ".[train,test]" \
   || die "building nodrop failed (see the compiler output above)"
 say "ready"

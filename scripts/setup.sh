@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine for nodrop: system libraries, a Python 3.12 virtual environment with the
-# pinned jax, and the package itself with its train and test extras, built with its C++ tests.
+# pinned jax (and its CUDA plugin where there is an NVIDIA GPU), and the package itself with its
+# train and test extras, built with its C++ tests.
 # Safe to re-run: finished steps are skipped, and the C++ build is incremental (build/wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,6 +50,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -n
   .venv/bin/pip install -q --no-deps "nvidia-cutlass==4.2.0.0"
   touch "$stamp"
 fi
+
+# JAX's CUDA plugin where JAX should run on an NVIDIA GPU (NODROP_JAX_CUDA=1 or 0 overrides).
+bash scripts/jax-plugin.sh .venv
 
 if command -v nvcc >/dev/null 2>&1; then
   say "building and installing nodrop (CPU and CUDA engines, FFI handlers, C++ tests); the CUDA"

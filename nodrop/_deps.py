@@ -1,8 +1,8 @@
 """The `train` extra (`pip install 'nodrop[train]'`): the packages only the trainer imports.
 
 The core package (the ops, the MoE block, the models, `nodrop.load` of an export, `nodrop info`
-and `nodrop demo`) imports none of them; `nodrop train` and the commands that read a run folder
-need them all. pyproject.toml's `train` extra names the same distributions.
+and `nodrop demo`) imports none of them; `nodrop train`, `compare`, `export`, `generate` and
+`eval` check for them all first. pyproject.toml's `train` extra names the same distributions.
 """
 
 from __future__ import annotations

@@ -68,9 +68,24 @@ if _cuda_lib is not None:
     _cuda_lib.NodropSortByExpertWorkspaceBytes.argtypes = [ctypes.c_int64] * 3
 
 
-def backends() -> dict[str, bool]:
-    """Which engines this build registered with XLA."""
+def engines_built() -> dict[str, bool]:
+    """Which engines this build has and registered with XLA, whether or not JAX can run them."""
     return {"cpu": _cpu_lib is not None, "cuda": _cuda_lib is not None}
+
+
+def jax_has(platform: str) -> bool:
+    """Whether JAX has a device of `platform` ("cpu", "cuda"): "cuda" needs jaxlib's CUDA plugin
+    and a GPU it can use."""
+    try:
+        return bool(jax.devices(platform))
+    except RuntimeError:  # JAX has no such platform, or its plugin found no device
+        return False
+
+
+def backends() -> dict[str, bool]:
+    """Which engines can run here: built, registered with XLA, and on a platform JAX has a
+    device of (a CUDA engine is of no use to a jaxlib without its CUDA plugin)."""
+    return {name: built and jax_has(name) for name, built in engines_built().items()}
 
 
 def grouped_matmul_workspace_bytes(num_groups: int) -> int:

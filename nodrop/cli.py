@@ -13,19 +13,52 @@ from pathlib import Path
 import jax
 
 import nodrop
-from nodrop import _ffi, demo
+from nodrop import _deps, _ffi, _gpu, demo
 from nodrop.parallel import distributed
 
 
 EXIT_WRITE_FAILED = 74  # sysexits.h's EX_IOERR
 
 
+def _cuda_plugin() -> str | None:
+    """The installed JAX CUDA plugin and its version, if any."""
+    for name in ("jax-cuda13-plugin", "jax-cuda12-plugin"):
+        try:
+            return f"{name} {importlib.metadata.version(name)}"
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
+
+
 def info(args: argparse.Namespace) -> int:
+    jaxlib = importlib.metadata.version("jaxlib")
+    plugin = _cuda_plugin()
     print(f"nodrop {nodrop.__version__}")
-    print(f"jax {jax.__version__}, jaxlib {importlib.metadata.version('jaxlib')}, "
-          f"devices: {', '.join(str(device) for device in jax.devices())}")
-    print("backends: " + ", ".join(f"{name} {'yes' if built else 'no'}"
-                                   for name, built in nodrop.backends().items()))
+    print(f"jax {jax.__version__}, jaxlib {jaxlib}, CUDA plugin: {plugin or 'none'}")
+    print(f"devices: {', '.join(str(device) for device in jax.devices())} "
+          f"(JAX runs on {jax.default_backend()})")
+    usable = nodrop.backends()
+    why_not = {}
+    for name, built in _ffi.engines_built().items():
+        if not built:
+            why_not[name] = "not built" + (": the build found no nvcc or no CUTLASS"
+                                           if name == "cuda" else "")
+        elif not usable[name]:
+            why_not[name] = (f"built, but JAX has no {name.upper()} device"
+                             + ("" if plugin or name != "cuda" else ": no CUDA plugin"))
+    print("backends: " + ", ".join(f"{name} {'yes' if ok else 'no (' + why_not[name] + ')'}"
+                                   for name, ok in usable.items()))
+    if not _ffi.jax_has("cuda"):
+        try:
+            choice = _gpu.choose()
+        except ValueError as error:
+            print(f"GPU: {error}")
+        else:
+            if choice.cuda:  # a GPU JAX is not using
+                fix = ("its CUDA plugin found no usable GPU (see the warning above)" if plugin
+                       else "install its CUDA plugin: pip install "
+                       + " ".join(f"'{r}'" for r in _gpu.cuda_plugin(jaxlib)))
+                print(f"GPU: {choice.reason}; JAX does not use it: {fix}")
     print("XLA FFI targets (handler symbols for cpu / CUDA):")
     for target in _ffi.TARGETS:
         print(f"  {target:32s} {_ffi.CPU_TARGETS[target]} / {_ffi.CUDA_TARGETS[target]}")
@@ -37,6 +70,11 @@ def _training(command: str, body) -> int:
     exit status 2 (no traceback), a diverged run with 1, a failed write (a full disk, lost
     permissions) with 74 (sysexits' EX_IOERR), SIGINT (Ctrl-C) with 130 and SIGTERM with 143
     (128 + the signal's number, the shells' convention)."""
+    missing = _deps.missing_train_packages()
+    if missing:  # before importing the trainer, which would fail on the first of them
+        print(f"nodrop {command}: error: needs the trainer's packages, which are not installed "
+              f"({', '.join(missing)}): {_deps.INSTALL_TRAIN}", file=sys.stderr)
+        return 2
     # Imported here: `nodrop info` and `nodrop demo` need none of Orbax, TensorBoard, matplotlib.
     from nodrop.serve import LoadError
     from nodrop.train.checkpoint import CheckpointError

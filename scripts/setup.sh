@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine for nodrop: system libraries, a Python 3.12 virtual environment with the
-# pinned jax, and the package itself built with its C++ tests. Safe to re-run: finished steps are
-# skipped, and the C++ build is incremental (build/wheel).
+# pinned jax (and its CUDA plugin where there is an NVIDIA GPU), and the package itself with its
+# train and test extras, built with its C++ tests.
+# Safe to re-run: finished steps are skipped, and the C++ build is incremental (build/wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -50,6 +51,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -n
   touch "$stamp"
 fi
 
+# JAX's CUDA plugin where JAX should run on an NVIDIA GPU (NODROP_JAX_CUDA=1 or 0 overrides).
+bash scripts/jax-plugin.sh .venv
+
 if command -v nvcc >/dev/null 2>&1; then
   say "building and installing nodrop (CPU and CUDA engines, FFI handlers, C++ tests); the CUDA"
   say "engine's CUTLASS kernels take about 20 minutes on 2 cores the first time"
@@ -60,6 +64,6 @@ fi
 # and notebooks in the repository root run them); the built libraries go to site-packages.
 .venv/bin/pip install -v --no-build-isolation \
   -C build-dir=build/wheel -C cmake.define.NODROP_BUILD_TESTS=ON \
-  -e ".[test]" \
+  -e ".[train,test]" \
   || die "building nodrop failed (see the compiler output above)"
 say "ready"

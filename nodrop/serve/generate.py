@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +34,8 @@ def check_sampling(*, max_tokens: int, temperature: float, top_k: int | None,
             raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
-def _sample(logits, key, *, vocabulary: int, temperature: float, top_k: int | None,
-            top_p: float | None):
+def _sample(logits: jax.Array, key: jax.Array, *, vocabulary: int, temperature: float,
+            top_k: int | None, top_p: float | None) -> jax.Array:
     """The next token of each row of logits [B, V] (ids past `vocabulary` never)."""
     logits = jnp.where(jnp.arange(logits.shape[-1]) < vocabulary, logits, -jnp.inf)
     if temperature == 0:
@@ -53,8 +54,9 @@ def _sample(logits, key, *, vocabulary: int, temperature: float, top_k: int | No
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def generate(loaded: Loaded, prompt: list[int], *, max_tokens: int, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, seed: int = 0) -> list[int]:
+def generate(loaded: Loaded, prompt: Sequence[int], *, max_tokens: int,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             seed: int = 0) -> list[int]:
     """Up to max_tokens new token ids after `prompt`; fewer where the sequence reaches the
     model's seq_len. ValueError for an empty prompt, one longer than seq_len, or a sampling
     setting out of range."""

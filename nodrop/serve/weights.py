@@ -13,7 +13,8 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,7 @@ class Loaded:
     config: ModelConfig
     tokenizer: Tokenizer | None
     step: int
-    saved: dict
+    saved: dict[str, Any]
 
     @property
     def vocabulary(self) -> int:
@@ -60,13 +61,14 @@ class Loaded:
             return list(text.encode("utf-8"))
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: Iterable[int]) -> str:
         if self.tokenizer is None:
             return bytes(ids).decode("utf-8", errors="replace")
         return self.tokenizer.decode(list(ids))
 
 
-def load(path: str | os.PathLike, *, step: int | None = None, **model_changes) -> Loaded:
+def load(path: str | os.PathLike[str], *, step: int | None = None,
+         **model_changes: Any) -> Loaded:
     """The model of a run folder (its newest checkpoint, or `step`'s) or of an export folder.
 
     model_changes replace ModelConfig fields that keep the weights as they are
@@ -82,7 +84,7 @@ def load(path: str | os.PathLike, *, step: int | None = None, **model_changes) -
                     f"folder ({WEIGHTS_FILE}, config.json)")
 
 
-def _load_run(run_dir: Path, step: int | None, model_changes: dict) -> Loaded:
+def _load_run(run_dir: Path, step: int | None, model_changes: dict[str, Any]) -> Loaded:
     from nodrop.train import tokenizer, trainer  # Orbax and Optax only for run folders
 
     model, step = trainer.load_model(run_dir, step=step, **model_changes)
@@ -92,7 +94,7 @@ def _load_run(run_dir: Path, step: int | None, model_changes: dict) -> Loaded:
     return Loaded(model, model.config, run_tokenizer, step, saved)
 
 
-def _load_export(folder: Path, step: int | None, model_changes: dict) -> Loaded:
+def _load_export(folder: Path, step: int | None, model_changes: dict[str, Any]) -> Loaded:
     try:
         saved = json.loads((folder / CONFIG_FILE).read_text())
         config = ModelConfig.from_dict(saved["model"]).replace(**model_changes)
@@ -126,11 +128,11 @@ def _load_export(folder: Path, step: int | None, model_changes: dict) -> Loaded:
     return Loaded(model, config, run_tokenizer, saved["step"], saved)
 
 
-def _name(path) -> str:
+def _name(path: tuple[Any, ...]) -> str:
     return ".".join(str(key) for key in path)
 
 
-def export(run_dir: str | os.PathLike, out: str | os.PathLike, *,
+def export(run_dir: str | os.PathLike[str], out: str | os.PathLike[str], *,
            step: int | None = None) -> Path:
     """Writes the run's trained weights (its newest checkpoint, or `step`'s) as an export folder
     `out` (see the module's docstring), which must be new or empty. Returns the weights file."""

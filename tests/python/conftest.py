@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import nodrop  # noqa: E402
+from nodrop._deps import INSTALL_TRAIN, missing_train_packages  # noqa: E402
 from nodrop.ops import reference  # noqa: E402
 
 settings.register_profile(
@@ -39,6 +40,13 @@ LOW_PRECISION_TOL = 1e-2
 
 
 MULTIDEVICE = pathlib.Path(__file__).parent / "multidevice"
+
+# Without the `train` extra the trainer's tests skip, saying so (a test module of the trainer
+# imports needs_train first); with it nothing is skipped, and a broken package fails its tests.
+TRAIN_MISSING = missing_train_packages()
+WITHOUT_TRAIN = (f"needs the train extra ({INSTALL_TRAIN}); not installed: "
+                 f"{', '.join(TRAIN_MISSING)}")
+needs_train = pytest.mark.skipif(bool(TRAIN_MISSING), reason=WITHOUT_TRAIN)
 
 
 def pytest_ignore_collect(collection_path, config):

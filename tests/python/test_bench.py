@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import needs_train
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 PROGRAMS = ("batch_invariance", "cpu_grouped_matmul", "gpu_moe", "gpu_gemm_sustained", "gpu_layer_profile",
@@ -27,7 +28,9 @@ def bench_on_path():
     sys.path.remove(str(BENCH))
 
 
-@pytest.mark.parametrize("name", PROGRAMS)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=needs_train)
+                                  if name == "batch_invariance" else name  # the trainer's
+                                  for name in PROGRAMS])
 def test_programs_import_without_touching_xla_settings(name, monkeypatch):
     monkeypatch.delenv(MEM_FRACTION, raising=False)
     module = importlib.import_module(name)
@@ -85,6 +88,7 @@ def test_cpu_benchmark_summary_and_verdicts():
     assert row["check_ok"] and row["vs_dense_pass"] and row["vs_ragged_dot_pass"]
 
 
+@needs_train  # its plot: matplotlib
 def test_gpu_moe_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch):
     """bench/gpu_moe.py's grouped-matmul and MoE-layer cases (MoEBlock, dropless and with
     capacity factors), summaries, tables and plot, on the CPU without torch."""

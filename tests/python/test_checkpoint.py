@@ -3,6 +3,8 @@ error for a checkpoint that does not fit the model."""
 
 from __future__ import annotations
 
+import needs_train  # noqa: F401  (first: skips this module without nodrop[train])
+
 import errno
 import shutil
 

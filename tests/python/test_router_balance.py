@@ -14,6 +14,8 @@ runs.
 
 from __future__ import annotations
 
+import needs_train  # noqa: F401  (first: skips this module without nodrop[train])
+
 import jax
 import jax.numpy as jnp
 import numpy as np

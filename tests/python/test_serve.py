@@ -3,6 +3,8 @@ trained here (bytes and BPE)."""
 
 from __future__ import annotations
 
+import needs_train  # noqa: F401  (first: skips this module without nodrop[train])
+
 import json
 import shutil
 from pathlib import Path

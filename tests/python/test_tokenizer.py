@@ -3,6 +3,8 @@ tokenizer.json, the cache, and what the run folder keeps of them."""
 
 from __future__ import annotations
 
+import needs_train  # noqa: F401  (first: skips this module without nodrop[train])
+
 import json
 import os
 import threading

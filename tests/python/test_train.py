@@ -7,6 +7,8 @@ subprocesses (x64 off) and compares their numbers bitwise with that reference.
 
 from __future__ import annotations
 
+import needs_train  # noqa: F401  (first: skips this module without nodrop[train])
+
 import dataclasses
 import datetime
 import errno

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import devices  # noqa: F401  (first: 8 host devices, for the in-process reference)
+import needs_train  # noqa: F401  (skips this module without nodrop[train])
 import jax
 import numpy as np
 import pytest

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import devices  # noqa: F401  (first: 8 host devices)
+import needs_train  # noqa: F401  (skips this module without nodrop[train])
 import jax
 import numpy as np
 import pytest

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine for nodrop: system libraries, a Python 3.12 virtual environment with the
 # pinned jax (and its CUDA plugin where there is an NVIDIA GPU), and the package itself with its
-# train and test extras, built with its C++ tests.
+# train and test extras at the tested versions (scripts/constraints.txt), built with its C++ tests.
 # Safe to re-run: finished steps are skipped, and the C++ build is incremental (build/wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,7 +41,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 stamp=.venv/.nodrop-deps
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ] \
+   || [ scripts/constraints.txt -nt "$stamp" ]; then
   say "installing pinned Python dependencies"
   .venv/bin/pip install -q --upgrade pip
   # Build requirements first: the package is built without isolation so its build dir is reused.
@@ -64,6 +65,6 @@ fi
 # and notebooks in the repository root run them); the built libraries go to site-packages.
 .venv/bin/pip install -v --no-build-isolation \
   -C build-dir=build/wheel -C cmake.define.NODROP_BUILD_TESTS=ON \
-  -e ".[train,test]" \
+  -c scripts/constraints.txt -e ".[train,test]" \
   || die "building nodrop failed (see the compiler output above)"
 say "ready"

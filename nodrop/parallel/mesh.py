@@ -108,15 +108,17 @@ def state_spec(names: tuple[str, ...], shape: tuple[int, ...], mesh) -> jax.P:
     shape: the one rule for parameters and the optimizer state that mirrors them.
 
     Expert weights (3-D `gate_up` or `down`, [E, ...]) are split over `expert`, as the
-    expert-parallel MoEBlock holds them. With fsdp > 1 every other matrix is split over `fsdp`
-    along its first axis that fsdp divides (its gradients and Adam moments with it). The rest
-    (norm scales, expert biases, step counts, matrices fsdp divides nowhere) is replicated.
+    expert-parallel MoEBlock holds them, and within it over `fsdp` along their first other axis
+    that fsdp divides. With fsdp > 1 every other matrix is split over `fsdp` along its first axis
+    that fsdp divides (its gradients and Adam moments with it). The rest (norm scales, expert
+    biases, step counts, matrices fsdp divides nowhere) is replicated. XLA gathers an
+    fsdp-split weight where it is used and reduce-scatters its gradient.
     """
-    if len(shape) == 3 and names and names[-1] in ("gate_up", "down"):
-        return jax.P(EXPERT_AXIS)
+    experts = len(shape) == 3 and bool(names) and names[-1] in ("gate_up", "down")
+    leading = (EXPERT_AXIS,) if experts else ()
     fsdp = mesh.shape["fsdp"]
     if fsdp > 1 and len(shape) >= 2:
-        for axis, size in enumerate(shape):
-            if size % fsdp == 0:
-                return jax.P(*(None,) * axis, "fsdp")
-    return jax.P()
+        for axis in range(len(leading), len(shape)):
+            if shape[axis] % fsdp == 0:
+                return jax.P(*leading, *(None,) * (axis - len(leading)), "fsdp")
+    return jax.P(*leading)

@@ -19,7 +19,8 @@ from flax import nnx
 
 import nodrop
 from nodrop.moe import MoEBlock, MoEConfig
-from nodrop.parallel import make_mesh
+from nodrop.parallel import make_mesh, state_spec
+from nodrop.parallel.mesh import token_axes
 from nodrop.parallel.expert import pair_capacity
 
 SOFTMAX_TOP2 = MoEConfig(num_experts=8, k=2, hidden=16, ffn=32, renormalize=True,
@@ -121,6 +122,50 @@ def test_expert_parallel_block_equals_single_device(mesh, routing):
         assert counts[0] == counts[1] == BATCH * SEQ
     if routing == "zipf":
         assert float(aux.max_over_mean) > 2
+
+
+@pytest.mark.parametrize("routing", ["uniform", "zipf", "every_token_to_expert_0"])
+@pytest.mark.parametrize("spec", ["data=8", "fsdp=8", "data=2,fsdp=4", "data=2,fsdp=2,expert=2"])
+def test_block_on_a_sharded_batch_and_sharded_weights_equals_single_device(spec, routing):
+    """Data parallelism and FSDP as the trainer lays them out: the batch split over the token
+    axes, every weight where nodrop.parallel.state_spec puts it (matrices over fsdp, experts over
+    expert). Output, statistics and gradients are the single-device block's."""
+    config = dataclasses.replace(SOFTMAX_TOP2, ep_buffer_factor=None)
+    mesh = make_mesh(spec)
+    x = tokens(0)
+    cotangent = random_normal(np.random.default_rng(1), x.shape)
+    y, aux, grads = loss_and_grads(make_block(dataclasses.replace(config, expert_parallel=False),
+                                              routing), x, cotangent)
+
+    block = make_block(config, routing)
+    graphdef, params, rest = nnx.split(block, nnx.Param, ...)
+    placed = {name: jax.device_put(value, jax.NamedSharding(
+        mesh, state_spec((name,), value.shape, mesh))) for name, value in
+        nnx.to_pure_dict(params).items()}
+    if spec != "data=8":  # something is split beyond the batch
+        assert any(not value.sharding.is_fully_replicated for value in placed.values())
+    nnx.replace_by_pure_dict(params, placed)
+    batch_sharding = jax.NamedSharding(mesh, jax.P(token_axes(mesh)))
+    sharded_x = jax.device_put(x, batch_sharding)
+    sharded_cotangent = jax.device_put(cotangent, batch_sharding)
+
+    def loss(params, x, cotangent):
+        out, aux = nnx.merge(graphdef, params, rest)(x)
+        return (jnp.sum(out * cotangent) + 0.1 * aux.load_balancing_loss
+                + 0.05 * aux.sequence_balance_loss + 0.01 * aux.z_loss, (out, aux))
+
+    with jax.set_mesh(mesh):
+        (_, (got_y, got_aux)), (grad_params, grad_x) = jax.jit(jax.value_and_grad(
+            loss, argnums=(0, 1), has_aux=True))(params, sharded_x, sharded_cotangent)
+    assert_close(got_y, y, F32_TOL, "output")
+    np.testing.assert_array_equal(np.asarray(got_aux.tokens_per_expert),
+                                  np.asarray(aux.tokens_per_expert))
+    for name in ("load_balancing_loss", "sequence_balance_loss", "z_loss", "max_over_mean"):
+        assert_close(getattr(got_aux, name), getattr(aux, name), F32_TOL, name)
+    got = {"x": grad_x, **nnx.to_pure_dict(grad_params)}
+    assert sorted(got) == sorted(grads)
+    for name, grad in grads.items():
+        assert_close(got[name], grad, F32_TOL, f"grad {name}")
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))

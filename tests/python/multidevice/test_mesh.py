@@ -80,12 +80,17 @@ def test_experts_and_batch_must_divide_over_the_mesh():
     check_experts(3, make_mesh("data=8"))  # no experts to split
 
 
-def test_state_spec_splits_experts_over_expert_and_matrices_over_fsdp():
+def test_state_spec_splits_experts_over_expert_and_fsdp_and_matrices_over_fsdp():
     mesh = make_mesh("fsdp=2,expert=4")
     layer = ("params", "layers", "0", "ffn")
-    assert state_spec((*layer, "gate_up"), (8, 128, 512), mesh) == jax.P("expert")
+    # Experts over expert, and within it over fsdp along their first other axis it divides.
+    assert state_spec((*layer, "gate_up"), (8, 128, 512), mesh) == jax.P("expert", "fsdp")
     assert state_spec(("opt_state", "0", "mu", *layer[1:], "down"), (8, 256, 128),
-                      mesh) == jax.P("expert")
+                      mesh) == jax.P("expert", "fsdp")
+    assert state_spec((*layer, "down"), (8, 3, 128), mesh) == jax.P("expert", None, "fsdp")
+    assert state_spec((*layer, "down"), (8, 3, 5), mesh) == jax.P("expert")
+    assert state_spec((*layer, "gate_up"), (8, 128, 512),
+                      make_mesh("data=2,expert=4")) == jax.P("expert")
     assert state_spec((*layer, "router"), (128, 8), mesh) == jax.P("fsdp")
     # The first axis fsdp divides; none: replicated.
     assert state_spec(("params", "embedding"), (255, 128), mesh) == jax.P(None, "fsdp")

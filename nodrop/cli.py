@@ -190,8 +190,8 @@ def evaluate(args: argparse.Namespace) -> int:
         config, _ = trainer.run_config(args.run_dir)  # an export keeps the run's config.json
         if args.data is not None:
             config = dataclasses.replace(config, data=args.data)
-        dataset, _ = trainer.load_data(config, loaded.config, echo=lambda _: None,
-                                       run_dir=Path(args.run_dir))
+        dataset, *_ = trainer.load_data(config, loaded.config, echo=lambda _: None,
+                                        run_dir=Path(args.run_dir))
         seq_len = config.seq_len
         data.check_length(dataset, seq_len)
         batches = data.eval_batches(dataset.val, args.batches or config.eval_batches,

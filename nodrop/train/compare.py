@@ -63,9 +63,14 @@ def run(overrides: dict, out: str | os.PathLike, *,
             build(fields)  # validated now, not after hours of other runs
             runs.append((name, seed, out / folder / f"seed-{seed}", fields))
     first = build(runs[0][3])
-    dataset = data.load(first[0].data, None if first[0].tokenizer else first[1].vocab_size,
-                        echo=echo)
-    data.check_length(trainer.load_data(*first, dataset=dataset, echo=echo)[0], first[0].seq_len)
+    dataset = data.load(first[0].data, None, echo=echo)
+    tokens, _, resolved, _ = trainer.load_data(*first, dataset=dataset, echo=echo)
+    data.check_length(tokens, resolved.seq_len)
+    if "vocab_size" in resolved.model_overrides:  # every run the same vocabulary, recorded
+        vocabulary = {"vocab_size": resolved.model_overrides["vocab_size"]}
+        runs = [(name, seed, run_dir, {**fields, "model_overrides": {
+            **fields.get("model_overrides", {}), **vocabulary}})
+            for name, seed, run_dir, fields in runs]
 
     results: dict[str, dict[int, trainer.Summary]] = {}
     for name, seed, run_dir, fields in runs:

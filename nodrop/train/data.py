@@ -13,6 +13,11 @@ subword tokens where the run has a tokenizer), or token ids < vocab_size:
 - `.bin`: uint16 little-endian token ids, nanoGPT's format. `.npy`: a 1-D integer array of ids.
 Anything else that is not a regular file (a FIFO, a device) is refused: reading it could block.
 
+Vocabulary of token ids (`vocabulary(dataset)`, where the run does not set vocab_size): the
+`vocab_size` of nanoGPT's `meta.pkl` in the folder that holds the token files, read by an
+unpickler that builds plain dicts, lists, strings and numbers only (`read_meta`), else the largest
+id + 1 rounded up to a multiple of VOCAB_MULTIPLE.
+
 Split, fixed and deterministic: files of a folder (and of the standard library) are assigned by a
 hash of their relative path, crc32(path) % 10 == 0 going to validation (about 10%), so adding a
 file never moves another one; a single file, and a folder whose hash split leaves a side empty,
@@ -27,7 +32,9 @@ save beyond (seed, step). Evaluation reads the same evenly spaced validation win
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
+import pickle
 import stat
 import sysconfig
 import zlib
@@ -39,6 +46,10 @@ VALIDATION_BUCKETS = 10  # crc32(relative path) % 10 == 0 -> validation
 VALIDATION_FRACTION = 0.1  # tail split of a single file
 _TRAIN_STREAM = 0  # seed-sequence key that keeps training windows apart from any other stream
 _SPLIT_FILES = ("train", "val")
+META_FILE = "meta.pkl"  # nanoGPT's description of its token files: vocab_size (itos, stoi)
+# A vocabulary taken from the largest id is rounded up to a multiple of this, as nanoGPT pads
+# GPT-2's 50257 tokens to 50304: the embedding and head matmuls run faster on such sizes.
+VOCAB_MULTIPLE = 64
 
 
 class DataError(ValueError):
@@ -56,6 +67,7 @@ class Dataset:
     split: str  # how train and validation were separated
     text: bool = False  # the arrays are the bytes of text (a tokenizer may encode them)
     tokenizer: dict | None = None  # what encoded text into these tokens (None: nothing did)
+    meta: str | None = None  # nanoGPT's meta.pkl beside the token files, where there is one
 
     def describe(self) -> dict:
         """JSON-safe summary, also used on resume to notice that the data changed."""
@@ -93,23 +105,26 @@ def load(path: str | os.PathLike | None, vocab_size: int | None, echo=print) -> 
     if stat.S_ISDIR(mode):
         return _load_folder(path, vocab_size, echo)
     require_regular_file(path, mode, "a regular file or a folder")
-    return _tail_split(_read_tokens(path, vocab_size), str(path), text=not _is_token_file(path))
+    dataset = _tail_split(_read_tokens(path, vocab_size), str(path),
+                          text=not _is_token_file(path))
+    return _with_meta(dataset, path.parent) if _is_token_file(path) else dataset
 
 
 def _load_folder(path: Path, vocab_size: int | None, echo) -> Dataset:
     splits = _split_pair(path)
     if splits is not None:
         train, val = (_read_tokens(p, vocab_size) for p in splits)
-        return Dataset(train, val, str(path),
-                       f"{splits[0].name} (training) and {splits[1].name} (validation)",
-                       text=not _is_token_file(splits[0]))
+        return _with_meta(Dataset(
+            train, val, str(path),
+            f"{splits[0].name} (training) and {splits[1].name} (validation)", text=False), path)
     for ext in (".bin", ".npy"):
         train = path / f"train{ext}"
         if train.is_file():
             echo(f"nodrop: {path} holds {train.name} but no val{ext}: validation is the last "
                  f"{VALIDATION_FRACTION:.0%} of {train.name}'s tokens")
             dataset = _tail_split(_read_tokens(train, vocab_size), str(path), text=False)
-            return dataclasses.replace(dataset, split=f"{train.name}: {dataset.split}")
+            return _with_meta(dataclasses.replace(dataset, split=f"{train.name}: {dataset.split}"),
+                              path)
     files = list(_files_under(path))
     if not files:
         raise DataError(f"{path}: the folder holds no (non-hidden) files")
@@ -143,10 +158,113 @@ def _file_kind(mode: int) -> str:
     return next((name for test, name in kinds if test(mode)), "another kind of file")
 
 
-def check_ids(dataset: Dataset, vocab_size: int) -> None:
-    """Every token id of both splits must be below vocab_size."""
+def check_ids(dataset: Dataset, vocab_size: int, set_by: str | None = None) -> None:
+    """Every token id of both splits must be below vocab_size. set_by: the flag that set
+    vocab_size, where the user chose it for token ids; the error then suggests a size."""
     for split, name in ((dataset.train, "training"), (dataset.val, "validation")):
-        _check_ids(split, vocab_size, f"{dataset.source} ({name} split)")
+        try:
+            _check_ids(split, vocab_size, f"{dataset.source} ({name} split)")
+        except DataError as error:
+            if set_by is None or dataset.text:
+                raise
+            largest = max(int(s.max()) for s in (dataset.train, dataset.val) if s.size)
+            if largest < vocab_size:  # a negative id or an empty split: not the size's fault
+                raise
+            raise DataError(f"{error}; vocab_size={vocab_size} was set by {set_by}: leave it "
+                            "unset to take the vocabulary from the data, or set at least "
+                            f"{largest + 1} ({set_by}={round_vocabulary(largest + 1)})") from None
+
+
+def round_vocabulary(size: int) -> int:
+    """size rounded up to a multiple of VOCAB_MULTIPLE."""
+    return -(-size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def vocabulary(dataset: Dataset) -> tuple[int, str]:
+    """The vocabulary of token-id data and why, in words: meta.pkl's vocab_size where the data
+    have one (every id must be below it), else the largest id + 1 rounded up to a multiple of
+    VOCAB_MULTIPLE. Raises DataError for text (its vocabulary is the tokenizer's or the bytes'),
+    an unusable meta.pkl, or ids past its vocab_size."""
+    if dataset.text:
+        raise DataError(f"{dataset.source} holds text, not token ids: its vocabulary is the "
+                        "tokenizer's (--tokenizer) or the 256 bytes")
+    splits = ((dataset.train, "training"), (dataset.val, "validation"))
+    if dataset.meta is not None:
+        size = meta_vocab_size(read_meta(dataset.meta), dataset.meta)
+        for tokens, name in splits:
+            try:
+                _check_ids(tokens, size, f"{dataset.source} ({name} split)")
+            except DataError as error:
+                raise DataError(f"{error}, the vocab_size of {dataset.meta}: the token files and "
+                                f"{META_FILE} disagree (is {META_FILE} from other data?)") from None
+        return size, f"the vocab_size of {dataset.meta} (nanoGPT's {META_FILE})"
+    largest = max((int(tokens.max()) for tokens, _ in splits if tokens.size), default=0)
+    size = round_vocabulary(largest + 1)
+    return size, (f"the largest token id, {largest}, + 1 rounded up to a multiple of "
+                  f"{VOCAB_MULTIPLE}, as nanoGPT pads GPT-2's 50257 tokens to 50304 for faster "
+                  "matmuls")
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    """nanoGPT's meta.pkl, unpickled without running any code: only dicts, lists, strings,
+    ints, floats, bools and None are accepted (never a class or a function, which is how a
+    pickle runs code); anything else is refused with a DataError naming the file."""
+    path = Path(path)
+    require_regular_file(path)
+    raw = _read_bytes(path)
+    try:
+        value = _PlainUnpickler(io.BytesIO(raw)).load()
+    except _Refused as error:
+        raise DataError(f"{path}: refused to unpickle it: {error}; a {META_FILE} holds only "
+                        "dicts, lists, strings and numbers (delete the file, or give "
+                        "--set vocab_size=N)") from None
+    except Exception as error:  # a damaged pickle raises any of a dozen kinds
+        raise DataError(f"{path}: not a readable pickle ({type(error).__name__}: "
+                        f"{error})") from None
+    pending = [value]
+    while pending:  # iterative: a deeply nested list must not overflow the stack
+        item = pending.pop()
+        if type(item) not in _PLAIN_TYPES:
+            raise DataError(f"{path}: refused: it holds a {type(item).__name__}, where a "
+                            f"{META_FILE} holds only dicts, lists, strings and numbers (delete "
+                            "the file, or give --set vocab_size=N)")
+        if type(item) is dict:
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif type(item) is list:
+            pending.extend(item)
+    if type(value) is not dict:
+        raise DataError(f"{path}: expected a dict (nanoGPT's {META_FILE}), got a "
+                        f"{type(value).__name__}")
+    return value
+
+
+def meta_vocab_size(meta: dict, path: str | os.PathLike) -> int:
+    """The vocab_size entry of a meta.pkl's dict, a positive int."""
+    size = meta.get("vocab_size")
+    if type(size) is not int or size < 1:
+        raise DataError(f"{path}: expected a positive int vocab_size, got "
+                        f"{'no vocab_size' if 'vocab_size' not in meta else repr(size)} (keys "
+                        f"{sorted(map(str, meta))}); give --set vocab_size=N")
+    return size
+
+
+_PLAIN_TYPES = (dict, list, str, int, float, bool, type(None))
+
+
+class _Refused(Exception):
+    pass
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Builds only what pickle's own opcodes make; a class or function (the only way a pickle
+    can run code: it calls them) and persistent ids are refused before anything is called."""
+
+    def find_class(self, module, name):
+        raise _Refused(f"it refers to {module}.{name}")
+
+    def persistent_load(self, pid):
+        raise _Refused("it holds a persistent id")
 
 
 def check_length(dataset: Dataset, seq_len: int) -> None:
@@ -195,6 +313,12 @@ def _files_under(root: Path):
         found.extend(Path(folder) / n for n in names
                      if not n.startswith(".") and (Path(folder) / n).is_file())
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _with_meta(dataset: Dataset, folder: Path) -> Dataset:
+    """The dataset with the folder's meta.pkl, where it has one (read when it is needed)."""
+    meta = folder / META_FILE
+    return dataclasses.replace(dataset, meta=str(meta)) if meta.is_file() else dataset
 
 
 def _split_pair(folder: Path):

@@ -45,7 +45,7 @@ def measure(run_dir: str | os.PathLike, *, capacity_factors=(1.0, 1.25), batch_s
     if batch_size < 2 or probes < 1:
         raise ValueError(f"need batch_size >= 2 and probes >= 1, got {batch_size}, {probes}")
     config, model_config = trainer.run_config(run_dir)
-    dataset, _ = trainer.load_data(config, model_config, run_dir=Path(run_dir))
+    dataset, *_ = trainer.load_data(config, model_config, run_dir=Path(run_dir))
     seq_len = config.seq_len
     rng = np.random.default_rng(seed)
 

@@ -159,27 +159,42 @@ def _saved_config(saved: dict, overrides: dict) -> tuple[TrainConfig, ModelConfi
     """The saved config.json's configuration with `overrides` applied; a field it lacks takes
     today's default."""
     base = TrainConfig.from_dict(saved["train"])
+    # The run's vocabulary is the one it trained with, wherever it came from (a run that took
+    # it from its data, or from its preset, before vocab_size was recorded in model_overrides).
+    vocabulary = ({"vocab_size": saved["model"]["vocab_size"]}
+                  if "vocab_size" in saved.get("model", {}) else {})
     return build({**base.to_dict(), **overrides,
-                  "model_overrides": {**base.model_overrides,
+                  "model_overrides": {**vocabulary, **base.model_overrides,
                                       **overrides.get("model_overrides", {})}})
 
 
 def load_data(config: TrainConfig, model_config: ModelConfig, *,
               dataset: data.Dataset | None = None, run_dir: Path | None = None,
-              echo=print) -> tuple[data.Dataset, tokenizer.Tokenizer | None]:
+              echo=print) -> tuple[data.Dataset, tokenizer.Tokenizer | None, TrainConfig,
+                                   ModelConfig]:
     """The run's tokens and tokenizer: `dataset` (else config.data, read) encoded by the
     tokenizer (the one saved in `run_dir` where there is one), every id checked against the
-    model's vocabulary."""
+    model's vocabulary; and the configuration again, with the data's vocabulary where it comes
+    from the data: token ids without a tokenizer, and vocab_size not set (data.vocabulary; the
+    log says which and why). It is then recorded in model_overrides, so that config.json's
+    train record, a resume and every use of the run rebuild the same model."""
     if dataset is None:
-        dataset = data.load(config.data,
-                            None if config.tokenizer else model_config.vocab_size, echo=echo)
+        dataset = data.load(config.data, None, echo=echo)
     run_tokenizer = None
     if config.tokenizer is not None:
         dataset, run_tokenizer = tokenizer.apply(
             config.tokenizer, dataset, model_config.vocab_size,
             None if run_dir is None else Path(run_dir) / tokenizer.FILE, echo=echo)
-    data.check_ids(dataset, model_config.vocab_size)
-    return dataset, run_tokenizer
+    elif not dataset.text and "vocab_size" not in config.model_overrides:
+        size, why = data.vocabulary(dataset)
+        config, model_config = build({**config.to_dict(), "model_overrides": {
+            **config.model_overrides, "vocab_size": size}})
+        echo(f"nodrop: vocabulary {size} from the data: {why} (--set vocab_size=N to choose; "
+             f"the model has {model_config.num_params() / 1e6:.2f}M parameters)")
+    explicit = config.tokenizer is None and "vocab_size" in config.model_overrides
+    data.check_ids(dataset, model_config.vocab_size,
+                   "--set vocab_size" if explicit else None)
+    return dataset, run_tokenizer, config, model_config
 
 
 def _write_json(path: Path, value: dict) -> None:
@@ -382,8 +397,8 @@ def _run(overrides, *, run_dir, resume, resume_from, progress, dataset, echo) ->
     mesh = _mesh(config, model_config)
     devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
     echo(banner(config, model_config, devices, run_dir))
-    dataset, run_tokenizer = load_data(config, model_config, dataset=dataset,
-                                       run_dir=run_dir if resume else None, echo=echo)
+    dataset, run_tokenizer, config, model_config = load_data(
+        config, model_config, dataset=dataset, run_dir=run_dir if resume else None, echo=echo)
     data.check_length(dataset, config.seq_len)
     if saved is not None and saved.get("data") != dataset.describe():
         raise ConfigError(f"cannot resume: the data differs from when the run started "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 import zlib
 from pathlib import Path
@@ -144,6 +145,126 @@ def test_npy_of_token_ids(tmp_path):
 
 
 # --- errors ----------------------------------------------------------------------------------
+
+
+# --- the vocabulary of token ids ----------------------------------------------------------------
+
+
+def write_meta(folder: Path, meta) -> Path:
+    path = folder / "meta.pkl"
+    path.write_bytes(pickle.dumps(meta))
+    return path
+
+
+def gpt2_ids(count: int = 3000) -> np.ndarray:
+    """GPT-2 token ids spread over its vocabulary, ending in <|endoftext|> (50256)."""
+    ids = np.arange(count) * 17 % 50257
+    ids[-1] = 50256
+    return ids
+
+
+def test_the_vocabulary_of_gpt2_ids_is_the_largest_id_rounded_up_to_64(tmp_path):
+    write_tokens_bin(tmp_path / "train.bin", gpt2_ids())
+    write_tokens_bin(tmp_path / "val.bin", np.arange(300) % 100)
+    size, why = data.vocabulary(data.load(tmp_path, None))
+    assert size == 50304
+    assert why == ("the largest token id, 50256, + 1 rounded up to a multiple of 64, as nanoGPT "
+                   "pads GPT-2's 50257 tokens to 50304 for faster matmuls")
+    np.save(tmp_path / "ids.npy", np.asarray([0, 5, 64, 3]))  # 65 ids -> 128; 64 stays 64
+    assert data.vocabulary(data.load(tmp_path / "ids.npy", None))[0] == 128
+    np.save(tmp_path / "ids.npy", np.asarray([0, 5, 63, 3]))
+    assert data.vocabulary(data.load(tmp_path / "ids.npy", None))[0] == 64
+
+
+@pytest.mark.parametrize("layout", ["pair", "train alone", "file"])
+def test_meta_pkl_gives_the_vocabulary_of_a_char_level_folder(tmp_path, layout):
+    chars = sorted(set("\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"))
+    assert len(chars) == 65  # nanoGPT's shakespeare_char
+    meta = write_meta(tmp_path, {"vocab_size": 65, "itos": dict(enumerate(chars)),
+                                 "stoi": {c: i for i, c in enumerate(chars)}})
+    write_tokens_bin(tmp_path / "train.bin", np.arange(1000) % 60)
+    if layout == "pair":
+        write_tokens_bin(tmp_path / "val.bin", np.arange(100) % 60)
+    dataset = data.load(tmp_path / "train.bin" if layout == "file" else tmp_path, None)
+    assert dataset.meta == str(meta)
+    assert data.vocabulary(dataset) == (65, f"the vocab_size of {meta} (nanoGPT's meta.pkl)")
+    assert "meta" not in dataset.describe()  # what resume compares is as before
+
+
+def test_ids_past_meta_pkls_vocab_size_name_both(tmp_path):
+    meta = write_meta(tmp_path, {"vocab_size": 65})
+    tokens = np.arange(1000) % 60
+    tokens[123] = 70
+    write_tokens_bin(tmp_path / "train.bin", tokens)
+    write_tokens_bin(tmp_path / "val.bin", np.arange(100) % 60)
+    with pytest.raises(DataError) as error:
+        data.vocabulary(data.load(tmp_path, None))
+    assert str(error.value) == (
+        f"{tmp_path} (training split): token id 70 at position 123 is outside [0, "
+        f"vocab_size=65), the vocab_size of {meta}: the token files and meta.pkl disagree (is "
+        "meta.pkl from other data?)")
+
+
+def test_a_meta_pkl_that_would_run_code_is_refused_without_running_it(tmp_path):
+    marker = tmp_path / "executed"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    raw = pickle.dumps({"vocab_size": 65, "itos": Payload()})
+    (tmp_path / "meta.pkl").write_bytes(raw)
+    write_tokens_bin(tmp_path / "train.bin", np.arange(1000) % 60)
+    dataset = data.load(tmp_path, None)
+    with pytest.raises(DataError, match=(
+            rf"^{tmp_path / 'meta.pkl'}: refused to unpickle it: it refers to "
+            r"(posix|os)\.system; a meta.pkl holds only dicts, lists, strings and numbers")):
+        data.vocabulary(dataset)
+    assert not marker.exists()
+    pickle.loads(raw)  # the payload is live: an ordinary unpickler runs it
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("meta, message", [
+    ({"vocab_size": 65, "shape": (1, 2)}, "refused: it holds a tuple, where a meta.pkl holds "
+                                          "only dicts, lists, strings and numbers"),
+    ({"vocab_size": 65, "raw": b"ab"}, "refused: it holds a bytes"),
+    ([65], "expected a dict \\(nanoGPT's meta.pkl\\), got a list"),
+    ({"itos": {}}, "expected a positive int vocab_size, got no vocab_size \\(keys \\['itos'\\]\\)"),
+    ({"vocab_size": True}, "expected a positive int vocab_size, got True"),
+    ({"vocab_size": 0}, "expected a positive int vocab_size, got 0"),
+])
+def test_an_unusable_meta_pkl_is_refused_naming_it(tmp_path, meta, message):
+    path = write_meta(tmp_path, meta)
+    write_tokens_bin(tmp_path / "train.bin", np.arange(1000) % 60)
+    with pytest.raises(DataError, match=f"^{path}: {message}"):
+        data.vocabulary(data.load(tmp_path, None))
+
+
+def test_a_damaged_meta_pkl_is_one_clear_error(tmp_path):
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 65})[:-3])
+    write_tokens_bin(tmp_path / "train.bin", np.arange(1000) % 60)
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'meta.pkl'}: not a readable pickle"):
+        data.vocabulary(data.load(tmp_path, None))
+
+
+def test_text_has_no_vocabulary_of_its_own(tmp_path):
+    (tmp_path / "a.txt").write_text("hello " * 100)
+    with pytest.raises(DataError, match="holds text, not token ids"):
+        data.vocabulary(data.load(tmp_path / "a.txt", None))
+
+
+def test_an_explicit_vocabulary_below_the_ids_names_the_flag(tmp_path):
+    write_tokens_bin(tmp_path / "train.bin", gpt2_ids())
+    write_tokens_bin(tmp_path / "val.bin", np.arange(300) % 100)
+    dataset = data.load(tmp_path, None)
+    with pytest.raises(DataError) as error:
+        data.check_ids(dataset, 256, "--set vocab_size")
+    assert str(error.value) == (  # the largest id, and where it first is
+        f"{tmp_path} (training split): token id 50256 at position 2999 is outside [0, "
+        "vocab_size=256); vocab_size=256 was set by --set "
+        "vocab_size: leave it unset to take the vocabulary from the data, or set at least 50257 "
+        "(--set vocab_size=50304)")
 
 
 def test_missing_path(tmp_path):

@@ -106,7 +106,7 @@ def test_a_given_tokenizer_file_sets_the_vocabulary(corpus, tmp_path):
     config, model_config = build(run_overrides(corpus, tokenizer=str(path),
                                                model_overrides=model))
     assert model_config.vocab_size == 300
-    dataset, _ = trainer.load_data(config, model_config, echo=lambda *_: None)
+    dataset, *_ = trainer.load_data(config, model_config, echo=lambda *_: None)
     assert dataset.describe()["tokenizer"]["kind"] == str(path)
     assert int(dataset.train.max()) < 300
 

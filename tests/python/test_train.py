@@ -15,6 +15,7 @@ import errno
 import json
 import math
 import os
+import pickle
 import platform
 import re
 import shutil
@@ -30,6 +31,7 @@ import orbax.checkpoint as ocp
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import nodrop
 from nodrop import cli
 from nodrop.train import compare, data, lock, plots, trainer
 from nodrop.train.config import ConfigError, build, check_backend, overrides_from_args
@@ -566,9 +568,11 @@ def make_bad_data(tmp_path: Path, kind: str) -> tuple[Path, str]:
     if kind == "bin":
         path.write_bytes(b"\x00" * 4001)
         return path, "4001 bytes is not a whole number of uint16 token ids"
-    if kind == "ids":
+    if kind == "ids":  # against --set vocab_size=256 (unset, the data's ids give it)
         np.save(path, np.full(5000, 256, np.int32))
-        return path, "token id 256 at position 0 is outside [0, vocab_size=256)"
+        return path, ("token id 256 at position 0 is outside [0, vocab_size=256); vocab_size=256 "
+                      "was set by --set vocab_size: leave it unset to take the vocabulary from "
+                      "the data, or set at least 257 (--set vocab_size=320)")
     if kind == "folder":
         path.mkdir()
         return path, "the folder holds no (non-hidden) files"
@@ -578,11 +582,91 @@ def make_bad_data(tmp_path: Path, kind: str) -> tuple[Path, str]:
 @pytest.mark.parametrize("kind", ["missing", "short", "npy", "bin", "ids", "folder", "fifo"])
 def test_unusable_data_is_a_clear_error(tmp_path, capsys, kind):
     path, message = make_bad_data(tmp_path, kind)
-    code, _, err = run_cli(capsys, "train", "--data", str(path), "--seq-len", "32",
+    vocabulary = ["--set", "vocab_size=256"] if kind == "ids" else []
+    code, _, err = run_cli(capsys, "train", "--data", str(path), "--seq-len", "32", *vocabulary,
                            "--out", str(tmp_path / "run"))
     assert code == 2
     assert err.startswith(f"nodrop train: error: {path}") and message in err, err
     assert not (tmp_path / "run").exists()
+
+
+# --- the vocabulary of token-id data -----------------------------------------------------------
+
+
+def token_flags(folder: Path, **changes) -> list[str]:
+    flags = {"data": str(folder), "steps": 4, "batch-size": 2, "seq-len": 16,
+             "eval-batches": 1, "checkpoint-every": 2, "log-every": 2, **changes}
+    return [*MODEL_FLAGS, "--no-progress",
+            *[item for key, value in flags.items() for item in (f"--{key}", str(value))]]
+
+
+def test_gpt2_token_ids_train_resume_and_evaluate_with_the_vocabulary_they_need(tmp_path,
+                                                                               capsys):
+    """nanoGPT's openwebtext layout: train.bin and val.bin of GPT-2 ids, no meta.pkl."""
+    folder = tmp_path / "openwebtext"
+    folder.mkdir()
+    ids = np.arange(4000) * 17 % 50257
+    ids[-1] = 50256  # <|endoftext|>
+    ids.astype("<u2").tofile(folder / "train.bin")
+    (ids[:500] % 1000).astype("<u2").tofile(folder / "val.bin")
+    run_dir = tmp_path / "run"
+    code, out, err = run_cli(capsys, "train", *token_flags(folder), "--out", str(run_dir))
+    assert code == 0, err
+    assert ("nodrop: vocabulary 50304 from the data: the largest token id, 50256, + 1 rounded up "
+            "to a multiple of 64, as nanoGPT pads GPT-2's 50257 tokens to 50304 for faster "
+            "matmuls (--set vocab_size=N to choose; the model has") in out, out
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["model"]["vocab_size"] == 50304
+    assert saved["train"]["model_overrides"]["vocab_size"] == 50304  # repeats and resumes alike
+    # Resumed without --set vocab_size: the run's vocabulary, no "changed field" refusal.
+    code, out, err = run_cli(capsys, "train", *token_flags(folder, steps=6), "--resume",
+                             "--out", str(run_dir))
+    assert code == 0, err
+    assert f"resuming {run_dir} from step 4" in out and "vocabulary" not in out
+    assert json.loads((run_dir / "config.json").read_text())["model"]["vocab_size"] == 50304
+    code, out, err = run_cli(capsys, "eval", "--run", str(run_dir), "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["step"] == 6 and math.isfinite(result["loss"])
+    loaded = nodrop.load(run_dir)
+    assert loaded.config.vocab_size == 50304 and loaded.step == 6
+    assert loaded.model.embedding[...].shape == (50304, 32)
+
+
+def test_a_char_level_folder_takes_its_vocabulary_from_meta_pkl(tmp_path, capsys):
+    """nanoGPT's shakespeare_char layout: train.bin, val.bin and meta.pkl (vocab_size 65)."""
+    folder = tmp_path / "shakespeare_char"
+    folder.mkdir()
+    (np.arange(3000) * 7 % 60).astype("<u2").tofile(folder / "train.bin")
+    (np.arange(300) % 60).astype("<u2").tofile(folder / "val.bin")
+    chars = [chr(c) for c in range(32, 97)]
+    (folder / "meta.pkl").write_bytes(pickle.dumps({
+        "vocab_size": 65, "itos": dict(enumerate(chars)),
+        "stoi": {c: i for i, c in enumerate(chars)}}))
+    run_dir = tmp_path / "run"
+    code, out, err = run_cli(capsys, "train", *token_flags(folder, steps=2), "--out", str(run_dir))
+    assert code == 0, err
+    assert (f"nodrop: vocabulary 65 from the data: the vocab_size of {folder / 'meta.pkl'} "
+            "(nanoGPT's meta.pkl)") in out, out
+    assert json.loads((run_dir / "config.json").read_text())["model"]["vocab_size"] == 65
+
+
+def test_a_meta_pkl_that_would_run_code_stops_the_run_without_running_it(tmp_path, capsys):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (np.arange(3000) % 60).astype("<u2").tofile(folder / "train.bin")
+    marker = tmp_path / "executed"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    (folder / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 65, "x": Payload()}))
+    code, _, err = run_cli(capsys, "train", *token_flags(folder), "--out", str(tmp_path / "run"))
+    assert code == 2
+    assert err.startswith(f"nodrop train: error: {folder / 'meta.pkl'}: refused to unpickle it: "
+                          "it refers to "), err
+    assert not marker.exists() and not (tmp_path / "run").exists()
 
 
 def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys, text_file):

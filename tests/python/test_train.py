@@ -949,6 +949,26 @@ def test_compare_dropless_capacity_and_ragged_dot(tmp_path, capsys, text_file, m
     assert capacity["val_loss"] != dropless["val_loss"]
 
 
+def test_compare_on_token_ids_gives_every_run_the_datas_vocabulary(tmp_path, capsys):
+    """Taken once, recorded in every run's settings: a comparison started again finds its
+    finished runs its own."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (np.arange(3000) * 7 % 301).astype("<u2").tofile(folder / "train.bin")  # ids up to 300
+    out = tmp_path / "compare"
+    flags = [*token_flags(folder, steps=2, **{"checkpoint-every": 0}), "--capacity-factors",
+             "0.5", "--out", str(out)]
+    code, stdout, err = run_cli(capsys, "compare", *flags)
+    assert code == 0, err
+    assert stdout.count("nodrop: vocabulary 320 from the data") == 1, stdout
+    for variant in ("dropless", "capacity-0.5"):
+        saved = json.loads((out / variant / "seed-0" / "config.json").read_text())
+        assert saved["model"]["vocab_size"] == 320
+    code, stdout, err = run_cli(capsys, "compare", *flags)
+    assert code == 0, err
+    assert stdout.count("finished before") == 2, stdout
+
+
 def test_compare_over_seeds_reports_the_spread_and_the_noise(tmp_path, capsys, text_file):
     out = tmp_path / "compare"
     flags = train_flags(text_file, steps=4, **{"checkpoint-every": 0})

@@ -468,7 +468,7 @@ def read_config_file(path: str) -> dict[str, Any]:
 
 # One line on each ModelConfig field, for --help (the --set table).
 MODEL_FIELD_HELP = {
-    "vocab_size": "tokens in the vocabulary (set by --tokenizer FILE)",
+    "vocab_size": "tokens in the vocabulary (set by --tokenizer FILE; by token-id data)",
     "seq_len": "the longest sequence the model accepts",
     "num_layers": "decoder layers",
     "hidden": "width of the residual stream",

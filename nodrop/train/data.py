@@ -192,11 +192,13 @@ def vocabulary(dataset: Dataset) -> tuple[int, str]:
     if dataset.meta is not None:
         size = meta_vocab_size(read_meta(dataset.meta), dataset.meta)
         for tokens, name in splits:
-            try:
-                _check_ids(tokens, size, f"{dataset.source} ({name} split)")
-            except DataError as error:
-                raise DataError(f"{error}, the vocab_size of {dataset.meta}: the token files and "
-                                f"{META_FILE} disagree (is {META_FILE} from other data?)") from None
+            if tokens.size and int(tokens.max()) >= size:  # (a negative id: check_ids says so)
+                try:
+                    _check_ids(tokens, size, f"{dataset.source} ({name} split)")
+                except DataError as error:
+                    raise DataError(f"{error}, the vocab_size of {dataset.meta}: the token files "
+                                    f"and {META_FILE} disagree (is {META_FILE} from other "
+                                    "data?)") from None
         return size, f"the vocab_size of {dataset.meta} (nanoGPT's {META_FILE})"
     largest = max((int(tokens.max()) for tokens, _ in splits if tokens.size), default=0)
     size = round_vocabulary(largest + 1)

@@ -202,8 +202,9 @@ def test_expert_parallel_block_exchanges_rows_with_all_to_all():
 
 @pytest.mark.parametrize("axes", ["data=8", "no_expert_axis"])
 def test_expert_axis_of_size_one_is_the_single_device_block(axes):
-    """expert_parallel on a mesh whose expert axis is 1 (or absent) runs exactly the
-    single-device block: bitwise the same output and gradients."""
+    """expert_parallel on a mesh whose expert axis is 1 (or absent) runs the single-device
+    block: no shard_map and no collective in what it compiles to, and the same output and
+    gradients up to float32 rounding (XLA compiles for 8 devices, which may fuse differently)."""
     if axes == "no_expert_axis":
         mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     else:
@@ -212,9 +213,16 @@ def test_expert_axis_of_size_one_is_the_single_device_block(axes):
     cotangent = random_normal(np.random.default_rng(1), x.shape)
     single = loss_and_grads(make_block(dataclasses.replace(SOFTMAX_TOP2, expert_parallel=False)),
                             x, cotangent)
-    on_mesh = loss_and_grads(make_block(SOFTMAX_TOP2), x, cotangent, mesh)
+    block = make_block(SOFTMAX_TOP2)
+    on_mesh = loss_and_grads(block, x, cotangent, mesh)
     for got, want in zip(jax.tree.leaves(on_mesh), jax.tree.leaves(single)):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    graphdef, state = nnx.split(block)
+    with jax.set_mesh(mesh):
+        lowered = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x)).lower(state, x)
+    hlo = lowered.compile().as_text()
+    for collective in ("all-to-all", "all-gather", "all-reduce", "collective-permute"):
+        assert collective not in hlo, collective
 
 
 # --- the bounded receive buffer ------------------------------------------------------------------

@@ -58,7 +58,9 @@ class MoEConfig:
       references in nodrop/ops/reference.py, to check the former against).
     residual_init_scale: multiplies the std of the down projections' lecun_normal init (the
       model sets 1 / sqrt(2 * num_layers): they write into the residual stream).
-    dtype: compute dtype (bfloat16 is the GPU setting). param_dtype: master weights.
+    dtype: compute dtype; None (the default, Flax's convention) computes in the dtype of the
+      block's input x. The presets and the trainer set it (bfloat16 is the GPU setting).
+    param_dtype: master weights.
     expert_parallel: split the experts over the `expert` axis of the mesh set with
       `jax.set_mesh` (nodrop.parallel.make_mesh); see MoEBlock. Without such an axis, or with
       size 1, the block is the single-device one. Dropless only (capacity_factor None).
@@ -81,7 +83,7 @@ class MoEConfig:
     matmul: str = "nodrop"
     ops: str = "nodrop"
     residual_init_scale: float = 1.0
-    dtype: Any = jnp.bfloat16
+    dtype: Any = None
     param_dtype: Any = jnp.float32
     expert_parallel: bool = False
     ep_buffer_factor: float | None = 2.0
@@ -123,11 +125,14 @@ class MoEConfig:
             is_finite_number(self.ep_buffer_factor) and self.ep_buffer_factor > 0),
             "ep_buffer_factor", "None (the worst case) or a positive finite number")
         for field in ("dtype", "param_dtype"):
+            if field == "dtype" and self.dtype is None:
+                continue  # the input's dtype
             try:
                 dtype = jnp.dtype(getattr(self, field))
             except TypeError:
                 dtype = None
-            require(dtype in FLOAT_DTYPES, field, "float32, float16 or bfloat16")
+            require(dtype in FLOAT_DTYPES, field, "float32, float16 or bfloat16" + (
+                " (or None: the input's dtype)" if field == "dtype" else ""))
             object.__setattr__(self, field, dtype)  # canonical, so configs compare equal
 
 
@@ -177,7 +182,8 @@ def updated_expert_bias(bias, tokens_per_expert, rate: float):
 class MoEBlock(nnx.Module):
     """x [B, S, H] or [T, H] -> (y of x's shape in config.dtype, MoEAux).
 
-    Parameters (float32 masters by default, cast to config.dtype at use): router [H, E]; gate_up
+    The compute dtype is config.dtype, or x's dtype where it is None (the default).
+    Parameters (float32 masters by default, cast to the compute dtype at use): router [H, E]; gate_up
     [E, H, 2F] with each expert's gate in [..., :F] and up in [..., F:] (one grouped matmul
     instead of two); down [E, F, H]; with shared experts shared_gate_up [H, 2Fs], shared_down
     [Fs, H]. Plus the non-trainable expert_bias [E] (ExpertBias), zero unless the trainer moves it.
@@ -225,15 +231,15 @@ class MoEBlock(nnx.Module):
         self.shared_down = (param(residual_init(config.residual_init_scale), (shared, hidden))
                             if shared else None)
 
-    def __call__(self, x):
-        cfg = self.config
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
+        cfg = compute_config(self.config, x)
         if x.ndim not in (2, 3) or x.shape[-1] != cfg.hidden:
             raise ValueError(f"x must be [B, S, H] or [T, H] with H = hidden = {cfg.hidden}, "
                              f"got shape {tuple(x.shape)}")
         shared = (self.shared_gate_up[...], self.shared_down[...]) if cfg.shared_ffn else ()
         mesh = jax.sharding.get_abstract_mesh()
         if cfg.expert_parallel and not mesh.empty and expert_shards(mesh) > 1:
-            return self._expert_parallel(x, mesh, shared)
+            return self._expert_parallel(cfg, x, mesh, shared)
         flat = x.reshape(-1, cfg.hidden)
         tokens = flat.astype(cfg.dtype)
         num_slots = tokens.shape[0] * cfg.k
@@ -260,11 +266,10 @@ class MoEBlock(nnx.Module):
         aux = _aux(cfg, logits, ids, load, processed.sum(), jnp.zeros((), bool))
         return y.astype(cfg.dtype).reshape(x.shape), aux
 
-    def _expert_parallel(self, x, mesh, shared):
+    def _expert_parallel(self, cfg, x, mesh, shared):
         """The block in `jax.shard_map` over `mesh`: tokens split over its token axes, experts
         over its expert axis; each rank routes its tokens, sends their rows to the ranks holding
         their experts (nodrop.parallel.expert), runs its experts and combines what comes back."""
-        cfg = self.config
         check_experts(cfg.num_experts, mesh, name="MoEConfig.num_experts")
         check_batch(x.shape[0], mesh, name="x.shape[0]")
         axes = token_axes(mesh)
@@ -277,6 +282,17 @@ class MoEBlock(nnx.Module):
             out_specs=(tokens_spec, replicated))
         return per_rank(x, self.router[...], self.expert_bias[...], self.gate_up[...],
                         self.down[...], shared)
+
+
+def compute_config(config: MoEConfig, x) -> MoEConfig:
+    """config with its compute dtype set: config.dtype, or x's dtype where that is None."""
+    if config.dtype is not None:
+        return config
+    dtype = jax.dtypes.canonicalize_dtype(jnp.result_type(x))
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError("x must be float32, float16 or bfloat16 where MoEConfig.dtype is None "
+                        f"(the block computes in x's dtype), got {dtype.name}")
+    return dataclasses.replace(config, dtype=dtype)
 
 
 def _route(cfg: MoEConfig, flat, router, expert_bias):

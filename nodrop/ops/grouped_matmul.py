@@ -17,10 +17,10 @@ import functools
 import jax
 import jax.extend
 import jax.numpy as jnp
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad, batching
 
 from nodrop import _ffi
-from nodrop.ops import _checks
+from nodrop.ops import _checks, _partition
 
 
 _CUDA_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -153,10 +153,16 @@ def _tma_size(size: int) -> int:
     return -(-size // _TMA_ELEMENTS) * _TMA_ELEMENTS
 
 
+def _clamped_ends(group_sizes, num_rows: int):
+    """Each group's end row under the engine's rule for invalid sizes (negative counts as 0,
+    the total stops at the rows): a saturating running sum, which never overflows."""
+    sizes = jnp.clip(group_sizes, 0, num_rows).astype(jnp.int32)
+    return jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, num_rows), sizes)
+
+
 def _clamped_group_sizes(group_sizes, num_rows: int):
-    """The engine's rule for invalid sizes (negative counts as 0, the total stops at the rows),
-    for XLA's ragged dot, which has its own."""
-    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), num_rows)
+    """The engine's rule for invalid sizes, for XLA's ragged dot, which has its own."""
+    ends = _clamped_ends(group_sizes, num_rows)
     return jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype)).astype(jnp.int32)
 
 
@@ -241,18 +247,75 @@ def _contract_abstract_eval(lhs, rhs, group_sizes, *, out_dtype, checked):
                         (group_sizes.shape[0], lhs.shape[1], rhs.shape[1]), out_dtype)
 
 
-def _rows_lowering(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, checked):
-    return _ffi.on_platform(
-        lhs, rhs, group_sizes,
-        cpu=lambda *args: _engine_rows(*args, transpose_rhs, out_dtype, checked=checked),
-        cuda=lambda *args: _cuda_rows(*args, transpose_rhs, out_dtype, checked=checked))
+def _rows_lowering(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, checked, partition):
+    def run_in(dtype):  # the platform switch over the engine calls
+        return lambda lhs, rhs, group_sizes: _ffi.on_platform(
+            lhs, rhs, group_sizes,
+            cpu=lambda *args: _engine_rows(*args, transpose_rhs, dtype, checked=checked),
+            cuda=lambda *args: _cuda_rows(*args, transpose_rhs, dtype, checked=checked))
+
+    run = run_in(out_dtype)
+    if not partition:  # one device, or inside shard_map: each device's own call
+        return run(lhs, rhs, group_sizes)
+
+    def local(axes_of, lhs, rhs, group_sizes):
+        if "m" in axes_of:  # this shard's rows, and the part of each group among them
+            group_sizes = _shard_group_sizes(group_sizes, lhs.shape[0], axes_of["m"])
+        if "k" not in axes_of:
+            return run(lhs, rhs, group_sizes)
+        # K (summed over) split: each shard's partial product, summed over the shards in f32.
+        partial = run_in(jnp.dtype(jnp.float32))(lhs, rhs, group_sizes)
+        return jax.lax.psum(partial, axes_of["k"]).astype(out_dtype)
+
+    rhs_dims = ("g", "n", "k") if transpose_rhs else ("g", "k", "n")
+    # Rows split: local with the shard's group sizes (not in checked mode, which must see the
+    # global sizes to refuse them); N split: local; K split: a psum of the output; G gathered.
+    return _partition.partitioned(
+        run, f"m k, {' '.join(rhs_dims)}, g -> m n", (("m", "k"), rhs_dims, ("g",)),
+        (("m", "n"),), local, ("n", "k") if checked else ("m", "n", "k"),
+        reduction_factors=("k",), need_replication_factors=("g",))(lhs, rhs, group_sizes)
 
 
-def _contract_lowering(lhs, rhs, group_sizes, *, out_dtype, checked):
-    return _ffi.on_platform(
-        lhs, rhs, group_sizes,
-        cpu=lambda *args: _engine_contract(*args, out_dtype, checked=checked),
-        cuda=lambda *args: _cuda_contract(*args, out_dtype, checked=checked))
+def _contract_lowering(lhs, rhs, group_sizes, *, out_dtype, checked, partition):
+    def run_in(dtype):
+        return lambda lhs, rhs, group_sizes: _ffi.on_platform(
+            lhs, rhs, group_sizes,
+            cpu=lambda *args: _engine_contract(*args, dtype, checked=checked),
+            cuda=lambda *args: _cuda_contract(*args, dtype, checked=checked))
+
+    run = run_in(out_dtype)
+
+    if not partition:
+        return run(lhs, rhs, group_sizes)
+
+    def local(axes_of, lhs, rhs, group_sizes):
+        if "m" not in axes_of:
+            return run(lhs, rhs, group_sizes)
+        # Rows split: each shard's sum over its rows, summed over the shards in float32.
+        group_sizes = _shard_group_sizes(group_sizes, lhs.shape[0], axes_of["m"])
+        partial = run_in(jnp.dtype(jnp.float32))(lhs, rhs, group_sizes)
+        return jax.lax.psum(partial, axes_of["m"]).astype(out_dtype)
+
+    # K and N split: local. M (summed over) split: a psum of [G, K, N], no gather.
+    return _partition.partitioned(
+        run, "m k, m n, g -> g k n", (("m", "k"), ("m", "n"), ("g",)), (("g", "k", "n"),),
+        local, ("k", "n") if checked else ("m", "k", "n"), reduction_factors=("m",),
+        need_replication_factors=("g",))(lhs, rhs, group_sizes)
+
+
+def _shard_group_sizes(group_sizes, rows: int, axes):
+    """Inside a partitioned call whose rows are split over `axes` (`rows` per shard): the
+    global group sizes as this shard's own. Group g owns global rows [start_g, end_g) (the
+    engine's clamping: negative sizes are 0, the ends stop at the global rows), so it owns
+    the intersection with this shard's rows [lo, lo + rows), in the same order."""
+    num_shards = 1
+    for axis in axes:
+        num_shards *= jax.lax.axis_size(axis)
+    ends = _clamped_ends(group_sizes, rows * num_shards)
+    starts = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
+    low = _partition.shard_index(axes) * rows
+    clip = lambda x: jnp.clip(x - low, 0, rows)  # noqa: E731
+    return (clip(ends) - clip(starts)).astype(jnp.int32)
 
 
 def _bind_rows(lhs, rhs, group_sizes, transpose_rhs, out_dtype, checked):
@@ -391,7 +454,7 @@ for _primitive, _abstract_eval, _lowering, _jvp, _transpose, _batch in (
          _contract_transpose, _contract_batch)):
     _primitive.def_impl(_eager(_primitive))
     _primitive.def_abstract_eval(_abstract_eval)
-    mlir.register_lowering(_primitive, mlir.lower_fun(_lowering, multiple_results=False))
+    _partition.register_lowering(_primitive, _lowering)
     ad.primitive_jvps[_primitive] = _jvp
     ad.primitive_transposes[_primitive] = _transpose
     batching.primitive_batchers[_primitive] = _batch

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from nodrop._fields import is_finite_number, is_int, requirer
 from nodrop.moe.capacity import capacity_rows, combine, dispatch
@@ -83,12 +83,12 @@ class MoEConfig:
     matmul: str = "nodrop"
     ops: str = "nodrop"
     residual_init_scale: float = 1.0
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
+    dtype: DTypeLike | None = None
+    param_dtype: DTypeLike = jnp.float32
     expert_parallel: bool = False
     ep_buffer_factor: float | None = 2.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require = requirer(self, lambda field: f"MoEConfig.{field}")
         for field in ("num_experts", "hidden", "ffn"):
             require(is_int(getattr(self, field)) and getattr(self, field) >= 1, field,
@@ -167,7 +167,8 @@ class ExpertBias(nnx.Variable):
     with `updated_expert_bias`."""
 
 
-def updated_expert_bias(bias, tokens_per_expert, rate: float):
+def updated_expert_bias(bias: jax.Array, tokens_per_expert: jax.Array,
+                        rate: float) -> jax.Array:
     """Aux-loss-free balancing step: bias + rate * sign(mean load - load).
 
     Underloaded experts' bias rises, overloaded ones' falls. Call it after the optimizer step and
@@ -212,7 +213,7 @@ class MoEBlock(nnx.Module):
     ever dropped silently: dropped_fraction counts the rows cut, and is 0 without overflow.
     """
 
-    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs) -> None:
         self.config = config
         num_experts, hidden, ffn = config.num_experts, config.hidden, config.ffn
         dense_init = nnx.initializers.lecun_normal()
@@ -284,7 +285,7 @@ class MoEBlock(nnx.Module):
                         self.down[...], shared)
 
 
-def compute_config(config: MoEConfig, x) -> MoEConfig:
+def compute_config(config: MoEConfig, x: jax.Array) -> MoEConfig:
     """config with its compute dtype set: config.dtype, or x's dtype where that is None."""
     if config.dtype is not None:
         return config

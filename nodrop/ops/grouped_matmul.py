@@ -16,6 +16,7 @@ import functools
 
 import jax
 import jax.extend
+from jax.typing import ArrayLike, DTypeLike
 import jax.numpy as jnp
 from jax.interpreters import ad, batching
 
@@ -41,7 +42,8 @@ def _group_sizes(group_sizes, num_groups: int, what: str):
     return _checks.as_int32("group_sizes", group_sizes)
 
 
-def grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, out_dtype=None):
+def grouped_matmul(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *,
+                   transpose_rhs: bool = False, out_dtype: DTypeLike | None = None) -> jax.Array:
     """Ragged rows: out[M, N] = lhs[rows_g] @ rhs[g] for each group g, rows past the groups zero.
 
     Args:
@@ -67,7 +69,8 @@ def grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, out_dt
     return _bind_rows(lhs, rhs, group_sizes, transpose_rhs, out_dtype, _checks.checks_enabled())
 
 
-def grouped_matmul_contract(lhs, rhs, group_sizes, *, out_dtype=None):
+def grouped_matmul_contract(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *,
+                            out_dtype: DTypeLike | None = None) -> jax.Array:
     """Ragged contraction: out[G, K, N] with out[g] = lhs[rows_g].T @ rhs[rows_g].
 
     This is the weight gradient of `grouped_matmul`; an empty group gives zeros.
@@ -92,8 +95,10 @@ def grouped_matmul_contract(lhs, rhs, group_sizes, *, out_dtype=None):
     return _bind_contract(lhs, rhs, group_sizes, out_dtype, _checks.checks_enabled())
 
 
-def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None,
-               group_offset=None):
+def ragged_dot(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike,
+               precision: jax.lax.PrecisionLike = None,
+               preferred_element_type: DTypeLike | None = None,
+               group_offset: ArrayLike | None = None) -> jax.Array:
     """Drop-in for `jax.lax.ragged_dot`: lhs [M, K], rhs [G, K, N], group_sizes [G] -> [M, N].
 
     `precision` is accepted for compatibility: nodrop always accumulates in float32.

@@ -12,13 +12,15 @@ from __future__ import annotations
 import functools
 
 import jax
+from jax.typing import ArrayLike, DTypeLike
 import jax.numpy as jnp
 
 from nodrop import _ffi
 from nodrop.ops import _checks
 
 
-def permute(x, ids, num_experts: int):
+def permute(x: ArrayLike, ids: ArrayLike,
+            num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Groups token copies by expert.
 
     Args:
@@ -46,7 +48,7 @@ def permute(x, ids, num_experts: int):
     return _permute(x, ids, int(num_experts))
 
 
-def unpermute(rows, row_map, weights):
+def unpermute(rows: ArrayLike, row_map: ArrayLike, weights: ArrayLike) -> jax.Array:
     """out[T, H] = sum over slots s of weights[t, s] * rows[row_map[t*k + s]].
 
     Args:

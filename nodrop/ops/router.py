@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import jax
+from jax.typing import ArrayLike, DTypeLike
 import jax.numpy as jnp
 import numpy as np
 
@@ -14,9 +15,10 @@ from nodrop.ops import _checks
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
-def topk_router(logits, k: int, *, score_function: str = "softmax", expert_bias=None,
-                num_groups: int = 1, topk_groups: int = 1, renormalize: bool = False,
-                scaling_factor: float = 1.0):
+def topk_router(logits: jax.Array, k: int, *, score_function: str = "softmax",
+                expert_bias: ArrayLike | None = None, num_groups: int = 1,
+                topk_groups: int = 1, renormalize: bool = False,
+                scaling_factor: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """Chooses k experts per token.
 
     Args:

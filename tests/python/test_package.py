@@ -44,3 +44,26 @@ def test_an_unbuilt_source_tree_says_what_to_run(tmp_path):
     assert result.returncode != 0
     assert "its C++ engine is not built" in result.stderr
     assert "make setup" in result.stderr
+
+
+def test_public_ops_and_the_block_have_type_hints():
+    """Every parameter and the return of the public ops, MoEBlock and MoEConfig are annotated,
+    and the annotations resolve (typing.get_type_hints evaluates them)."""
+    import dataclasses
+    import inspect
+    import typing
+
+    import nodrop
+    from nodrop.moe import MoEBlock, MoEConfig
+
+    functions = [nodrop.grouped_matmul, nodrop.grouped_matmul_contract, nodrop.ragged_dot,
+                 nodrop.permute, nodrop.unpermute, nodrop.topk_router, nodrop.checks,
+                 MoEBlock.__init__, MoEBlock.__call__]
+    for fn in functions:
+        hints = typing.get_type_hints(fn)
+        params = [name for name in inspect.signature(fn).parameters
+                  if name != "self"]
+        missing = [name for name in [*params, "return"] if name not in hints]
+        assert not missing, f"{fn.__qualname__}: no type hint for {missing}"
+    config_hints = typing.get_type_hints(MoEConfig)
+    assert {field.name for field in dataclasses.fields(MoEConfig)} <= set(config_hints)

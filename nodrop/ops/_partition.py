@@ -32,7 +32,7 @@ from jax._src import dispatch as _dispatch  # noqa: E402
 Axes = tuple[str, ...]
 
 
-def register_lowering(primitive, lower: Callable) -> None:
+def register_lowering(primitive, lower: Callable, multiple_results: bool = False) -> None:
     """Lowers `primitive` with lower(*operands, partition=..., **params): partition is True
     where the program is partitioned over several devices by XLA (the custom_partitioning
     path), False on one device and inside `jax.shard_map` (any manual axis), where the call
@@ -45,7 +45,7 @@ def register_lowering(primitive, lower: Callable) -> None:
         partition = (not getattr(context, "manual_axes", None) and devices is not None
                      and len(devices) > 1)
         return mlir.lower_fun(lambda *a: lower(*a, partition=partition, **params),
-                              multiple_results=False)(ctx, *args)
+                              multiple_results=multiple_results)(ctx, *args)
 
     mlir.register_lowering(primitive, rule)
 

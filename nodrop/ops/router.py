@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 import jax
-from jax.typing import ArrayLike, DTypeLike
+from jax.typing import ArrayLike
 import jax.numpy as jnp
 import numpy as np
 

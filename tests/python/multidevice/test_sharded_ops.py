@@ -131,3 +131,25 @@ def test_checked_mode_gathers_split_rows():
         with pytest.raises(jax.errors.JaxRuntimeError, match="group_sizes"):
             jax.block_until_ready(jax.jit(lambda a, b, s: nodrop.ragged_dot(a, b, s))(
                 put(lhs, P("x")), rhs, int32([8, 30, 8])))
+
+
+def test_unpermute_partitions_the_hidden_axis_locally():
+    """unpermute's and permute_rows' rows split over H stay split with no collective; the
+    weights' gradient (gather_row_dots) sums over the split H: one all-reduce."""
+    rng = np.random.default_rng(5)
+    tokens, hidden, k, num_experts = 8, 8, 2, 4
+    x = random_normal(rng, (tokens, hidden))
+    ids = int32(rng.integers(0, num_experts, (tokens, k)))
+    weights = random_normal(rng, (tokens, k))
+    rows, _, row_map = reference.permute(x, ids, num_experts)
+    out, found = compiled(nodrop.unpermute, put(rows, P(None, "y")), row_map, weights)
+    assert found == set() and tuple(out.sharding.spec) == (None, "y")
+    assert_close(out, reference.unpermute(f64(rows), row_map, f64(weights)), F32_TOL)
+
+    loss = lambda ops: lambda r, w: jnp.sum(jnp.sin(ops.unpermute(r, row_map, w)))  # noqa: E731
+    (grad_rows, grad_w), found = compiled(jax.grad(loss(nodrop), argnums=(0, 1)),
+                                          put(rows, P(None, "y")), weights)
+    assert found == {"all-reduce"}
+    expected = jax.grad(loss(reference), argnums=(0, 1))(f64(rows), f64(weights))
+    assert_close(grad_rows, expected[0], F32_TOL, "grad rows")
+    assert_close(grad_w, expected[1], F32_TOL, "grad weights")

@@ -47,11 +47,12 @@ def zero_cotangents(*operands):
                  for x in operands)
 
 
-def define(name: str, *, abstract_eval: Callable, lower: Callable, jvp: Callable | None = None,
+def define(name, *, abstract_eval: Callable, lower: Callable, jvp: Callable | None = None,
            transpose: Callable | None = None, batch: Callable | None = None,
            multiple_results: bool = False):
-    """A primitive with these rules; batching defaults to `sequential`."""
-    primitive = jax.extend.core.Primitive(name)
+    """A primitive (named, or one already made) with these rules; batching defaults to
+    `sequential`."""
+    primitive = jax.extend.core.Primitive(name) if isinstance(name, str) else name
     primitive.multiple_results = multiple_results
     primitive.def_impl(_eager(primitive))
     primitive.def_abstract_eval(abstract_eval)

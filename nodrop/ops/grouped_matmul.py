@@ -16,12 +16,12 @@ import functools
 
 import jax
 import jax.extend
-from jax.typing import ArrayLike, DTypeLike
 import jax.numpy as jnp
-from jax.interpreters import ad, batching
+from jax.interpreters import ad
+from jax.typing import ArrayLike, DTypeLike
 
 from nodrop import _ffi
-from nodrop.ops import _checks, _partition
+from nodrop.ops import _checks, _partition, _primitives
 
 
 _CUDA_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -217,38 +217,19 @@ def _cuda_contract(lhs, rhs, group_sizes, out_dtype, engine="cuda", checked=None
 # lowering is the platform switch (`_ffi.on_platform`) over the FFI calls above.
 
 
-def _result_aval(avals, shape, dtype):
-    """The result's abstract value: varying over the manual axes the operands vary over."""
-    varying = frozenset().union(*(a.mat.varying for a in avals))
-    if not varying:
-        return jax.core.ShapedArray(shape, dtype)
-    return jax.core.ShapedArray(
-        shape, dtype, sharding=jax.sharding.NamedSharding(avals[0].sharding.mesh, jax.P()),
-        manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
-
-
-def _eager(primitive):
-    """Eager calls of a primitive run it jitted (the lowering is the only implementation)."""
-    @functools.lru_cache(maxsize=None)
-    def jitted(**params):
-        return jax.jit(functools.partial(primitive.bind, **params))
-
-    return lambda *args, **params: jitted(**params)(*args)
-
-
 _rows_p = jax.extend.core.Primitive("nodrop_grouped_matmul")
-_contract_p = jax.extend.core.Primitive("nodrop_grouped_matmul_contract")
+_contract_p = jax.extend.core.Primitive("nodrop_grouped_matmul_contract")  # rules: see below
 
 
 def _rows_abstract_eval(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, checked):
     del checked
     num_cols = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    return _result_aval((lhs, rhs, group_sizes), (lhs.shape[0], num_cols), out_dtype)
+    return _primitives.result_aval((lhs, rhs, group_sizes), (lhs.shape[0], num_cols), out_dtype)
 
 
 def _contract_abstract_eval(lhs, rhs, group_sizes, *, out_dtype, checked):
     del checked
-    return _result_aval((lhs, rhs, group_sizes),
+    return _primitives.result_aval((lhs, rhs, group_sizes),
                         (group_sizes.shape[0], lhs.shape[1], rhs.shape[1]), out_dtype)
 
 
@@ -371,16 +352,11 @@ def _linear_operand(lhs, rhs, group_sizes):
     return "lhs" if ad.is_undefined_primal(lhs) else "rhs"
 
 
-def _zero_cotangents(lhs, rhs):
-    return tuple(ad.Zero(x.aval.to_ct_aval()) if ad.is_undefined_primal(x) else None
-                 for x in (lhs, rhs)) + (None,)
-
-
 def _rows_transpose(grad, lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, checked):
     del out_dtype
     operand = _linear_operand(lhs, rhs, group_sizes)
     if type(grad) is ad.Zero:
-        return _zero_cotangents(lhs, rhs)
+        return _primitives.zero_cotangents(lhs, rhs, group_sizes)
     if operand == "lhs":  # the input gradient: ragged rows against rhs[g].T
         return (_bind_rows(grad, rhs, group_sizes, not transpose_rhs, lhs.aval.dtype, checked),
                 None, None)
@@ -393,25 +369,11 @@ def _contract_transpose(grad, lhs, rhs, group_sizes, *, out_dtype, checked):
     del out_dtype
     operand = _linear_operand(lhs, rhs, group_sizes)
     if type(grad) is ad.Zero:
-        return _zero_cotangents(lhs, rhs)
+        return _primitives.zero_cotangents(lhs, rhs, group_sizes)
     # out[g] = lhs_g.T @ rhs_g: grad_lhs_g = rhs_g @ grad[g].T, grad_rhs_g = lhs_g @ grad[g].
     if operand == "lhs":
         return _bind_rows(rhs, grad, group_sizes, True, lhs.aval.dtype, checked), None, None
     return None, _bind_rows(lhs, grad, group_sizes, False, rhs.aval.dtype, checked), None
-
-
-def _moved(x, dim, size):
-    """x with its batch dimension first (broadcast when it has none)."""
-    if dim is None:
-        return jnp.broadcast_to(x, (size, *x.shape))
-    return jnp.moveaxis(x, dim, 0)
-
-
-def _sequential(primitive, args, dims, params):
-    """The fallback batching: one call per batch element (`ffi_call`'s "sequential")."""
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    args = [_moved(a, d, size) for a, d in zip(args, dims)]
-    return jax.lax.map(lambda xs: primitive.bind(*xs, **params), args), 0
 
 
 def _rows_batch(args, dims, *, transpose_rhs, out_dtype, checked):
@@ -432,7 +394,7 @@ def _rows_batch(args, dims, *, transpose_rhs, out_dtype, checked):
         sizes = _clamped_group_sizes(group_sizes, num_rows) * batch
         out = _rows_p.bind(lhs.reshape(num_rows * batch, -1), rhs, sizes, **params)
         return out.reshape(num_rows, batch, -1), 1
-    return _sequential(_rows_p, args, dims, params)
+    return _primitives.sequential(_rows_p, args, dims, params)
 
 
 def _contract_batch(args, dims, *, out_dtype, checked):
@@ -450,16 +412,12 @@ def _contract_batch(args, dims, *, out_dtype, checked):
             return out.reshape(out.shape[0], batch, -1, out.shape[2]), 1
         out = _contract_p.bind(lhs, batched, group_sizes, **params)  # [G, K, B*N]
         return out.reshape(*out.shape[:2], batch, -1), 2
-    return _sequential(_contract_p, args, dims, params)
+    return _primitives.sequential(_contract_p, args, dims, params)
 
 
 for _primitive, _abstract_eval, _lowering, _jvp, _transpose, _batch in (
         (_rows_p, _rows_abstract_eval, _rows_lowering, _rows_jvp, _rows_transpose, _rows_batch),
         (_contract_p, _contract_abstract_eval, _contract_lowering, _contract_jvp,
          _contract_transpose, _contract_batch)):
-    _primitive.def_impl(_eager(_primitive))
-    _primitive.def_abstract_eval(_abstract_eval)
-    _partition.register_lowering(_primitive, _lowering)
-    ad.primitive_jvps[_primitive] = _jvp
-    ad.primitive_transposes[_primitive] = _transpose
-    batching.primitive_batchers[_primitive] = _batch
+    _primitives.define(_primitive, abstract_eval=_abstract_eval, lower=_lowering, jvp=_jvp,
+                       transpose=_transpose, batch=_batch)

@@ -153,3 +153,23 @@ def test_unpermute_partitions_the_hidden_axis_locally():
     expected = jax.grad(loss(reference), argnums=(0, 1))(f64(rows), f64(weights))
     assert_close(grad_rows, expected[0], F32_TOL, "grad rows")
     assert_close(grad_w, expected[1], F32_TOL, "grad weights")
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+def test_topk_router_partitions_tokens_locally(score_function):
+    """Routing is per token: logits split over the tokens give weights and ids split the same
+    way, and the logits' gradient too, with no collective."""
+    rng = np.random.default_rng(6)
+    logits, bias = random_normal(rng, (M, 8)), random_normal(rng, (8,), scale=0.1)
+    route = lambda ops: lambda l: ops.topk_router(  # noqa: E731
+        l, 2, score_function=score_function, expert_bias=bias, renormalize=True)
+    (weights, ids), found = compiled(route(nodrop), put(logits, P(("x", "y"))))
+    assert found == set() and tuple(weights.sharding.spec) == (("x", "y"),)
+    ref_weights, ref_ids = route(reference)(f64(logits))
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+    assert_close(weights, ref_weights, F32_TOL, "weights")
+    loss = lambda ops: lambda l: jnp.sum(jnp.sin(route(ops)(l)[0]))  # noqa: E731
+    grad, found = compiled(jax.grad(loss(nodrop)), put(logits, P(("x", "y"))))
+    assert found == set()
+    assert_close(grad, jax.grad(loss(reference))(f64(logits)), F32_TOL, "grad logits",
+                 floor=1e-3)

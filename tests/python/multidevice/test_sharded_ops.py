@@ -16,6 +16,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nodrop
+from nodrop import _ffi
 from nodrop.ops import reference
 
 MESH = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
@@ -173,3 +174,33 @@ def test_topk_router_partitions_tokens_locally(score_function):
     assert found == set()
     assert_close(grad, jax.grad(loss(reference))(f64(logits)), F32_TOL, "grad logits",
                  floor=1e-3)
+
+
+class _CudaLibraryStub:
+    """Stands in for libnodrop_ffi_cuda.so: the ops then trace both platforms' branches of
+    `jax.lax.platform_dependent`, here inside the partitioned per-device functions."""
+
+    def NodropGroupedMatmulWorkspaceBytes(self, num_groups):  # noqa: N802 (the C symbol)
+        return 0
+
+    def NodropSortByExpertWorkspaceBytes(self, num_tokens, k, num_experts):  # noqa: N802
+        return 0
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_partitioned_calls_keep_the_platform_switch(monkeypatch, dtype):
+    """With the CUDA engine built, the per-device functions hold the platform switch too."""
+    rng = np.random.default_rng(7)
+    lhs, rhs = random_normal(rng, (M, K), dtype), random_normal(rng, (len(SIZES), K, N), dtype)
+    args = (put(lhs, P("x")), put(rhs, P(None, None, "y")))
+    def value_and_grads():  # a new function each time: traced and lowered again
+        loss = lambda a, b: jnp.sum(jnp.sin(  # noqa: E731
+            nodrop.ragged_dot(a, b, SIZES).astype(jnp.float32)))
+        return compiled(jax.value_and_grad(loss, argnums=(0, 1)), *args)
+
+    expected, _ = value_and_grads()
+    monkeypatch.setattr(_ffi, "_cuda_lib", _CudaLibraryStub())
+    switched, found = value_and_grads()
+    assert found == {"all-reduce"}
+    for got, want in zip(jax.tree.leaves(switched), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

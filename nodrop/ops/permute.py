@@ -83,15 +83,43 @@ def _permute(x, ids, num_experts):
 
 
 def _sort_and_move(x, ids, num_experts):
-    num_tokens, k = ids.shape
-    return _ffi.call(
-        "nodrop_permute",
-        (jax.ShapeDtypeStruct((num_tokens * k, x.shape[1]), x.dtype),
-         jax.ShapeDtypeStruct((num_experts,), jnp.int32),
-         jax.ShapeDtypeStruct((num_tokens * k,), jnp.int32)),
-        x, ids,
-        cuda_workspace=lambda: _ffi.sort_by_expert_workspace_bytes(num_tokens, k, num_experts),
-        num_experts=num_experts, checked=_checks.attr_bool(_checks.checks_enabled()))
+    return tuple(_permute_p.bind(*_ffi.match_vma(x, ids), num_experts=num_experts,
+                                 checked=_checks.checks_enabled()))
+
+
+def _permute_lowering(x, ids, *, num_experts, checked, partition):
+    """The sort and the row moves; under sharding the hidden axis H partitions locally (each
+    shard sorts the same ids: group sizes and row map come out replicated)."""
+    def run(x, ids):
+        num_tokens, k = ids.shape
+        return _ffi.call(
+            "nodrop_permute",
+            (jax.ShapeDtypeStruct((num_tokens * k, x.shape[1]), x.dtype),
+             jax.ShapeDtypeStruct((num_experts,), jnp.int32),
+             jax.ShapeDtypeStruct((num_tokens * k,), jnp.int32)),
+            x, ids, cuda_workspace=lambda: _ffi.sort_by_expert_workspace_bytes(
+                num_tokens, k, num_experts),
+            num_experts=num_experts, checked=_checks.attr_bool(checked))
+
+    if not partition:
+        return run(x, ids)
+    return _partition.partitioned(
+        run, "t h, t k -> r h, e, r", (("t", "h"), ("t", "k")), (("r", "h"), ("e",), ("r",)),
+        lambda axes_of, *operands: run(*operands), ("h",),
+        need_replication_factors=("t", "k", "r", "e"))(x, ids)
+
+
+def _permute_abstract_eval(x, ids, *, num_experts, checked):
+    del checked
+    num_slots = ids.shape[0] * ids.shape[1]
+    return (_primitives.result_aval((x, ids), (num_slots, x.shape[1]), x.dtype),
+            _primitives.result_aval((x, ids), (num_experts,), jnp.int32),
+            _primitives.result_aval((x, ids), (num_slots,), jnp.int32))
+
+
+# Differentiated through `_moved_rows` (its operands are stop_gradient'ed), not by JAX.
+_permute_p = _primitives.define("nodrop_permute", abstract_eval=_permute_abstract_eval,
+                                lower=_permute_lowering, multiple_results=True)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))

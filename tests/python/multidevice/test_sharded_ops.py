@@ -204,3 +204,19 @@ def test_partitioned_calls_keep_the_platform_switch(monkeypatch, dtype):
     assert found == {"all-reduce"}
     for got, want in zip(jax.tree.leaves(switched), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_permute_partitions_the_hidden_axis_locally():
+    """Every shard sorts the same ids and moves its columns of the tokens: rows split over H,
+    group sizes and row map replicated, no collective."""
+    rng = np.random.default_rng(8)
+    tokens, hidden, k, num_experts = 8, 8, 2, 4
+    x = random_normal(rng, (tokens, hidden))
+    ids = int32(rng.integers(-1, num_experts, (tokens, k)))
+    (rows, sizes, row_map), found = compiled(lambda x, ids: nodrop.permute(x, ids, num_experts),
+                                             put(x, P(None, "y")), ids)
+    assert found == set() and tuple(rows.sharding.spec) == (None, "y")
+    ref_rows, ref_sizes, ref_map = reference.permute(f64(x), ids, num_experts)
+    np.testing.assert_array_equal(np.asarray(rows, np.float64), np.asarray(ref_rows))
+    np.testing.assert_array_equal(np.asarray(sizes), np.asarray(ref_sizes))
+    np.testing.assert_array_equal(np.asarray(row_map), np.asarray(ref_map))

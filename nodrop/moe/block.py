@@ -184,8 +184,8 @@ class MoEBlock(nnx.Module):
     """x [B, S, H] or [T, H] -> (y of x's shape in config.dtype, MoEAux).
 
     The compute dtype is config.dtype, or x's dtype where it is None (the default).
-    Parameters (float32 masters by default, cast to the compute dtype at use): router [H, E]; gate_up
-    [E, H, 2F] with each expert's gate in [..., :F] and up in [..., F:] (one grouped matmul
+    Parameters (float32 masters by default, cast to the compute dtype at use): router [H, E];
+    gate_up [E, H, 2F] with each expert's gate in [..., :F] and up in [..., F:] (one grouped matmul
     instead of two); down [E, F, H]; with shared experts shared_gate_up [H, 2Fs], shared_down
     [Fs, H]. Plus the non-trainable expert_bias [E] (ExpertBias), zero unless the trainer moves it.
 

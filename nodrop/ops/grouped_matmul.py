@@ -172,7 +172,8 @@ def _clamped_group_sizes(group_sizes, num_rows: int):
 
 
 def _cuda_rows(lhs, rhs, group_sizes, transpose_rhs, out_dtype, engine="cuda", checked=None):
-    """The CUDA lowering of the ragged-rows primitive: padded to the TMA's 16 bytes, or XLA for float32.
+    """The CUDA lowering of the ragged-rows primitive: padded to the TMA's 16 bytes, or XLA for
+    float32.
 
     engine="cpu" runs the same adaptation around the CPU engine (how the tests check it)."""
     if lhs.dtype not in _CUDA_DTYPES:
@@ -230,7 +231,7 @@ def _rows_abstract_eval(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, chec
 def _contract_abstract_eval(lhs, rhs, group_sizes, *, out_dtype, checked):
     del checked
     return _primitives.result_aval((lhs, rhs, group_sizes),
-                        (group_sizes.shape[0], lhs.shape[1], rhs.shape[1]), out_dtype)
+                                   (group_sizes.shape[0], lhs.shape[1], rhs.shape[1]), out_dtype)
 
 
 def _rows_lowering(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, checked, partition):
@@ -270,7 +271,6 @@ def _contract_lowering(lhs, rhs, group_sizes, *, out_dtype, checked, partition):
             cuda=lambda *args: _cuda_contract(*args, dtype, checked=checked))
 
     run = run_in(out_dtype)
-
     if not partition:
         return run(lhs, rhs, group_sizes)
 

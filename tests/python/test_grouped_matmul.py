@@ -519,7 +519,8 @@ def test_ragged_dot_jvp_and_linearize_match_jax_lax_ragged_dot():
     t_lhs, t_rhs = random_normal(rng, lhs.shape), random_normal(rng, rhs.shape)
     sizes = int32([8, 0, 12, 10])
     ours = lambda a, b: nodrop.ragged_dot(a, b, sizes)  # noqa: E731
-    xla = lambda a, b: jax.lax.ragged_dot(a, b, sizes, precision=jax.lax.Precision.HIGHEST)  # noqa: E731
+    xla = lambda a, b: jax.lax.ragged_dot(  # noqa: E731
+        a, b, sizes, precision=jax.lax.Precision.HIGHEST)
     out, d_out = jax.jvp(ours, (lhs, rhs), (t_lhs, t_rhs))
     ref_out, ref_d_out = jax.jvp(xla, (lhs, rhs), (t_lhs, t_rhs))
     assert_close(out, ref_out, 1e-5, "primal")
@@ -625,7 +626,8 @@ def test_grouped_matmul_vmap_over_one_operand(batched, transpose_rhs):
     sizes = int32([3, -1, 9])  # clamped: the batched rows keep the engine's rule
     args, axes = {"lhs": ((lhs_b, rhs), (0, None)), "rhs": ((lhs, rhs_b), (None, 0)),
                   "both": ((lhs_b, rhs_b), (0, 0))}[batched]
-    gmm = lambda ops: lambda a, b: ops.grouped_matmul(a, b, sizes, transpose_rhs=transpose_rhs)  # noqa: E731
+    gmm = lambda ops: lambda a, b: ops.grouped_matmul(  # noqa: E731
+        a, b, sizes, transpose_rhs=transpose_rhs)
     out = jax.vmap(gmm(nodrop), in_axes=axes)(*args)
     expected = jax.vmap(gmm(reference), in_axes=axes)(*map(f64, args))
     assert_close(out, expected, F32_TOL)

@@ -366,7 +366,8 @@ def test_permute_and_unpermute_hessian_and_linearize_match_reference():
     x = random_normal(rng, (tokens, hidden))
     ids = int32(rng.integers(0, num_experts, (tokens, k)))
     weights = random_normal(rng, (tokens, k))
-    loss = lambda ops: lambda x, w: jnp.sum(_round_trip(ops, num_experts, ids)(x, w) ** 2)  # noqa: E731
+    loss = lambda ops: lambda x, w: jnp.sum(  # noqa: E731
+        _round_trip(ops, num_experts, ids)(x, w) ** 2)
     got = jax.hessian(loss(nodrop), argnums=(0, 1))(x, weights)
     expected = jax.hessian(loss(reference), argnums=(0, 1))(f64(x), f64(weights))
     for i in range(2):

@@ -3,8 +3,8 @@
 `permute` sorts the T*k (token, slot) pairs by expert (deterministic (expert, token, slot) order)
 and copies each token to its rows; `unpermute` sums each token's k rows weighted by its routing
 weights, in float32, without atomics. Both are built on three linear engine ops (scatter rows,
-gather rows, row dot products) that are each other's transposes, so gradients of any order run
-on the engine.
+gather rows, row dot products) that are each other's transposes, so derivatives of any order,
+forward mode (jvp, linearize, hessian) and reverse mode, run on the engine.
 """
 
 from __future__ import annotations

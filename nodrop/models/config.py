@@ -86,7 +86,9 @@ class ModelConfig:
             require(isinstance(getattr(self, field), bool), field, "a bool")
         require(is_positive_number(self.rope_theta), "rope_theta", "a positive finite number")
         require(is_positive_number(self.norm_eps), "norm_eps", "a positive finite number")
-        # The MoE fields (hidden and the dtypes too) are MoEConfig's to check.
+        # The MoE fields (hidden and the dtypes too) are MoEConfig's to check; a model always
+        # names its compute dtype (MoEConfig's None, the input's dtype, is not one).
+        require(self.dtype is not None, "dtype", "float32, float16 or bfloat16")
         try:
             moe = self.moe_config()
         except ValueError as error:

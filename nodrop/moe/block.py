@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from nodrop._fields import is_finite_number, is_int, requirer
 from nodrop.moe.capacity import capacity_rows, combine, dispatch
@@ -59,7 +59,9 @@ class MoEConfig:
       references in nodrop/ops/reference.py, to check the former against).
     residual_init_scale: multiplies the std of the down projections' lecun_normal init (the
       model sets 1 / sqrt(2 * num_layers): they write into the residual stream).
-    dtype: compute dtype (bfloat16 is the GPU setting). param_dtype: master weights.
+    dtype: compute dtype; None (the default, Flax's convention) computes in the dtype of the
+      block's input x. The presets and the trainer set it (bfloat16 is the GPU setting).
+    param_dtype: master weights.
     expert_parallel: split the experts over the `expert` axis of the mesh set with
       `jax.set_mesh` (nodrop.parallel.make_mesh); see MoEBlock. Without such an axis, or with
       size 1, the block is the single-device one. Dropless only (capacity_factor None).
@@ -82,12 +84,12 @@ class MoEConfig:
     matmul: str = "nodrop"
     ops: str = "nodrop"
     residual_init_scale: float = 1.0
-    dtype: Any = jnp.bfloat16
-    param_dtype: Any = jnp.float32
+    dtype: DTypeLike | None = None
+    param_dtype: DTypeLike = jnp.float32
     expert_parallel: bool = False
     ep_buffer_factor: float | None = 2.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require = requirer(self, lambda field: f"MoEConfig.{field}")
         for field in ("num_experts", "hidden", "ffn"):
             require(is_int(getattr(self, field)) and getattr(self, field) >= 1, field,
@@ -124,11 +126,14 @@ class MoEConfig:
             is_finite_number(self.ep_buffer_factor) and self.ep_buffer_factor > 0),
             "ep_buffer_factor", "None (the worst case) or a positive finite number")
         for field in ("dtype", "param_dtype"):
+            if field == "dtype" and self.dtype is None:
+                continue  # the input's dtype
             try:
                 dtype = jnp.dtype(getattr(self, field))
             except TypeError:
                 dtype = None
-            require(dtype in FLOAT_DTYPES, field, "float32, float16 or bfloat16")
+            require(dtype in FLOAT_DTYPES, field, "float32, float16 or bfloat16" + (
+                " (or None: the input's dtype)" if field == "dtype" else ""))
             object.__setattr__(self, field, dtype)  # canonical, so configs compare equal
 
 
@@ -166,7 +171,8 @@ class ExpertBias(nnx.Variable):
     with `updated_expert_bias`."""
 
 
-def updated_expert_bias(bias, tokens_per_expert, rate: float):
+def updated_expert_bias(bias: jax.Array, tokens_per_expert: jax.Array,
+                        rate: float) -> jax.Array:
     """Aux-loss-free balancing step: bias + rate * sign(mean load - load).
 
     Underloaded experts' bias rises, overloaded ones' falls. Call it after the optimizer step and
@@ -181,8 +187,9 @@ def updated_expert_bias(bias, tokens_per_expert, rate: float):
 class MoEBlock(nnx.Module):
     """x [B, S, H] or [T, H] -> (y of x's shape in config.dtype, MoEAux).
 
-    Parameters (float32 masters by default, cast to config.dtype at use): router [H, E]; gate_up
-    [E, H, 2F] with each expert's gate in [..., :F] and up in [..., F:] (one grouped matmul
+    The compute dtype is config.dtype, or x's dtype where it is None (the default).
+    Parameters (float32 masters by default, cast to the compute dtype at use): router [H, E];
+    gate_up [E, H, 2F] with each expert's gate in [..., :F] and up in [..., F:] (one grouped matmul
     instead of two); down [E, F, H]; with shared experts shared_gate_up [H, 2Fs], shared_down
     [Fs, H]. Plus the non-trainable expert_bias [E] (ExpertBias), zero unless the trainer moves it.
 
@@ -210,7 +217,7 @@ class MoEBlock(nnx.Module):
     ever dropped silently: dropped_fraction counts the rows cut, and is 0 without overflow.
     """
 
-    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs) -> None:
         self.config = config
         num_experts, hidden, ffn = config.num_experts, config.hidden, config.ffn
         dense_init = nnx.initializers.lecun_normal()
@@ -229,15 +236,15 @@ class MoEBlock(nnx.Module):
         self.shared_down = (param(residual_init(config.residual_init_scale), (shared, hidden))
                             if shared else None)
 
-    def __call__(self, x):
-        cfg = self.config
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
+        cfg = compute_config(self.config, x)
         if x.ndim not in (2, 3) or x.shape[-1] != cfg.hidden:
             raise ValueError(f"x must be [B, S, H] or [T, H] with H = hidden = {cfg.hidden}, "
                              f"got shape {tuple(x.shape)}")
         shared = (self.shared_gate_up[...], self.shared_down[...]) if cfg.shared_ffn else ()
         mesh = jax.sharding.get_abstract_mesh()
         if cfg.expert_parallel and not mesh.empty and expert_shards(mesh) > 1:
-            return self._expert_parallel(x, mesh, shared)
+            return self._expert_parallel(cfg, x, mesh, shared)
         flat = x.reshape(-1, cfg.hidden)
         tokens = flat.astype(cfg.dtype)
         num_slots = tokens.shape[0] * cfg.k
@@ -265,11 +272,10 @@ class MoEBlock(nnx.Module):
                    num_sequences=_num_sequences(x))
         return y.astype(cfg.dtype).reshape(x.shape), aux
 
-    def _expert_parallel(self, x, mesh, shared):
+    def _expert_parallel(self, cfg, x, mesh, shared):
         """The block in `jax.shard_map` over `mesh`: tokens split over its token axes, experts
         over its expert axis; each rank routes its tokens, sends their rows to the ranks holding
         their experts (nodrop.parallel.expert), runs its experts and combines what comes back."""
-        cfg = self.config
         check_experts(cfg.num_experts, mesh, name="MoEConfig.num_experts")
         check_batch(x.shape[0], mesh, name="x.shape[0]")
         axes = token_axes(mesh)
@@ -282,6 +288,17 @@ class MoEBlock(nnx.Module):
             out_specs=(tokens_spec, replicated))
         return per_rank(x, self.router[...], self.expert_bias[...], self.gate_up[...],
                         self.down[...], shared)
+
+
+def compute_config(config: MoEConfig, x: jax.Array) -> MoEConfig:
+    """config with its compute dtype set: config.dtype, or x's dtype where that is None."""
+    if config.dtype is not None:
+        return config
+    dtype = jax.dtypes.canonicalize_dtype(jnp.result_type(x))
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError("x must be float32, float16 or bfloat16 where MoEConfig.dtype is None "
+                        f"(the block computes in x's dtype), got {dtype.name}")
+    return dataclasses.replace(config, dtype=dtype)
 
 
 def _route(cfg: MoEConfig, flat, router, expert_bias):

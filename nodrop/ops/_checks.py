@@ -9,6 +9,7 @@ checked mode the engine raises instead.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,7 @@ def checks_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def checks(enabled: bool = True):
+def checks(enabled: bool = True) -> Iterator[None]:
     """Checked mode: run-time values that would otherwise be clamped raise an error instead.
 
     Group sizes that are negative or sum past the rows, and expert ids outside [0, E), raise

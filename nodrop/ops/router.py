@@ -7,16 +7,18 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from nodrop import _ffi
-from nodrop.ops import _checks
+from nodrop.ops import _checks, _partition, _primitives
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
-def topk_router(logits, k: int, *, score_function: str = "softmax", expert_bias=None,
-                num_groups: int = 1, topk_groups: int = 1, renormalize: bool = False,
-                scaling_factor: float = 1.0):
+def topk_router(logits: jax.Array, k: int, *, score_function: str = "softmax",
+                expert_bias: ArrayLike | None = None, num_groups: int = 1,
+                topk_groups: int = 1, renormalize: bool = False,
+                scaling_factor: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """Chooses k experts per token.
 
     Args:
@@ -77,12 +79,7 @@ def _attrs(config):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _topk_router(logits, expert_bias, config):
-    num_tokens, k = logits.shape[0], config[0]
-    return _ffi.call(
-        "nodrop_topk_router",
-        (jax.ShapeDtypeStruct((num_tokens, k), jnp.float32),
-         jax.ShapeDtypeStruct((num_tokens, k), jnp.int32)),
-        logits, expert_bias, **_attrs(config))
+    return tuple(_router_p.bind(logits, expert_bias, config=config))
 
 
 def _topk_router_fwd(logits, expert_bias, config):
@@ -92,10 +89,58 @@ def _topk_router_fwd(logits, expert_bias, config):
 
 def _topk_router_bwd(config, residuals, grads):
     logits, ids, expert_bias = residuals
-    grad_type = jax.ShapeDtypeStruct(logits.shape, jnp.float32)
-    grad_logits = _ffi.call("nodrop_topk_router_grad", grad_type, logits, ids, grads[0],
-                            **_attrs(config))
+    grad_logits = _router_grad_p.bind(*_ffi.match_vma(logits, ids, grads[0]), config=config)
     return grad_logits, jnp.zeros_like(expert_bias)
 
 
 _topk_router.defvjp(_topk_router_fwd, _topk_router_bwd)
+
+
+# --- the two engine calls: primitives, so that under jit on sharded arrays the tokens (T)
+# partition locally (routing is per token); the expert axis E is gathered. Differentiated by
+# the custom_vjp above, not by JAX.
+
+
+def _router_lowering(logits, expert_bias, *, config, partition):
+    def run(logits, expert_bias):
+        num_tokens, k = logits.shape[0], config[0]
+        return _ffi.call(
+            "nodrop_topk_router",
+            (jax.ShapeDtypeStruct((num_tokens, k), jnp.float32),
+             jax.ShapeDtypeStruct((num_tokens, k), jnp.int32)),
+            logits, expert_bias, **_attrs(config))
+
+    if not partition:
+        return run(logits, expert_bias)
+    return _partition.partitioned(
+        run, "t e, e -> t k, t k", (("t", "e"), ("e",)), (("t", "k"), ("t", "k")),
+        lambda axes_of, *operands: run(*operands), ("t",),
+        need_replication_factors=("e", "k"))(logits, expert_bias)
+
+
+def _router_grad_lowering(logits, ids, grad, *, config, partition):
+    def run(logits, ids, grad):
+        return _ffi.call("nodrop_topk_router_grad",
+                         jax.ShapeDtypeStruct(logits.shape, jnp.float32), logits, ids, grad,
+                         **_attrs(config))
+
+    if not partition:
+        return run(logits, ids, grad)
+    return _partition.partitioned(
+        run, "t e, t k, t k -> t e", (("t", "e"), ("t", "k"), ("t", "k")), (("t", "e"),),
+        lambda axes_of, *operands: run(*operands), ("t",),
+        need_replication_factors=("e", "k"))(logits, ids, grad)
+
+
+_router_p = _primitives.define(
+    "nodrop_topk_router",
+    abstract_eval=lambda logits, bias, *, config: (
+        _primitives.result_aval((logits, bias), (logits.shape[0], config[0]), jnp.float32),
+        _primitives.result_aval((logits, bias), (logits.shape[0], config[0]), jnp.int32)),
+    lower=_router_lowering, multiple_results=True)
+
+_router_grad_p = _primitives.define(
+    "nodrop_topk_router_grad",
+    abstract_eval=lambda logits, ids, grad, *, config: _primitives.result_aval(
+        (logits, ids, grad), logits.shape, jnp.float32),
+    lower=_router_grad_lowering)

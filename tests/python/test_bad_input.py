@@ -79,7 +79,10 @@ GROUPED_MATMUL_CASES = {
         TypeError, "out_dtype must be float32, float16 or bfloat16, got float64"),
     "ragged_dot_group_offset": (
         lambda: nodrop.ragged_dot(f32(8, 4), f32(2, 4, 3), i32(2), group_offset=i32(1)),
-        NotImplementedError, "nodrop.ragged_dot: group_offset is not supported"),
+        NotImplementedError,
+        "nodrop.ragged_dot: group_offset is not supported (got one of shape (1,)); pass the "
+        "rows of the local groups as lhs and their sizes as group_sizes (one entry per group "
+        "of rhs) instead"),
     "contract_rows": (
         lambda: nodrop.grouped_matmul_contract(f32(8, 4), f32(7, 3), i32(2)),
         ValueError, "rhs has 7 rows but lhs has 8 (shapes (7, 3) and (8, 4))"),

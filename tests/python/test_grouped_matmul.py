@@ -471,3 +471,178 @@ def test_grouped_matmul_property_grads_match_reference(case, transpose_rhs, seed
     lhs, rhs = gmm_inputs(rng, m, k, n, len(sizes), jnp.float32, transpose_rhs)
     _gmm_vjp_against_reference(lhs, rhs, int32(sizes), transpose_rhs,
                                random_normal(rng, (m, n)), F32_TOL)
+
+
+# --- forward mode (jvp, linearize, hessian) and the kernels reverse mode runs --------------------
+# Both modes are bilinear primitives: the JVP is one primitive call per nonzero tangent, the
+# transpose of either operand one call of the other mode.
+
+
+def _jvp_against_reference(op, ref, primals, tangents, tol):
+    out, d_out = jax.jvp(op, primals, tangents)
+    ref_out, ref_d_out = jax.jvp(ref, tuple(map(f64, primals)), tuple(map(f64, tangents)))
+    assert d_out.dtype == out.dtype
+    assert_close(out, ref_out, tol, "primal")
+    assert_close(d_out, ref_d_out, tol, "tangent")
+
+
+@dtypes
+@transposes
+@pytest.mark.parametrize("sizes", [GRAD_SIZES, [-2, 9, 8]], ids=["rows_past_total", "clamped"])
+def test_grouped_matmul_jvp_matches_reference(sizes, transpose_rhs, dtype):
+    m, k, n = GRAD_SHAPE
+    rng = np.random.default_rng(40)
+    lhs, rhs = gmm_inputs(rng, m, k, n, 3, dtype, transpose_rhs)
+    tangents = (random_normal(rng, lhs.shape, dtype), random_normal(rng, rhs.shape, dtype))
+    sizes = int32(sizes)
+    _jvp_against_reference(
+        lambda a, b: nodrop.grouped_matmul(a, b, sizes, transpose_rhs=transpose_rhs),
+        lambda a, b: reference.grouped_matmul(a, b, sizes, transpose_rhs=transpose_rhs),
+        (lhs, rhs), tangents, tolerance(dtype))
+
+
+@dtypes
+def test_grouped_matmul_contract_jvp_matches_reference(dtype):
+    m, k, n = GRAD_SHAPE
+    rng = np.random.default_rng(41)
+    lhs, rhs = contract_inputs(rng, m, k, n, dtype)
+    tangents = (random_normal(rng, lhs.shape, dtype), random_normal(rng, rhs.shape, dtype))
+    sizes = int32(GRAD_SIZES)
+    _jvp_against_reference(lambda a, b: nodrop.grouped_matmul_contract(a, b, sizes),
+                           lambda a, b: reference.grouped_matmul_contract(a, b, sizes),
+                           (lhs, rhs), tangents, tolerance(dtype))
+
+
+def test_ragged_dot_jvp_and_linearize_match_jax_lax_ragged_dot():
+    rng = np.random.default_rng(42)
+    lhs, rhs = gmm_inputs(rng, 30, 7, 5, 4)
+    t_lhs, t_rhs = random_normal(rng, lhs.shape), random_normal(rng, rhs.shape)
+    sizes = int32([8, 0, 12, 10])
+    ours = lambda a, b: nodrop.ragged_dot(a, b, sizes)  # noqa: E731
+    xla = lambda a, b: jax.lax.ragged_dot(  # noqa: E731
+        a, b, sizes, precision=jax.lax.Precision.HIGHEST)
+    out, d_out = jax.jvp(ours, (lhs, rhs), (t_lhs, t_rhs))
+    ref_out, ref_d_out = jax.jvp(xla, (lhs, rhs), (t_lhs, t_rhs))
+    assert_close(out, ref_out, 1e-5, "primal")
+    assert_close(d_out, ref_d_out, 1e-5, "tangent")
+    out, linear = jax.linearize(ours, lhs, rhs)
+    ref_out, ref_linear = jax.linearize(xla, lhs, rhs)
+    for scale in (1.0, -2.5):
+        assert_close(linear(scale * t_lhs, t_rhs), ref_linear(scale * t_lhs, t_rhs), 1e-5,
+                     f"linearized at {scale}")
+
+
+@transposes
+def test_grouped_matmul_check_grads_forward_and_reverse(transpose_rhs):
+    m, k, n = GRAD_SHAPE
+    lhs, rhs = gmm_inputs(np.random.default_rng(43), m, k, n, 3, transpose_rhs=transpose_rhs)
+    sizes = int32(GRAD_SIZES)
+    check_grads(lambda a, b: nodrop.grouped_matmul(a, b, sizes, transpose_rhs=transpose_rhs),
+                (lhs, rhs), order=2, modes=["fwd", "rev"], atol=1e-3, rtol=1e-3, eps=1e-2)
+    check_grads(lambda a, b: nodrop.grouped_matmul_contract(a, b, sizes),
+                (lhs, jnp.tanh(lhs[:, :n])), order=2, modes=["fwd", "rev"], atol=1e-3,
+                rtol=1e-3, eps=1e-2)
+
+
+def test_ragged_dot_hessian_matches_reference():
+    """jax.hessian (forward over reverse) of a scalar loss in both operands; XLA's own ragged
+    dot cannot do this (its batching rule supports only dimension 0)."""
+    rng = np.random.default_rng(44)
+    lhs, rhs = gmm_inputs(rng, 9, 3, 2, 3)
+    sizes = int32([2, 0, 6])  # one row in no group
+
+    def loss(ragged_dot):
+        return lambda a, b: jnp.sum(jnp.sin(ragged_dot(a, b, sizes)) * jnp.arange(1.0, 3.0))
+
+    got = jax.hessian(loss(nodrop.ragged_dot), argnums=(0, 1))(lhs, rhs)
+    expected = jax.hessian(loss(reference.ragged_dot), argnums=(0, 1))(f64(lhs), f64(rhs))
+    for (i, j) in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        assert_close(got[i][j], expected[i][j], F32_TOL, f"hessian block {i}{j}")
+
+
+@pytest.mark.parametrize("transform", ["jit", "checkpoint", "scan"])
+def test_grouped_matmul_jvp_under_transform(transform):
+    rng = np.random.default_rng(45)
+    layers, m, h, g = 3, 20, 6, 4
+    x = random_normal(rng, (m, h))
+    weights = random_normal(rng, (layers, g, h, h), scale=h**-0.5)
+    t_x, t_w = random_normal(rng, x.shape), random_normal(rng, weights.shape)
+    sizes = int32([6, 0, 9, 3])
+
+    def model(gmm):
+        def layer(carry, w):
+            return jnp.tanh(gmm(carry, w, sizes)) + carry, None
+
+        if transform == "scan":
+            return lambda x, ws: jax.lax.scan(jax.checkpoint(layer), x, ws)[0]
+        wrap = jax.jit if transform == "jit" else jax.checkpoint
+        return wrap(lambda x, ws: layer(layer(x, ws[0])[0], ws[1])[0])
+
+    out, d_out = jax.jit(lambda *a: jax.jvp(model(nodrop.grouped_matmul), a[:2], a[2:]))(
+        x, weights, t_x, t_w)
+    ref_out, ref_d_out = jax.jvp(model(reference.grouped_matmul), (f64(x), f64(weights)),
+                                 (f64(t_x), f64(t_w)))
+    assert_close(out, ref_out, F32_TOL, "primal")
+    assert_close(d_out, ref_d_out, F32_TOL, "tangent")
+
+
+def _engine_calls(fn, *args) -> dict:
+    """How many times the compiled function calls each grouped matmul handler."""
+    hlo = jax.jit(fn).lower(*args).compile().as_text()
+    return {target: hlo.count(f'custom_call_target="{target}"')
+            for target in ("nodrop_grouped_matmul", "nodrop_grouped_matmul_contract")}
+
+
+@transposes
+def test_grad_runs_three_kernels_per_grouped_matmul(transpose_rhs):
+    """Reverse mode through the JVP's transpose is as lean as a hand-written VJP: the forward,
+    the input gradient and the weight gradient; forward mode in one operand is two calls."""
+    m, k, n = GRAD_SHAPE
+    rng = np.random.default_rng(46)
+    lhs, rhs = gmm_inputs(rng, m, k, n, 3, transpose_rhs=transpose_rhs)
+    sizes = int32(GRAD_SIZES)
+    loss = lambda a, b: jnp.sum(jnp.sin(  # noqa: E731
+        nodrop.grouped_matmul(a, b, sizes, transpose_rhs=transpose_rhs)))
+    both = _engine_calls(jax.grad(loss, argnums=(0, 1)), lhs, rhs)
+    assert both == {"nodrop_grouped_matmul": 2, "nodrop_grouped_matmul_contract": 1}
+    weights_only = _engine_calls(jax.grad(loss, argnums=1), lhs, rhs)
+    assert weights_only == {"nodrop_grouped_matmul": 1, "nodrop_grouped_matmul_contract": 1}
+    tangent_lhs = _engine_calls(lambda a, b, t: jax.jvp(lambda a: loss(a, b), (a,), (t,)),
+                                lhs, rhs, lhs)
+    assert tangent_lhs == {"nodrop_grouped_matmul": 2, "nodrop_grouped_matmul_contract": 0}
+
+
+# --- batching rules: a batch folded into the columns or rows of one call, or one call each ------
+
+
+@pytest.mark.parametrize("batched", ["lhs", "rhs", "both"])
+@transposes
+def test_grouped_matmul_vmap_over_one_operand(batched, transpose_rhs):
+    rng = np.random.default_rng(47)
+    m, k, n, batch = 10, 4, 3, 3
+    lhs, rhs = gmm_inputs(rng, m, k, n, 3, transpose_rhs=transpose_rhs)
+    lhs_b = random_normal(rng, (batch, *lhs.shape))
+    rhs_b = random_normal(rng, (batch, *rhs.shape))
+    sizes = int32([3, -1, 9])  # clamped: the batched rows keep the engine's rule
+    args, axes = {"lhs": ((lhs_b, rhs), (0, None)), "rhs": ((lhs, rhs_b), (None, 0)),
+                  "both": ((lhs_b, rhs_b), (0, 0))}[batched]
+    gmm = lambda ops: lambda a, b: ops.grouped_matmul(  # noqa: E731
+        a, b, sizes, transpose_rhs=transpose_rhs)
+    out = jax.vmap(gmm(nodrop), in_axes=axes)(*args)
+    expected = jax.vmap(gmm(reference), in_axes=axes)(*map(f64, args))
+    assert_close(out, expected, F32_TOL)
+
+
+@pytest.mark.parametrize("batched", ["lhs", "rhs", "both"])
+def test_grouped_matmul_contract_vmap_over_one_operand(batched):
+    rng = np.random.default_rng(48)
+    m, k, n, batch = 10, 4, 3, 3
+    lhs, rhs = contract_inputs(rng, m, k, n)
+    lhs_b, rhs_b = random_normal(rng, (m, batch, k)), random_normal(rng, (batch, m, n))
+    sizes = int32([3, 0, 6])
+    args, axes = {"lhs": ((lhs_b, rhs), (1, None)), "rhs": ((lhs, rhs_b), (None, 0)),
+                  "both": ((lhs_b, rhs_b), (1, 0))}[batched]
+    op = lambda ops: lambda a, b: ops.grouped_matmul_contract(a, b, sizes)  # noqa: E731
+    out = jax.vmap(op(nodrop), in_axes=axes)(*args)
+    expected = jax.vmap(op(reference), in_axes=axes)(*map(f64, args))
+    assert_close(out, expected, F32_TOL)

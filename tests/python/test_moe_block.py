@@ -123,7 +123,6 @@ def test_block_matches_reference_forward_and_gradients(config):
 
 def test_bfloat16_compute_keeps_float32_params():
     config = dataclasses.replace(SOFTMAX_TOP2, dtype=jnp.bfloat16)
-    assert MoEConfig(num_experts=8, k=2, hidden=16, ffn=32).dtype == jnp.bfloat16  # the default
     x = random_normal(np.random.default_rng(1), (24, config.hidden))
     y16, _ = make_block(config)(x)
     y32, _ = make_block(SOFTMAX_TOP2)(x)
@@ -131,6 +130,37 @@ def test_bfloat16_compute_keeps_float32_params():
     assert_close(y16, y32, 3e-2, "bf16 vs f32 output")
     grads = nnx.grad(lambda block: jnp.sum(block(x)[0].astype(jnp.float32)))(make_block(config))
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_default_dtype_computes_in_the_input_dtype(dtype):
+    """MoEConfig.dtype defaults to None (Flax's convention): the block computes in x's dtype,
+    with the same output as the config that names that dtype."""
+    default = dataclasses.replace(SOFTMAX_TOP2, dtype=None)
+    assert MoEConfig(num_experts=8, k=2, hidden=16, ffn=32).dtype is None
+    x = random_normal(np.random.default_rng(2), (24, default.hidden), dtype)
+    y, _ = make_block(default)(x)
+    named, _ = make_block(dataclasses.replace(SOFTMAX_TOP2, dtype=dtype))(x)
+    assert y.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(named, np.float32))
+    with pytest.raises(TypeError, match=r"x must be float32, float16 or bfloat16 where "
+                                        r"MoEConfig.dtype is None .* got int32"):
+        make_block(default)(jnp.zeros((4, default.hidden), jnp.int32))
+
+
+def test_models_and_presets_keep_their_compute_dtype():
+    """The model names its dtype (bfloat16 by default, float32 for the tiny preset), so the
+    block default does not change it; None is not a model dtype."""
+    from nodrop.models.config import PRESETS, ModelConfig, preset
+    assert all(config.moe_config().dtype == config.dtype is not None
+               for config in PRESETS.values())
+    assert preset("tiny").moe_config().dtype == jnp.float32
+    assert dataclasses.replace(preset("tiny"), dtype=jnp.bfloat16).moe_config().dtype == \
+        jnp.bfloat16
+    assert ModelConfig.__dataclass_fields__["dtype"].default == jnp.bfloat16
+    with pytest.raises(ValueError, match=r"ModelConfig.dtype must be float32, float16 or "
+                                         r"bfloat16, got None"):
+        dataclasses.replace(preset("tiny"), dtype=None)
 
 
 # --- batch invariance and dropping -------------------------------------------------------------

@@ -116,18 +116,27 @@ def test_a_training_command_without_the_train_extra_says_what_to_install(monkeyp
     assert "nodrop-absent-package): pip install 'nodrop[train]'" in err  # after any real ones
 
 
-def test_the_public_functions_of_nodrop_and_nodrop_serve_are_typed():
-    # py.typed tells type checkers to trust these hints; each must resolve at run time too.
+def test_the_public_api_is_typed():
+    """Every parameter and the return of the public ops, MoEBlock, nodrop.serve's functions and
+    nodrop.backends are annotated, and the annotations resolve (typing.get_type_hints evaluates
+    them); py.typed tells type checkers to trust them."""
+    import dataclasses
     import inspect
     import typing
 
     import nodrop
+    from nodrop.moe import MoEBlock, MoEConfig
     from nodrop.serve import Loaded, export, generate, load
     assert (ROOT / "nodrop" / "py.typed").is_file()
-    functions = [nodrop.backends, load, export, generate.check_sampling, generate.generate,
-                 generate.evaluate, Loaded.encode, Loaded.decode, Loaded.vocabulary.fget]
+    functions = [nodrop.grouped_matmul, nodrop.grouped_matmul_contract, nodrop.ragged_dot,
+                 nodrop.permute, nodrop.unpermute, nodrop.topk_router, nodrop.checks,
+                 MoEBlock.__init__, MoEBlock.__call__, nodrop.backends, load, export,
+                 generate.check_sampling, generate.generate, generate.evaluate, Loaded.encode,
+                 Loaded.decode, Loaded.vocabulary.fget]
     for function in functions:
         hints = typing.get_type_hints(function)
         parameters = [name for name in inspect.signature(function).parameters if name != "self"]
         missing = [name for name in [*parameters, "return"] if name not in hints]
         assert not missing, f"{function.__qualname__}: no type hint for {', '.join(missing)}"
+    config_hints = typing.get_type_hints(MoEConfig)
+    assert {field.name for field in dataclasses.fields(MoEConfig)} <= set(config_hints)

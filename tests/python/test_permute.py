@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -329,3 +331,61 @@ def test_permute_unpermute_property_grads_match_reference(case, seed):
     expected = ref64_vjp(model(reference), (x, weights), cot)
     assert_close(grads[0], expected[0], F32_TOL, "grad x")
     assert_close(grads[1], expected[1], F32_TOL, "grad weights")
+
+
+# --- forward mode: the row movers are bilinear primitives, permute's rows linear in x ------------
+
+
+def _round_trip(ops, num_experts, ids):
+    def fn(x, weights):
+        rows, _, row_map = ops.permute(x, ids, num_experts)
+        return ops.unpermute(jnp.sin(rows), row_map, weights)
+    return fn
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_permute_and_unpermute_jvp_match_reference(dtype):
+    rng = np.random.default_rng(60)
+    tokens, hidden, k, num_experts = 7, 5, 2, 4
+    x = random_normal(rng, (tokens, hidden), dtype)
+    ids = int32(rng.integers(-1, num_experts + 1, (tokens, k)))  # some slots dropped
+    weights = random_normal(rng, (tokens, k))
+    t_x, t_w = random_normal(rng, x.shape, dtype), random_normal(rng, weights.shape)
+    out, d_out = jax.jvp(_round_trip(nodrop, num_experts, ids), (x, weights), (t_x, t_w))
+    ref_out, ref_d_out = jax.jvp(_round_trip(reference, num_experts, ids),
+                                 (f64(x), f64(weights)), (f64(t_x), f64(t_w)))
+    tol = F32_TOL if dtype == jnp.float32 else 2e-2
+    assert d_out.dtype == dtype
+    assert_close(out, ref_out, tol, "primal")
+    assert_close(d_out, ref_d_out, tol, "tangent")
+
+
+def test_permute_and_unpermute_hessian_and_linearize_match_reference():
+    rng = np.random.default_rng(61)
+    tokens, hidden, k, num_experts = 5, 3, 2, 3
+    x = random_normal(rng, (tokens, hidden))
+    ids = int32(rng.integers(0, num_experts, (tokens, k)))
+    weights = random_normal(rng, (tokens, k))
+    loss = lambda ops: lambda x, w: jnp.sum(  # noqa: E731
+        _round_trip(ops, num_experts, ids)(x, w) ** 2)
+    got = jax.hessian(loss(nodrop), argnums=(0, 1))(x, weights)
+    expected = jax.hessian(loss(reference), argnums=(0, 1))(f64(x), f64(weights))
+    for i in range(2):
+        for j in range(2):
+            assert_close(got[i][j], expected[i][j], F32_TOL, f"hessian block {i}{j}")
+    _, linear = jax.linearize(_round_trip(nodrop, num_experts, ids), x, weights)
+    _, ref_linear = jax.linearize(_round_trip(reference, num_experts, ids), f64(x), f64(weights))
+    assert_close(linear(x, weights), ref_linear(f64(x), f64(weights)), F32_TOL, "linearized")
+
+
+def test_grad_of_permute_and_unpermute_runs_the_same_kernels():
+    """Reverse mode is the transpose of the JVP: permute and unpermute forward, then
+    permute_rows (rows), gather_row_dots (weights) and unpermute (x): one call each."""
+    rng = np.random.default_rng(62)
+    x, weights = random_normal(rng, (6, 4)), random_normal(rng, (6, 2))
+    ids = int32(rng.integers(0, 3, (6, 2)))
+    grad = jax.grad(lambda x, w: jnp.sum(_round_trip(nodrop, 3, ids)(x, w) ** 2), argnums=(0, 1))
+    hlo = jax.jit(grad).lower(x, weights).compile().as_text()
+    calls = sorted(re.findall(r'custom_call_target="(nodrop_\w+)"', hlo))
+    assert calls == ["nodrop_gather_row_dots", "nodrop_permute", "nodrop_permute_rows",
+                     "nodrop_unpermute", "nodrop_unpermute"]

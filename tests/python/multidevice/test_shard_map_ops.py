@@ -124,6 +124,47 @@ def test_ragged_dot_and_second_order_gradients_in_shard_map():
     assert_close(second, expected, F32_TOL, "second-order gradient")
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["rhs_kn", "rhs_nk"])
+def test_grouped_matmul_forward_mode_in_shard_map(transpose_rhs):
+    """jvp and forward-over-reverse (a Hessian-vector product) inside shard_map: lhs split, the
+    weights and their tangent replicated (check_vma: the primitives' results vary over the
+    axes their operands do)."""
+    rng = np.random.default_rng(7)
+    rows, k, n, groups = 12, 8, 6, 3
+    lhs = random_normal(rng, (SHARDS * rows, k))
+    rhs = random_normal(rng, (groups, n, k) if transpose_rhs else (groups, k, n))
+    t_lhs, t_rhs = random_normal(rng, lhs.shape), random_normal(rng, rhs.shape)
+    sizes = group_sizes_per_shard(rng, rows, groups)
+
+    def op(matmul):
+        return lambda lhs, sizes, rhs: matmul(lhs, rhs, sizes, transpose_rhs=transpose_rhs)
+
+    run = in_shard_map(op(nodrop.grouped_matmul), (SPLIT, SPLIT, WHOLE), SPLIT)
+    ref = lambda lhs, rhs: shard_by_shard(op(reference.grouped_matmul), (lhs, sizes), (rhs,))
+    out, d_out = jax.jvp(lambda a, b: run(a, sizes, b), (lhs, rhs), (t_lhs, t_rhs))
+    ref_out, ref_d_out = jax.jvp(ref, (f64(lhs), f64(rhs)), (f64(t_lhs), f64(t_rhs)))
+    assert_close(out, ref_out, F32_TOL, "output")
+    assert_close(d_out, ref_d_out, F32_TOL, "tangent")
+
+    def per_device_hvp(matmul):  # inside shard_map: d/dt of the gradient of a local loss
+        def hvp(lhs, sizes, rhs, t_lhs, t_rhs):
+            grad = jax.grad(lambda a, b: jnp.sum(jnp.sin(op(matmul)(a, sizes, b))),
+                            argnums=(0, 1))
+            return jax.jvp(grad, (lhs, rhs), (t_lhs, t_rhs))[1]
+        return hvp
+
+    hvp = in_shard_map(per_device_hvp(nodrop.grouped_matmul),
+                       (SPLIT, SPLIT, WHOLE, SPLIT, WHOLE), (SPLIT, WHOLE))
+    got_lhs, got_rhs = hvp(lhs, sizes, rhs, t_lhs, t_rhs)
+    pieces = [per_device_hvp(reference.grouped_matmul)(
+        *(f64(a).reshape(SHARDS, rows, -1)[s] if a is not sizes else
+          a.reshape(SHARDS, -1)[s] for a in (lhs, sizes)), f64(rhs),
+        f64(t_lhs).reshape(SHARDS, rows, -1)[s], f64(t_rhs)) for s in range(SHARDS)]
+    assert_close(got_lhs, jnp.concatenate([p[0] for p in pieces]), F32_TOL, "hvp lhs")
+    # The weights are replicated: their part is the sum of every device's, as for a gradient.
+    assert_close(got_rhs, sum(p[1] for p in pieces), F32_TOL, "hvp rhs")
+
+
 # --- permute and unpermute -----------------------------------------------------------------------
 
 

@@ -1,0 +1,222 @@
+"""nodrop's ops under `jit` on sharded arrays (outside shard_map), on 8 host devices: values
+against the float64 reference, and the collectives the compiled program holds (none where an op
+partitions locally; docs/design.md, "Ops under sharding")."""
+
+from __future__ import annotations
+
+import devices  # noqa: F401  (first: 8 host devices)
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import F32_TOL, assert_close, f64, int32, random_normal
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import nodrop
+from nodrop import _ffi
+from nodrop.ops import reference
+
+MESH = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+M, K, N = 32, 8, 6
+# Shards of 8 rows (over x): groups straddle the shards, one is empty, a negative size counts as
+# zero and the last one runs past the rows (clamped), as the engine does on one device.
+SIZES = int32([-3, 5, 14, 0, 9, 100])
+
+
+def collectives(compiled_text: str) -> set[str]:
+    return {name for name in COLLECTIVES if re.search(rf"\b{name}(-start)?\(", compiled_text)}
+
+
+def put(x, spec):
+    return jax.device_put(x, NamedSharding(MESH, spec))
+
+
+def compiled(fn, *args):
+    jitted = jax.jit(fn)
+    return jitted(*args), collectives(jitted.lower(*args).compile().as_text())
+
+
+# name -> (lhs spec, rhs spec [G, K, N], collectives of the forward, output spec)
+RAGGED_DOT = {
+    "rows": (P("x"), P(), set(), P("x")),
+    "columns": (P(), P(None, None, "y"), set(), P(None, "y")),
+    "rows_and_columns": (P("x"), P(None, None, "y"), set(), P("x", "y")),
+    "contraction": (P(None, "y"), P(None, "y"), {"all-reduce"}, P()),
+    "experts_gathered": (P(), P("y"), {"all-gather"}, P()),
+}
+
+
+@pytest.mark.parametrize("case", list(RAGGED_DOT))
+def test_ragged_dot_partitions_locally(case):
+    """Rows and N split: no collective, the output keeps the split, as jax.lax.ragged_dot
+    does; K split: one all-reduce; experts (G) split: gathered."""
+    lhs_spec, rhs_spec, expected, out_spec = RAGGED_DOT[case]
+    rng = np.random.default_rng(0)
+    lhs, rhs = random_normal(rng, (M, K)), random_normal(rng, (len(SIZES), K, N))
+    out, found = compiled(lambda a, b: nodrop.ragged_dot(a, b, SIZES), put(lhs, lhs_spec),
+                          put(rhs, rhs_spec))
+    assert found == expected
+    assert out.sharding.spec == out_spec or tuple(out.sharding.spec) == tuple(out_spec)
+    assert_close(out, reference.ragged_dot(f64(lhs), f64(rhs), SIZES), F32_TOL)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["rhs_kn", "rhs_nk"])
+def test_grouped_matmul_gradients_under_sharding(transpose_rhs):
+    """Rows over x, N over y: the forward is local, the input gradient sums over the split N
+    and the weight gradient over the split rows (all-reduces); nothing is gathered."""
+    rng = np.random.default_rng(1)
+    shape = (len(SIZES), N, K) if transpose_rhs else (len(SIZES), K, N)
+    lhs, rhs = random_normal(rng, (M, K)), random_normal(rng, shape)
+    n_axis = 1 if transpose_rhs else 2
+    rhs_spec = P(*(("y" if axis == n_axis else None) for axis in range(3)))
+
+    def loss(ops):
+        return lambda a, b: jnp.sum(jnp.sin(ops.grouped_matmul(
+            a, b, SIZES, transpose_rhs=transpose_rhs)))
+
+    (grad_lhs, grad_rhs), found = compiled(jax.grad(loss(nodrop), argnums=(0, 1)),
+                                           put(lhs, P("x")), put(rhs, rhs_spec))
+    assert found == {"all-reduce"}
+    expected = jax.grad(loss(reference), argnums=(0, 1))(f64(lhs), f64(rhs))
+    assert_close(grad_lhs, expected[0], F32_TOL, "grad lhs")
+    assert_close(grad_rhs, expected[1], F32_TOL, "grad rhs")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_grouped_matmul_contract_sums_split_rows(dtype):
+    """The weight gradient's mode with its rows split: each shard's part, summed (all-reduce,
+    in float32); K and N split stay local."""
+    rng = np.random.default_rng(2)
+    lhs, rhs = random_normal(rng, (M, K), dtype), random_normal(rng, (M, N), dtype)
+    expected = reference.grouped_matmul_contract(f64(lhs), f64(rhs), SIZES)
+    out, found = compiled(lambda a, b: nodrop.grouped_matmul_contract(a, b, SIZES),
+                          put(lhs, P("x")), put(rhs, P("x")))
+    assert found == {"all-reduce"} and out.dtype == dtype
+    assert_close(out, expected, F32_TOL if dtype == jnp.float32 else 1e-2)
+    out, found = compiled(lambda a, b: nodrop.grouped_matmul_contract(a, b, SIZES),
+                          put(lhs, P(None, "x")), put(rhs, P(None, "y")))
+    assert found == set() and tuple(out.sharding.spec) == (None, "x", "y")
+    assert_close(out, expected, F32_TOL if dtype == jnp.float32 else 1e-2)
+
+
+def test_jvp_under_sharding_is_local():
+    rng = np.random.default_rng(3)
+    lhs, rhs = random_normal(rng, (M, K)), random_normal(rng, (len(SIZES), K, N))
+    t_lhs, t_rhs = random_normal(rng, lhs.shape), random_normal(rng, rhs.shape)
+    args = (put(lhs, P("x")), put(rhs, P(None, None, "y")), put(t_lhs, P("x")),
+            put(t_rhs, P(None, None, "y")))
+    jvp = lambda ops: lambda a, b, ta, tb: jax.jvp(  # noqa: E731
+        lambda a, b: ops.ragged_dot(a, b, SIZES), (a, b), (ta, tb))
+    (out, tangent), found = compiled(jvp(nodrop), *args)
+    assert found == set()
+    ref_out, ref_tangent = jvp(reference)(*map(f64, (lhs, rhs, t_lhs, t_rhs)))
+    assert_close(out, ref_out, F32_TOL, "primal")
+    assert_close(tangent, ref_tangent, F32_TOL, "tangent")
+
+
+def test_checked_mode_gathers_split_rows():
+    """Checked mode must see the global group sizes to refuse invalid ones: the rows are
+    gathered, and invalid sizes raise as on one device."""
+    rng = np.random.default_rng(4)
+    lhs, rhs = random_normal(rng, (M, K)), random_normal(rng, (3, K, N))
+    sizes = int32([8, 16, 8])
+    with nodrop.checks():
+        out, found = compiled(lambda a, b, s: nodrop.ragged_dot(a, b, s), put(lhs, P("x")),
+                              rhs, sizes)
+        assert "all-gather" in found
+        assert_close(out, reference.ragged_dot(f64(lhs), f64(rhs), sizes), F32_TOL)
+        with pytest.raises(jax.errors.JaxRuntimeError, match="group_sizes"):
+            jax.block_until_ready(jax.jit(lambda a, b, s: nodrop.ragged_dot(a, b, s))(
+                put(lhs, P("x")), rhs, int32([8, 30, 8])))
+
+
+def test_unpermute_partitions_the_hidden_axis_locally():
+    """unpermute's and permute_rows' rows split over H stay split with no collective; the
+    weights' gradient (gather_row_dots) sums over the split H: one all-reduce."""
+    rng = np.random.default_rng(5)
+    tokens, hidden, k, num_experts = 8, 8, 2, 4
+    x = random_normal(rng, (tokens, hidden))
+    ids = int32(rng.integers(0, num_experts, (tokens, k)))
+    weights = random_normal(rng, (tokens, k))
+    rows, _, row_map = reference.permute(x, ids, num_experts)
+    out, found = compiled(nodrop.unpermute, put(rows, P(None, "y")), row_map, weights)
+    assert found == set() and tuple(out.sharding.spec) == (None, "y")
+    assert_close(out, reference.unpermute(f64(rows), row_map, f64(weights)), F32_TOL)
+
+    loss = lambda ops: lambda r, w: jnp.sum(jnp.sin(ops.unpermute(r, row_map, w)))  # noqa: E731
+    (grad_rows, grad_w), found = compiled(jax.grad(loss(nodrop), argnums=(0, 1)),
+                                          put(rows, P(None, "y")), weights)
+    assert found == {"all-reduce"}
+    expected = jax.grad(loss(reference), argnums=(0, 1))(f64(rows), f64(weights))
+    assert_close(grad_rows, expected[0], F32_TOL, "grad rows")
+    assert_close(grad_w, expected[1], F32_TOL, "grad weights")
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+def test_topk_router_partitions_tokens_locally(score_function):
+    """Routing is per token: logits split over the tokens give weights and ids split the same
+    way, and the logits' gradient too, with no collective."""
+    rng = np.random.default_rng(6)
+    logits, bias = random_normal(rng, (M, 8)), random_normal(rng, (8,), scale=0.1)
+    route = lambda ops: lambda l: ops.topk_router(  # noqa: E731
+        l, 2, score_function=score_function, expert_bias=bias, renormalize=True)
+    (weights, ids), found = compiled(route(nodrop), put(logits, P(("x", "y"))))
+    assert found == set() and tuple(weights.sharding.spec) == (("x", "y"),)
+    ref_weights, ref_ids = route(reference)(f64(logits))
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+    assert_close(weights, ref_weights, F32_TOL, "weights")
+    loss = lambda ops: lambda l: jnp.sum(jnp.sin(route(ops)(l)[0]))  # noqa: E731
+    grad, found = compiled(jax.grad(loss(nodrop)), put(logits, P(("x", "y"))))
+    assert found == set()
+    assert_close(grad, jax.grad(loss(reference))(f64(logits)), F32_TOL, "grad logits",
+                 floor=1e-3)
+
+
+class _CudaLibraryStub:
+    """Stands in for libnodrop_ffi_cuda.so: the ops then trace both platforms' branches of
+    `jax.lax.platform_dependent`, here inside the partitioned per-device functions."""
+
+    def NodropGroupedMatmulWorkspaceBytes(self, num_groups):  # noqa: N802 (the C symbol)
+        return 0
+
+    def NodropSortByExpertWorkspaceBytes(self, num_tokens, k, num_experts):  # noqa: N802
+        return 0
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_partitioned_calls_keep_the_platform_switch(monkeypatch, dtype):
+    """With the CUDA engine built, the per-device functions hold the platform switch too."""
+    rng = np.random.default_rng(7)
+    lhs, rhs = random_normal(rng, (M, K), dtype), random_normal(rng, (len(SIZES), K, N), dtype)
+    args = (put(lhs, P("x")), put(rhs, P(None, None, "y")))
+    def value_and_grads():  # a new function each time: traced and lowered again
+        loss = lambda a, b: jnp.sum(jnp.sin(  # noqa: E731
+            nodrop.ragged_dot(a, b, SIZES).astype(jnp.float32)))
+        return compiled(jax.value_and_grad(loss, argnums=(0, 1)), *args)
+
+    expected, _ = value_and_grads()
+    monkeypatch.setattr(_ffi, "_cuda_lib", _CudaLibraryStub())
+    switched, found = value_and_grads()
+    assert found == {"all-reduce"}
+    for got, want in zip(jax.tree.leaves(switched), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_permute_partitions_the_hidden_axis_locally():
+    """Every shard sorts the same ids and moves its columns of the tokens: rows split over H,
+    group sizes and row map replicated, no collective."""
+    rng = np.random.default_rng(8)
+    tokens, hidden, k, num_experts = 8, 8, 2, 4
+    x = random_normal(rng, (tokens, hidden))
+    ids = int32(rng.integers(-1, num_experts, (tokens, k)))
+    (rows, sizes, row_map), found = compiled(lambda x, ids: nodrop.permute(x, ids, num_experts),
+                                             put(x, P(None, "y")), ids)
+    assert found == set() and tuple(rows.sharding.spec) == (None, "y")
+    ref_rows, ref_sizes, ref_map = reference.permute(f64(x), ids, num_experts)
+    np.testing.assert_array_equal(np.asarray(rows, np.float64), np.asarray(ref_rows))
+    np.testing.assert_array_equal(np.asarray(sizes), np.asarray(ref_sizes))
+    np.testing.assert_array_equal(np.asarray(row_map), np.asarray(ref_map))

@@ -62,7 +62,8 @@ def test_logits_and_aux_shapes_and_dtypes(dtype):
     assert bool(jnp.all(jnp.isfinite(logits)))
     num_moe = len(config.moe_layers())
     assert num_moe == 2
-    for name in ("load_balancing_loss", "z_loss", "dropped_fraction", "max_over_mean"):
+    for name in ("load_balancing_loss", "sequence_balance_loss", "z_loss", "dropped_fraction",
+                 "max_over_mean"):
         value = getattr(aux, name)
         assert value.shape == (num_moe,) and value.dtype == jnp.float32, name
     assert aux.tokens_per_expert.shape == (num_moe, config.num_experts)
@@ -84,7 +85,8 @@ def test_aux_without_moe_layers_has_a_zero_leading_dimension():
     _, aux = model(random_tokens(config))
     assert aux.tokens_per_expert.shape == (0, config.num_experts)
     assert aux.tokens_per_expert.dtype == jnp.int32
-    for name in ("load_balancing_loss", "z_loss", "dropped_fraction", "max_over_mean"):
+    for name in ("load_balancing_loss", "sequence_balance_loss", "z_loss", "dropped_fraction",
+                 "max_over_mean"):
         assert getattr(aux, name).shape == (0,) and getattr(aux, name).dtype == jnp.float32
     assert aux.overflow.shape == () and aux.overflow.dtype == jnp.bool_ and not aux.overflow
 
@@ -92,7 +94,7 @@ def test_aux_without_moe_layers_has_a_zero_leading_dimension():
 def test_aux_is_a_pytree():
     _, aux = make_model(SMALL)(random_tokens(SMALL))
     assert isinstance(aux, ModelAux)
-    assert len(jax.tree.leaves(aux)) == 6
+    assert len(jax.tree.leaves(aux)) == 7
     # One device: no expert-parallel buffer, nothing can overflow.
     assert aux.overflow.shape == () and aux.overflow.dtype == jnp.bool_ and not aux.overflow
     doubled = jax.tree.map(lambda a: a * 2, aux)

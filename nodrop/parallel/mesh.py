@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import jax
+from flax import nnx
 from jax.sharding import AxisType, Mesh
 
 from nodrop._fields import is_int
@@ -128,7 +129,6 @@ def logical_metadata(axes: tuple[str, ...]) -> dict:
 
 def logical_param(value, axes: tuple[str, ...]):
     """nnx.Param(value) declaring the logical names of its axes, one per dimension."""
-    from flax import nnx  # here, not at the top: the mesh helpers need no flax
     if len(axes) != value.ndim:
         raise ValueError(f"axes must name each of the parameter's {value.ndim} dimensions, "
                          f"got {axes} for shape {tuple(value.shape)}")
@@ -174,7 +174,6 @@ def state_shardings(tree, mesh):
     parameters' Variables, metadata included, so they land where their parameter does; bare
     arrays (step counts) and Variables without names are replicated. Returns `tree`'s
     structure with Variables' values replaced by shardings."""
-    from flax import nnx
 
     def sharding(leaf):
         if isinstance(leaf, nnx.Variable):

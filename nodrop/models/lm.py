@@ -29,6 +29,7 @@ from flax import nnx
 from nodrop.models.config import ModelConfig
 from nodrop.moe import MoEAux, MoEBlock
 from nodrop.moe.block import residual_init, swiglu
+from nodrop.parallel.mesh import logical_metadata, logical_param
 
 
 @jax.tree_util.register_dataclass
@@ -109,8 +110,10 @@ def apply_rope(x, cos, sin):
 # --- layers ----------------------------------------------------------------------------------
 
 
-def _param(rngs: nnx.Rngs, init, shape, dtype) -> nnx.Param:
-    return nnx.Param(init(rngs.params(), shape, dtype))
+def _param(rngs: nnx.Rngs, init, shape, dtype, axes: tuple[str, ...]) -> nnx.Param:
+    """A parameter declaring the logical names of its axes (nodrop.parallel.LOGICAL_AXIS_RULES
+    maps them to the mesh)."""
+    return logical_param(init(rngs.params(), shape, dtype), axes)
 
 
 def attention_implementation(dtype, head_dim: int) -> str:
@@ -139,11 +142,14 @@ class Attention(nnx.Module):
         init = nnx.initializers.lecun_normal()
         q_width = config.num_heads * config.head_dim
         kv_width = config.num_kv_heads * config.head_dim
-        self.query = _param(rngs, init, (config.hidden, q_width), config.param_dtype)
-        self.key = _param(rngs, init, (config.hidden, kv_width), config.param_dtype)
-        self.value = _param(rngs, init, (config.hidden, kv_width), config.param_dtype)
+        self.query = _param(rngs, init, (config.hidden, q_width), config.param_dtype,
+                            ("embed", "heads"))
+        self.key = _param(rngs, init, (config.hidden, kv_width), config.param_dtype,
+                          ("embed", "kv_heads"))
+        self.value = _param(rngs, init, (config.hidden, kv_width), config.param_dtype,
+                            ("embed", "kv_heads"))
         self.output = _param(rngs, residual_init(config.residual_init_scale),
-                             (q_width, config.hidden), config.param_dtype)
+                             (q_width, config.hidden), config.param_dtype, ("heads", "embed"))
 
     def _qkv(self, x, cos, sin):
         """q [B, S, heads, D] and k, v [B, S, kv_heads, D] in config.dtype, q and k rotated."""
@@ -195,9 +201,9 @@ class DenseMLP(nnx.Module):
         self.config = config
         init = nnx.initializers.lecun_normal()
         self.gate_up = _param(rngs, init, (config.hidden, 2 * config.dense_ffn),
-                              config.param_dtype)
+                              config.param_dtype, ("embed", "mlp"))
         self.down = _param(rngs, residual_init(config.residual_init_scale),
-                           (config.dense_ffn, config.hidden), config.param_dtype)
+                           (config.dense_ffn, config.hidden), config.param_dtype, ("mlp", "embed"))
 
     def __call__(self, x):
         dtype = self.config.dtype
@@ -208,7 +214,8 @@ class DenseMLP(nnx.Module):
 def _rms_norm(config: ModelConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
     # dtype float32: the statistics and the scaled output are float32 whatever the compute dtype.
     return nnx.RMSNorm(config.hidden, epsilon=config.norm_eps, dtype=jnp.float32,
-                       param_dtype=config.param_dtype, rngs=rngs)
+                       param_dtype=config.param_dtype, rngs=rngs,
+                       scale_metadata=logical_metadata(("norm",)))
 
 
 class DecoderLayer(nnx.Module):
@@ -264,13 +271,14 @@ class MoELM(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         self.embedding = _param(rngs, nnx.initializers.normal(1.0),
-                                (config.vocab_size, config.hidden), config.param_dtype)
+                                (config.vocab_size, config.hidden), config.param_dtype,
+                                ("vocab", "embed"))
         self.layers = nnx.List([DecoderLayer(config, config.is_moe_layer(i), rngs=rngs)
                                 for i in range(config.num_layers)])
         self.final_norm = _rms_norm(config, rngs)
         self.lm_head = (None if config.tie_embeddings else _param(
             rngs, nnx.initializers.lecun_normal(), (config.hidden, config.vocab_size),
-            config.param_dtype))
+            config.param_dtype, ("embed", "vocab")))
 
     def moe_blocks(self) -> list[MoEBlock]:
         """The MoE layers' blocks in layer order (the trainer moves their expert_bias)."""

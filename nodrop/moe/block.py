@@ -29,7 +29,7 @@ from nodrop.ops.permute import permute, unpermute
 from nodrop.ops.router import SCORE_FUNCTIONS, topk_router
 from nodrop.parallel import expert as ep_exchange
 from nodrop.parallel.mesh import (EXPERT_AXIS, check_batch, check_experts, expert_shards,
-                                  token_axes)
+                                  logical_metadata, logical_param, token_axes)
 
 EXPERT_MATMULS = ("nodrop", "ragged_dot")
 # config.ops -> the implementation of each op the block calls.
@@ -224,17 +224,23 @@ class MoEBlock(nnx.Module):
         expert_init = nnx.initializers.lecun_normal(batch_axis=0)  # fan-in per expert
         expert_down_init = residual_init(config.residual_init_scale, batch_axis=0)
 
-        def param(init, shape):
-            return nnx.Param(init(rngs.params(), shape, config.param_dtype))
+        def param(init, shape, axes):
+            return logical_param(init(rngs.params(), shape, config.param_dtype), axes)
 
-        self.router = param(dense_init, (hidden, num_experts))
-        self.expert_bias = ExpertBias(jnp.zeros((num_experts,), jnp.float32))
-        self.gate_up = param(expert_init, (num_experts, hidden, 2 * ffn))
-        self.down = param(expert_down_init, (num_experts, ffn, hidden))
+        # Logical axis names (nodrop.parallel.LOGICAL_AXIS_RULES maps them to the mesh): the
+        # experts of gate_up and down are "expert"; the router's and the bias's expert axis is
+        # "routing", which the expert mesh axis does not split (every rank routes every token).
+        self.router = param(dense_init, (hidden, num_experts), ("embed", "routing"))
+        self.expert_bias = ExpertBias(jnp.zeros((num_experts,), jnp.float32),
+                                      **logical_metadata(("routing",)))
+        self.gate_up = param(expert_init, (num_experts, hidden, 2 * ffn),
+                             ("expert", "embed", "mlp"))
+        self.down = param(expert_down_init, (num_experts, ffn, hidden), ("expert", "mlp", "embed"))
         shared = config.shared_ffn
-        self.shared_gate_up = param(dense_init, (hidden, 2 * shared)) if shared else None
-        self.shared_down = (param(residual_init(config.residual_init_scale), (shared, hidden))
-                            if shared else None)
+        self.shared_gate_up = (param(dense_init, (hidden, 2 * shared), ("embed", "mlp"))
+                               if shared else None)
+        self.shared_down = (param(residual_init(config.residual_init_scale), (shared, hidden),
+                                  ("mlp", "embed")) if shared else None)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
         cfg = compute_config(self.config, x)

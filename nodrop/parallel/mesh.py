@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import jax
+from flax import nnx
 from jax.sharding import AxisType, Mesh
 
 from nodrop._fields import is_int
@@ -103,22 +104,81 @@ def check_experts(num_experts: int, mesh, *, name: str = "num_experts") -> None:
                          f"got {num_experts}")
 
 
-def state_spec(names: tuple[str, ...], shape: tuple[int, ...], mesh) -> jax.P:
-    """Where one array of the training state lives on `mesh`, from its key path `names` and
-    shape: the one rule for parameters and the optimizer state that mirrors them.
+# The logical axis names parameters declare (nnx variable metadata `out_sharding`, set by
+# `logical_param`) and the mesh axis each maps to: experts over `expert`; the axes of dense
+# weights FSDP candidates; norm scales nowhere. A name missing here is refused.
+LOGICAL_AXIS_RULES: dict[str, str | None] = {
+    "expert": EXPERT_AXIS,  # the experts of gate_up / down [E, ...]
+    "vocab": "fsdp",
+    "embed": "fsdp",
+    "heads": "fsdp",  # query heads x head_dim
+    "kv_heads": "fsdp",  # key / value heads x head_dim
+    "mlp": "fsdp",  # feed-forward width (gate and up, or down's input)
+    "routing": "fsdp",  # the router's (and expert bias's) experts: not split over `expert`
+    "norm": None,
+}
 
-    Expert weights (3-D `gate_up` or `down`, [E, ...]) are split over `expert`, as the
-    expert-parallel MoEBlock holds them, and within it over `fsdp` along their first other axis
-    that fsdp divides. With fsdp > 1 every other matrix is split over `fsdp` along its first axis
-    that fsdp divides (its gradients and Adam moments with it). The rest (norm scales, expert
-    biases, step counts, matrices fsdp divides nowhere) is replicated. XLA gathers an
-    fsdp-split weight where it is used and reduce-scatters its gradient.
+
+def logical_metadata(axes: tuple[str, ...]) -> dict:
+    """The nnx Variable metadata declaring a weight's logical axis names: pass it as keywords
+    to a Variable (`nnx.Param(value, **logical_metadata(("embed", "mlp")))`) or as a module's
+    `*_metadata`. Not sharded at creation (eager_sharding off): the names are logical, the
+    placement is chosen by `logical_spec` when a mesh is known."""
+    return {"out_sharding": tuple(axes), "eager_sharding": False}
+
+
+def logical_param(value, axes: tuple[str, ...]):
+    """nnx.Param(value) declaring the logical names of its axes, one per dimension."""
+    if len(axes) != value.ndim:
+        raise ValueError(f"axes must name each of the parameter's {value.ndim} dimensions, "
+                         f"got {axes} for shape {tuple(value.shape)}")
+    return nnx.Param(value, **logical_metadata(axes))
+
+
+def logical_spec(axes: tuple[str, ...] | None, shape: tuple[int, ...], mesh) -> jax.P:
+    """Where an array whose dimensions have the logical names `axes` lives on `mesh`, by
+    LOGICAL_AXIS_RULES: the one rule for parameters and the optimizer state that mirrors them.
+
+    A dimension named for `expert` is split over it (E divides by it: check_experts). With
+    fsdp > 1 a matrix (2 dimensions or more) is split over `fsdp` along its first dimension
+    whose name maps to fsdp and whose size fsdp divides (gradients and Adam moments with it);
+    XLA gathers it where it is used and reduce-scatters its gradient. Vectors (norm scales,
+    expert biases), matrices fsdp divides nowhere and arrays without names (axes None: step
+    counts) are replicated.
     """
-    experts = len(shape) == 3 and bool(names) and names[-1] in ("gate_up", "down")
-    leading = (EXPERT_AXIS,) if experts else ()
+    if axes is None:
+        return jax.P()
+    if len(axes) != len(shape):
+        raise ValueError(f"axes must name each of the {len(shape)} dimensions, got {axes} "
+                         f"for shape {tuple(shape)}")
+    unknown = [name for name in axes if name not in LOGICAL_AXIS_RULES]
+    if unknown:
+        raise ValueError(f"logical axis names must be ones of LOGICAL_AXIS_RULES "
+                         f"({sorted(LOGICAL_AXIS_RULES)}), got {unknown[0]!r} in {axes}")
+    spec = [EXPERT_AXIS if LOGICAL_AXIS_RULES[name] == EXPERT_AXIS else None for name in axes]
     fsdp = mesh.shape["fsdp"]
     if fsdp > 1 and len(shape) >= 2:
-        for axis in range(len(leading), len(shape)):
-            if shape[axis] % fsdp == 0:
-                return jax.P(*leading, *(None,) * (axis - len(leading)), "fsdp")
-    return jax.P(*leading)
+        for dim, name in enumerate(axes):
+            if LOGICAL_AXIS_RULES[name] == "fsdp" and spec[dim] is None and shape[dim] % fsdp == 0:
+                spec[dim] = "fsdp"
+                break
+    while spec and spec[-1] is None:
+        spec.pop()
+    return jax.P(*spec)
+
+
+def state_shardings(tree, mesh):
+    """The NamedSharding of every array of `tree` (a model's nnx.State, an optimizer state
+    built from one, or a tuple of them; arrays or jax.ShapeDtypeStructs), from the logical
+    axis names its nnx Variables carry (logical_spec). Optimizer moments mirror the
+    parameters' Variables, metadata included, so they land where their parameter does; bare
+    arrays (step counts) and Variables without names are replicated. Returns `tree`'s
+    structure with Variables' values replaced by shardings."""
+
+    def sharding(leaf):
+        if isinstance(leaf, nnx.Variable):
+            axes = leaf.get_metadata().get("out_sharding") or None
+            return leaf.replace(jax.NamedSharding(mesh, logical_spec(axes, leaf.shape, mesh)))
+        return jax.NamedSharding(mesh, jax.P())
+
+    return jax.tree.map(sharding, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))

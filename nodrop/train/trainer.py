@@ -6,8 +6,8 @@ nodrop.parallel.make_mesh); or several processes (nodrop.parallel.distributed) o
 all their devices, each reading its own batch rows, process 0 alone writing the run folder. The state is three pytrees split off the Flax NNX model: params
 (float32 masters, trained by AdamW), model_state (the MoE layers' expert biases, moved by the
 aux-loss-free rule, not by gradients) and the optimizer state. The jitted step takes and returns
-them with their buffers donated; on a mesh they carry the NamedShardings of
-nodrop.parallel.state_spec and the batch is split over data x fsdp x expert.
+them with their buffers donated; on a mesh they carry the NamedShardings the parameters'
+logical axis names map to (nodrop.parallel.state_shardings) and the batch is split over data x fsdp x expert.
 
 Expert parallelism's receive buffers are bounded (ModelConfig.ep_buffer_factor). A step whose
 buffers overflow changes nothing, decided on the device, and so does every step queued after it
@@ -46,7 +46,8 @@ from flax import nnx
 import nodrop
 from nodrop.models import ModelConfig, MoELM
 from nodrop.moe import updated_expert_bias
-from nodrop.parallel import check_batch, check_experts, distributed, make_mesh, state_spec
+from nodrop.parallel import (check_batch, check_experts, distributed, make_mesh,
+                             state_shardings)
 from nodrop.parallel.mesh import token_axes
 from nodrop.train import data, environment, lock, plots, tokenizer
 from nodrop.train.checkpoint import CheckpointError, Checkpoints, NoCheckpoints
@@ -564,15 +565,10 @@ def _shardings(abstract):
     return jax.tree.map(lambda leaf: leaf.sharding, abstract)
 
 
-def _key_names(path) -> tuple[str, ...]:
-    return tuple(str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key))))
-                 for key in path)
-
-
 def _state_structure(config: TrainConfig, model_config: ModelConfig, tx, device, mesh=None):
     """(graphdef, init, abstract): the model's graph, a function that initialises the state
     pytrees (params, opt_state, model_state) from config.seed, and their abstract values on
-    `device`, or on `mesh` as nodrop.parallel.state_spec places them (shapes and shardings
+    `device`, or on `mesh` as nodrop.parallel.state_shardings places them (shapes and shardings
     only: the restore target, and what the steps compile for)."""
 
     def init():
@@ -580,17 +576,14 @@ def _state_structure(config: TrainConfig, model_config: ModelConfig, tx, device,
         _, params, model_state = nnx.split(model, nnx.Param, ...)
         return params, tx.init(params), model_state
 
-    def sharding(path, leaf):
-        if mesh is None:
-            return jax.sharding.SingleDeviceSharding(device)
-        # Names with "value" dropped: nnx.State keeps a Variable's array under it in some
-        # layouts.
-        names = tuple(name for name in _key_names(path) if name != "value")
-        return jax.NamedSharding(mesh, state_spec(names, leaf.shape, mesh))
-
-    abstract = jax.tree_util.tree_map_with_path(
-        lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(path, x)),
-        jax.eval_shape(init))
+    shapes = jax.eval_shape(init)
+    # On a mesh, every array where the logical axis names of its nnx Variable put it (Adam's
+    # moments are built from the params' Variables and carry the same names); no names matched.
+    shardings = (jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), shapes)
+                 if mesh is None else state_shardings(shapes, mesh))
+    abstract = jax.tree.map(
+        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        shapes, shardings)
     return _graphdef(model_config), init, abstract
 
 

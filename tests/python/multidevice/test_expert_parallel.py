@@ -19,7 +19,7 @@ from flax import nnx
 
 import nodrop
 from nodrop.moe import MoEBlock, MoEConfig
-from nodrop.parallel import make_mesh, state_spec
+from nodrop.parallel import make_mesh, state_shardings
 from nodrop.parallel.mesh import token_axes
 from nodrop.parallel.expert import pair_capacity
 
@@ -128,7 +128,7 @@ def test_expert_parallel_block_equals_single_device(mesh, routing):
 @pytest.mark.parametrize("spec", ["data=8", "fsdp=8", "data=2,fsdp=4", "data=2,fsdp=2,expert=2"])
 def test_block_on_a_sharded_batch_and_sharded_weights_equals_single_device(spec, routing):
     """Data parallelism and FSDP as the trainer lays them out: the batch split over the token
-    axes, every weight where nodrop.parallel.state_spec puts it (matrices over fsdp, experts over
+    axes, every weight where nodrop.parallel.state_shardings puts it (matrices over fsdp, experts over
     expert). Output, statistics and gradients are the single-device block's."""
     config = dataclasses.replace(SOFTMAX_TOP2, ep_buffer_factor=None)
     mesh = make_mesh(spec)
@@ -139,9 +139,8 @@ def test_block_on_a_sharded_batch_and_sharded_weights_equals_single_device(spec,
 
     block = make_block(config, routing)
     graphdef, params, rest = nnx.split(block, nnx.Param, ...)
-    placed = {name: jax.device_put(value, jax.NamedSharding(
-        mesh, state_spec((name,), value.shape, mesh))) for name, value in
-        nnx.to_pure_dict(params).items()}
+    placed = jax.device_put(nnx.to_pure_dict(params),
+                            nnx.to_pure_dict(state_shardings(params, mesh)))
     if spec != "data=8":  # something is split beyond the batch
         assert any(not value.sharding.is_fully_replicated for value in placed.values())
     nnx.replace_by_pure_dict(params, placed)

@@ -10,8 +10,14 @@ import jax
 import pytest
 from jax.sharding import AxisType
 
-from nodrop.parallel import (AXES, check_batch, check_experts, make_mesh, parse_mesh_spec,
-                             state_spec)
+from flax import nnx
+
+from nodrop.models.config import preset
+from nodrop.moe import MoEBlock, MoEConfig
+from nodrop.parallel import (AXES, check_batch, check_experts, logical_param, logical_spec,
+                             make_mesh, parse_mesh_spec)
+from nodrop.train import trainer
+from nodrop.train.config import TrainConfig
 
 
 def test_mesh_from_a_spec_and_from_keywords():
@@ -80,20 +86,90 @@ def test_experts_and_batch_must_divide_over_the_mesh():
     check_experts(3, make_mesh("data=8"))  # no experts to split
 
 
-def test_state_spec_splits_experts_over_expert_and_fsdp_and_matrices_over_fsdp():
+def test_logical_spec_splits_experts_over_expert_and_fsdp_and_matrices_over_fsdp():
     mesh = make_mesh("fsdp=2,expert=4")
-    layer = ("params", "layers", "0", "ffn")
+    experts = ("expert", "embed", "mlp")
     # Experts over expert, and within it over fsdp along their first other axis it divides.
-    assert state_spec((*layer, "gate_up"), (8, 128, 512), mesh) == jax.P("expert", "fsdp")
-    assert state_spec(("opt_state", "0", "mu", *layer[1:], "down"), (8, 256, 128),
-                      mesh) == jax.P("expert", "fsdp")
-    assert state_spec((*layer, "down"), (8, 3, 128), mesh) == jax.P("expert", None, "fsdp")
-    assert state_spec((*layer, "down"), (8, 3, 5), mesh) == jax.P("expert")
-    assert state_spec((*layer, "gate_up"), (8, 128, 512),
-                      make_mesh("data=2,expert=4")) == jax.P("expert")
-    assert state_spec((*layer, "router"), (128, 8), mesh) == jax.P("fsdp")
-    # The first axis fsdp divides; none: replicated.
-    assert state_spec(("params", "embedding"), (255, 128), mesh) == jax.P(None, "fsdp")
-    assert state_spec(("params", "odd"), (3, 5), mesh) == jax.P()
-    assert state_spec(("params", "final_norm", "scale"), (128,), mesh) == jax.P()
-    assert state_spec((*layer, "router"), (128, 8), make_mesh("data=2,expert=4")) == jax.P()
+    assert logical_spec(experts, (8, 128, 512), mesh) == jax.P("expert", "fsdp")
+    assert logical_spec(("expert", "mlp", "embed"), (8, 3, 128), mesh) == jax.P(
+        "expert", None, "fsdp")
+    assert logical_spec(experts, (8, 3, 5), mesh) == jax.P("expert")
+    assert logical_spec(experts, (8, 128, 512), make_mesh("data=2,expert=4")) == jax.P("expert")
+    # The router's experts are "routing": fsdp may split them, expert never does.
+    assert logical_spec(("embed", "routing"), (128, 8), mesh) == jax.P("fsdp")
+    assert logical_spec(("embed", "routing"), (3, 8), mesh) == jax.P(None, "fsdp")
+    assert logical_spec(("embed", "routing"), (128, 8), make_mesh("data=2,expert=4")) == jax.P()
+    # The first axis fsdp divides; none: replicated. Vectors and unnamed arrays: replicated.
+    assert logical_spec(("vocab", "embed"), (255, 128), mesh) == jax.P(None, "fsdp")
+    assert logical_spec(("embed", "mlp"), (3, 5), mesh) == jax.P()
+    assert logical_spec(("routing",), (8,), mesh) == jax.P()
+    assert logical_spec(("norm",), (128,), mesh) == jax.P()
+    assert logical_spec(None, (), mesh) == jax.P()
+
+
+def test_logical_spec_refuses_names_outside_the_rules_and_a_wrong_count():
+    mesh = make_mesh("fsdp=8")
+    with pytest.raises(ValueError, match="^logical axis names must be ones of LOGICAL_AXIS_RULES"
+                       r" \(.*\), got 'hidden' in \('hidden', 'mlp'\)$"):
+        logical_spec(("hidden", "mlp"), (128, 512), mesh)
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "axes must name each of the 2 dimensions, got ('embed',) for shape (128, 512)")):
+        logical_spec(("embed",), (128, 512), mesh)
+    with pytest.raises(ValueError, match="^axes must name each of the parameter's 1 dim"):
+        logical_param(jax.numpy.zeros(3), ("embed", "mlp"))
+
+
+def test_a_moe_block_declares_the_logical_names_of_its_axes():
+    """A user's own NNX model built of MoEBlocks gets the annotations: nnx.get_partition_spec
+    reads them."""
+    block = MoEBlock(MoEConfig(num_experts=4, hidden=8, ffn=16, k=2, shared_ffn=8),
+                     rngs=nnx.Rngs(0))
+    specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(block)))
+    assert specs == {"router": jax.P("embed", "routing"), "expert_bias": jax.P("routing"),
+                     "gate_up": jax.P("expert", "embed", "mlp"),
+                     "down": jax.P("expert", "mlp", "embed"),
+                     "shared_gate_up": jax.P("embed", "mlp"), "shared_down": jax.P("mlp", "embed")}
+    # Under a mesh the block is built as on one device: the names are logical, not mesh axes.
+    with jax.set_mesh(make_mesh("fsdp=2,expert=4")):
+        built = MoEBlock(MoEConfig(num_experts=4, hidden=8, ffn=16, k=2), rngs=nnx.Rngs(0))
+    assert built.gate_up.get_metadata()["out_sharding"] == ("expert", "embed", "mlp")
+    assert built.gate_up[...].sharding.is_fully_replicated
+
+
+# Every array of the training state by its name and rank: (placement with fsdp > 1, without).
+# Three-dimensional gate_up / down are the experts; two-dimensional ones the dense or shared FFN.
+PLACEMENTS = {
+    ("gate_up", 3): (jax.P("expert", "fsdp"), jax.P("expert")),
+    ("down", 3): (jax.P("expert", "fsdp"), jax.P("expert")),
+    **{(name, 2): (jax.P("fsdp"), jax.P()) for name in (
+        "embedding", "lm_head", "query", "key", "value", "output", "router", "gate_up", "down",
+        "shared_gate_up", "shared_down")},
+    ("scale", 1): (jax.P(), jax.P()),
+    ("expert_bias", 1): (jax.P(), jax.P()),
+    ("count", 0): (jax.P(), jax.P()),
+}
+
+
+@pytest.mark.parametrize("spec", ["fsdp=2,expert=4", "data=2,expert=4", "fsdp=8",
+                                  "fsdp=4,expert=2", "data=8"])
+@pytest.mark.parametrize("name", ["tiny", "deepseek"])
+def test_the_training_state_lands_where_the_name_based_rule_put_it(name, spec):
+    """The trainer's placements, from the parameters' logical names, of the params, the Adam
+    moments and the expert biases: those of the rule by key names it replaced."""
+    config, model, mesh = TrainConfig(), preset(name), make_mesh(spec)
+    _, _, abstract = trainer._state_structure(config, model, trainer.optimizer(config),
+                                              jax.devices()[0], mesh)
+    fsdp = mesh.shape["fsdp"] > 1
+    seen = set()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract):
+        names = [str(getattr(key, "key", getattr(key, "name", ""))) for key in path]
+        # The last dict key names a parameter (a Variable's own `.value` is an attribute); an
+        # optimizer's step count is the attribute `count`.
+        keys = [key.key for key in path if isinstance(key, jax.tree_util.DictKey)]
+        leaf_name = keys[-1] if keys else names[-1]
+        want = PLACEMENTS[(leaf_name, leaf.ndim)][0 if fsdp else 1]
+        assert leaf.sharding.spec == want, jax.tree_util.keystr(path)
+        seen.add((leaf_name, "mu" in names or "nu" in names))
+    assert ("gate_up", True) in seen and ("embedding", True) in seen  # the moments, checked
+    if name == "deepseek":
+        assert ("shared_down", True) in seen and ("gate_up", False) in seen

@@ -163,7 +163,7 @@ def generate(args: argparse.Namespace) -> int:
             check_sampling(**settings)
         except ValueError as error:
             raise flag_error(error) from None
-        loaded = serve.load(args.run_dir, step=args.step)
+        loaded = serve.load(args.run_dir, step=args.step, tokenizer=args.tokenizer)
         try:
             tokens = sample(loaded, loaded.encode(args.prompt), seed=args.seed, **settings)
         except ValueError as error:
@@ -258,6 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
         "generate", help="sample text from a trained model (KV cache; greedy at temperature 0)")
     _add_use_arguments(generate_parser)
     generate_parser.add_argument("--prompt", required=True, metavar="TEXT")
+    generate_parser.add_argument(
+        "--tokenizer", metavar="FILE",
+        help="a Hugging Face tokenizer.json to read the prompt and write the text with (a model "
+             "trained on token ids needs the one its ids come from; default: the run's own)")
     generate_parser.add_argument("--max-tokens", type=int, default=100, metavar="N")
     generate_parser.add_argument("--temperature", type=float, default=1.0, metavar="T",
                                  help="0: greedy (default 1)")

@@ -40,7 +40,8 @@ class Loaded:
     """A trained model ready to run, with what it was trained with.
 
     saved: the run's config.json ({"train": ..., "model": ...}): the data and evaluation settings.
-    tokenizer: the run's subword tokenizer; None where it trained on bytes.
+    tokenizer: the run's subword tokenizer (or the one given to `load`); None where it trained on
+      bytes, or on token ids that nodrop cannot turn into text.
     """
 
     model: MoELM
@@ -53,35 +54,61 @@ class Loaded:
     def vocabulary(self) -> int:
         """The ids that mean something: the tokenizer's, or the 256 bytes."""
         if self.tokenizer is None:
+            self._require_text()
             return min(256, self.config.vocab_size)
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
+            self._require_text()
             return list(text.encode("utf-8"))
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int]) -> str:
         if self.tokenizer is None:
+            self._require_text()
             return bytes(ids).decode("utf-8", errors="replace")
         return self.tokenizer.decode(list(ids))
 
+    def _require_text(self) -> None:
+        """Without a tokenizer only a model of bytes reads and writes text (runs saved before
+        config.json said what its tokens are trained on bytes or a saved tokenizer)."""
+        if self.saved.get("tokens") == "token ids":
+            raise LoadError(
+                f"the model was trained on token ids from {self.saved['data']['source']} with no "
+                f"tokenizer (vocabulary {self.config.vocab_size}): nodrop cannot turn text into "
+                "them; give the Hugging Face tokenizer.json they come from (nodrop generate "
+                "--tokenizer FILE, nodrop.load(..., tokenizer=FILE); GPT-2's for nanoGPT's "
+                "openwebtext)")
+
 
 def load(path: str | os.PathLike[str], *, step: int | None = None,
-         **model_changes: Any) -> Loaded:
+         tokenizer: str | os.PathLike[str] | None = None, **model_changes: Any) -> Loaded:
     """The model of a run folder (its newest checkpoint, or `step`'s) or of an export folder.
 
-    model_changes replace ModelConfig fields that keep the weights as they are
+    tokenizer: a Hugging Face tokenizer.json to read and write text with instead of the run's
+    own (for a model trained on token ids, such as nanoGPT's GPT-2 ids); its vocabulary must fit
+    the model's. model_changes replace ModelConfig fields that keep the weights as they are
     (capacity_factor, moe_matmul, dtype, remat). Raises LoadError for a folder that is neither;
     a run folder's errors are the trainer's (ConfigError, CheckpointError).
     """
     path = Path(path)
     if (path / WEIGHTS_FILE).is_file():
-        return _load_export(path, step, model_changes)
-    if (path / CONFIG_FILE).is_file():
-        return _load_run(path, step, model_changes)
-    raise LoadError(f"{path} is neither a run folder (config.json, checkpoints/) nor an export "
-                    f"folder ({WEIGHTS_FILE}, config.json)")
+        loaded = _load_export(path, step, model_changes)
+    elif (path / CONFIG_FILE).is_file():
+        loaded = _load_run(path, step, model_changes)
+    else:
+        raise LoadError(f"{path} is neither a run folder (config.json, checkpoints/) nor an "
+                        f"export folder ({WEIGHTS_FILE}, config.json)")
+    if tokenizer is None:
+        return loaded
+    from nodrop.train import tokenizer as tokenizers
+    given = tokenizers.load(tokenizer)
+    size = given.get_vocab_size(with_added_tokens=True)
+    if size > loaded.config.vocab_size:
+        raise LoadError(f"tokenizer: {tokenizer} has {size} tokens, more than the model's "
+                        f"vocabulary of {loaded.config.vocab_size}")
+    return dataclasses.replace(loaded, tokenizer=given)
 
 
 def _load_run(run_dir: Path, step: int | None, model_changes: dict[str, Any]) -> Loaded:

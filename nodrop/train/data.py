@@ -69,6 +69,12 @@ class Dataset:
     tokenizer: dict | None = None  # what encoded text into these tokens (None: nothing did)
     meta: str | None = None  # nanoGPT's meta.pkl beside the token files, where there is one
 
+    @property
+    def encoding(self) -> str:
+        """What a token id means: "tokenizer" (the run's tokenizer's), "bytes" (a byte of
+        text) or "token ids" (whatever produced the files: nodrop cannot turn them into text)."""
+        return "tokenizer" if self.tokenizer else "bytes" if self.text else "token ids"
+
     def describe(self) -> dict:
         """JSON-safe summary, also used on resume to notice that the data changed."""
         described = {"source": self.source, "split": self.split,

@@ -424,7 +424,8 @@ def _run(overrides, *, run_dir, resume, resume_from, progress, dataset, echo) ->
             raise ConfigError(f"--steps {config.steps} is below the checkpoint's step {start}")
         _write_json(run_dir / CONFIG_FILE, {
             "train": config.to_dict(), "model": model_config.to_dict(),
-            "data": dataset.describe(), "environment": environment.record(devices)})
+            "data": dataset.describe(), "tokens": dataset.encoding,
+            "environment": environment.record(devices)})
         if start is None:
             if resume:
                 echo(f"nodrop train: {run_dir} has no complete checkpoint; starting from step 0")

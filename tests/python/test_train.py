@@ -32,8 +32,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import nodrop
-from nodrop import cli
-from nodrop.train import compare, data, lock, plots, trainer
+from nodrop import cli, serve
+from nodrop.train import compare, data, lock, plots, tokenizer, trainer
 from nodrop.train.config import ConfigError, build, check_backend, overrides_from_args
 from nodrop.train.metrics import read_jsonl
 
@@ -601,7 +601,7 @@ def token_flags(folder: Path, **changes) -> list[str]:
 
 
 def test_gpt2_token_ids_train_resume_and_evaluate_with_the_vocabulary_they_need(tmp_path,
-                                                                               capsys):
+                                                                               capsys, reference):
     """nanoGPT's openwebtext layout: train.bin and val.bin of GPT-2 ids, no meta.pkl."""
     folder = tmp_path / "openwebtext"
     folder.mkdir()
@@ -631,6 +631,22 @@ def test_gpt2_token_ids_train_resume_and_evaluate_with_the_vocabulary_they_need(
     loaded = nodrop.load(run_dir)
     assert loaded.config.vocab_size == 50304 and loaded.step == 6
     assert loaded.model.embedding[...].shape == (50304, 32)
+    assert json.loads((run_dir / "config.json").read_text())["tokens"] == "token ids"
+    # Text in and out needs the tokenizer the ids come from, never a silent byte encoding.
+    code, out, err = run_cli(capsys, "generate", "--run", str(run_dir), "--prompt", "Hi",
+                             "--max-tokens", "3")
+    assert code == 2 and "trained on token ids" in err and "--tokenizer FILE" in err, err
+    tokenizer_file = tmp_path / "tokenizer.json"
+    tokenizer.train_bpe(np.frombuffer(b"hello world, " * 200, np.uint8), 300).save(
+        str(tokenizer_file))
+    code, out, err = run_cli(capsys, "generate", "--run", str(run_dir), "--prompt", "Hi",
+                             "--max-tokens", "3", "--tokenizer", str(tokenizer_file))
+    assert code == 0 and out.startswith("Hi"), err
+    small = tmp_path / "small-tokenizer.json"
+    tokenizer.train_bpe(np.frombuffer(b"ab" * 100, np.uint8), 258).save(str(small))
+    with pytest.raises(serve.LoadError, match="tokenizer: .* has 258 tokens, more than the "
+                                              "model's vocabulary of 256"):
+        nodrop.load(reference, tokenizer=small)  # a model of bytes
 
 
 def test_a_char_level_folder_takes_its_vocabulary_from_meta_pkl(tmp_path, capsys):

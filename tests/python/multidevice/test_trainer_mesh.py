@@ -6,7 +6,12 @@ batches are refused before anything compiles, and a run resumed on its mesh cont
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import devices  # noqa: F401  (first: 8 host devices)
@@ -154,6 +159,41 @@ def test_bad_meshes_and_batches_are_refused_before_anything_compiles(
     assert err.strip().splitlines()[-1] == f"nodrop train: error: {message}", err
     assert "Traceback" not in err
     assert not out.exists()
+
+
+def test_kill_9_on_the_mesh_then_resume_gives_the_same_numbers(runs, tmp_path, text_file):
+    """`python -m nodrop train --mesh` (8 host devices) killed with SIGKILL after its step-10
+    checkpoint and resumed ends with the numbers of the uninterrupted run of this process."""
+    want = runs(EP_MESH, "--mesh", EP_MESH)
+    killed = tmp_path / "killed"
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices.NUM_DEVICES)}
+
+    def nodrop_train(*extra: str, log: str) -> subprocess.Popen:
+        # From tmp_path: from the repository root, `-m nodrop` would import the source tree.
+        with open(tmp_path / log, "w") as out:
+            return subprocess.Popen(
+                [sys.executable, "-m", "nodrop", "train", *flags(text_file, "--mesh", EP_MESH),
+                 "--out", str(killed), *extra], stdout=out, stderr=subprocess.STDOUT,
+                cwd=tmp_path, env=env)
+
+    proc = nodrop_train(log="killed.log")
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline and not (
+            (killed / "checkpoints" / "10").is_dir()):
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL, (tmp_path / "killed.log").read_text()
+    assert records(killed, "train")[-1]["step"] < STEPS, "finished before it could be killed"
+
+    proc = nodrop_train("--resume", log="resume.log")
+    assert proc.wait(timeout=300) == 0, (tmp_path / "resume.log").read_text()
+    assert "resuming" in (tmp_path / "resume.log").read_text()
+    timing = {"elapsed_s"}
+    for kind in ("train", "eval", "final"):
+        got = [{k: v for k, v in r.items() if k not in timing} for r in records(killed, kind)]
+        assert got == [{k: v for k, v in r.items() if k not in timing}
+                       for r in records(want, kind)], kind
+    assert_states_close(final_state(killed), final_state(want), rtol=0)
 
 
 def test_resume_on_the_mesh_continues_exactly(runs, tmp_path):

@@ -410,15 +410,15 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # The top-level keys of a run folder's config.json; only "train" configures (the model is the
-# preset with train.model_overrides, "data" and "environment" describe the run).
-RUN_CONFIG_KEYS = ("train", "model", "data", "environment")
+# preset with train.model_overrides; "data", "tokens" and "environment" describe the run).
+RUN_CONFIG_KEYS = ("train", "model", "data", "tokens", "environment")
 
 
 def read_config_file(path: str) -> dict[str, Any]:
     """The TrainConfig fields of a --config file: JSON, or YAML (.yaml, .yml; needs PyYAML).
     The file is either a run folder's config.json, whose "train" record is taken (its "model",
-    "data" and "environment" are records of the run, not settings), or a mapping of TrainConfig
-    fields. Unknown keys are refused, naming them."""
+    "data", "tokens" and "environment" are records of the run, not settings), or a mapping of
+    TrainConfig fields. Unknown keys are refused, naming them."""
     try:
         text = open(path, encoding="utf-8").read()
     except OSError as error:

@@ -128,8 +128,8 @@ def test_expert_parallel_block_equals_single_device(mesh, routing):
 @pytest.mark.parametrize("spec", ["data=8", "fsdp=8", "data=2,fsdp=4", "data=2,fsdp=2,expert=2"])
 def test_block_on_a_sharded_batch_and_sharded_weights_equals_single_device(spec, routing):
     """Data parallelism and FSDP as the trainer lays them out: the batch split over the token
-    axes, every weight where nodrop.parallel.state_shardings puts it (matrices over fsdp, experts over
-    expert). Output, statistics and gradients are the single-device block's."""
+    axes, every weight where nodrop.parallel.state_shardings puts it (matrices over fsdp,
+    experts over expert). Output, statistics and gradients are the single-device block's."""
     config = dataclasses.replace(SOFTMAX_TOP2, ep_buffer_factor=None)
     mesh = make_mesh(spec)
     x = tokens(0)

@@ -21,16 +21,14 @@ from pathlib import Path
 
 import devices  # noqa: F401  (first: 8 host devices, for the in-process reference)
 import needs_train  # noqa: F401  (skips this module without nodrop[train])
-import jax
+from runs import assert_states_close, losses, records, restored_state
 import numpy as np
 import pytest
 
 from nodrop import cli
 from nodrop.parallel import distributed
 from nodrop.train import data, trainer
-from nodrop.train.checkpoint import Checkpoints
 from nodrop.train.config import ConfigError, overrides_from_args
-from nodrop.train.metrics import read_jsonl
 
 MESH = "data=2,expert=2"
 STEPS = 6
@@ -57,30 +55,12 @@ def train(run_dir: Path, argv: list[str]) -> None:
     trainer.run(overrides_from_args(args), out=run_dir, progress=False, echo=lambda *_: None)
 
 
-def records(run_dir: Path, kind: str) -> list[dict]:
-    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == kind]
 
 
-def losses(run_dir: Path) -> np.ndarray:
-    return np.array([r["loss"] for r in records(run_dir, "train")])
 
 
-def final(run_dir: Path) -> dict:
-    """The checkpoint of the last step, restored onto one device of this process."""
-    config, model = trainer.run_config(run_dir)
-    _, _, abstract = trainer._state_structure(config, model, trainer.optimizer(config),
-                                              jax.devices()[0])
-    checkpoints = Checkpoints(run_dir / "checkpoints", config.keep_checkpoints)
-    try:
-        return checkpoints.restore(STEPS, trainer._checkpoint_tree(*abstract))[0]
-    finally:
-        checkpoints.close()
 
 
-def assert_states_close(got: dict, want: dict, rtol: float) -> None:
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=rtol,
-                                   err_msg=jax.tree_util.keystr(path))
 
 
 def free_port() -> int:
@@ -215,7 +195,8 @@ def test_two_processes_reach_the_losses_of_one_process_and_one_device(runs):
     assert trainer.run_config(two)[0].mesh == MESH
     assert not (two / ".nodrop.lock").read_text()  # released
     # The checkpoint the two processes saved together restores whole, onto one device.
-    assert_states_close(final(two), final(runs("one device")), rtol=1e-4)
+    assert_states_close(restored_state(two, STEPS), restored_state(runs("one device"), STEPS),
+                        rtol=1e-4)
 
 
 def test_a_checkpoint_of_one_process_resumes_on_two(runs):
@@ -224,7 +205,7 @@ def test_a_checkpoint_of_one_process_resumes_on_two(runs):
     resumed, whole = runs("one process, resumed on two"), runs("one process")
     assert [r["step"] for r in records(resumed, "train")] == list(range(1, STEPS + 1))
     np.testing.assert_allclose(losses(resumed), losses(whole), rtol=1e-6)
-    assert_states_close(final(resumed), final(whole), rtol=1e-5)
+    assert_states_close(restored_state(resumed, STEPS), restored_state(whole, STEPS), rtol=1e-5)
 
 
 def test_a_signal_to_process_0_stops_both_at_one_step(tmp_path, text_file):

@@ -16,15 +16,14 @@ from pathlib import Path
 
 import devices  # noqa: F401  (first: 8 host devices)
 import needs_train  # noqa: F401  (skips this module without nodrop[train])
+from runs import assert_states_close, losses, records, restored_state
 import jax
 import numpy as np
 import pytest
 
 from nodrop import cli
 from nodrop.train import data, trainer
-from nodrop.train.checkpoint import Checkpoints
 from nodrop.train.config import overrides_from_args
-from nodrop.train.metrics import read_jsonl
 
 STEPS = 20
 EP_MESH = "data=2,expert=4"
@@ -50,31 +49,12 @@ def train(run_dir: Path, argv: list[str]) -> Path:
     return run_dir
 
 
-def records(run_dir: Path, kind: str) -> list[dict]:
-    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == kind]
 
 
-def losses(run_dir: Path) -> np.ndarray:
-    return np.array([r["loss"] for r in records(run_dir, "train")])
 
 
-def final_state(run_dir: Path) -> dict:
-    """The checkpoint of the last step, restored onto one device."""
-    config, model = trainer.run_config(run_dir)
-    _, _, abstract = trainer._state_structure(config, model, trainer.optimizer(config),
-                                              jax.devices()[0])
-    checkpoints = Checkpoints(run_dir / "checkpoints", config.keep_checkpoints)
-    try:
-        state, _ = checkpoints.restore(STEPS, trainer._checkpoint_tree(*abstract))
-    finally:
-        checkpoints.close()
-    return state
 
 
-def assert_states_close(got: dict, want: dict, rtol: float) -> None:
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=rtol,
-                                   err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +80,8 @@ def test_a_mesh_reaches_the_single_device_losses(runs, mesh):
     np.testing.assert_allclose([r["val_loss"] for r in records(meshed, "eval")],
                                [r["val_loss"] for r in records(single, "eval")], rtol=2e-5)
     assert all(v == 0 for r in records(meshed, "train") for v in r["dropped_fraction"])
-    assert_states_close(final_state(meshed), final_state(single), rtol=1e-4)
+    assert_states_close(restored_state(meshed, STEPS), restored_state(single, STEPS),
+                        rtol=1e-4)
 
 
 def test_an_overflowing_step_changes_nothing_and_reruns_with_a_larger_buffer(runs):
@@ -123,7 +104,7 @@ def test_an_overflowing_step_changes_nothing_and_reruns_with_a_larger_buffer(run
     assert [r["step"] for r in records(small, "train")] == list(range(1, STEPS + 1))
     np.testing.assert_allclose(losses(small), losses(worst), rtol=1e-6)
     assert all(v == 0 for r in records(small, "train") for v in r["dropped_fraction"])
-    small_state, worst_state = final_state(small), final_state(worst)
+    small_state, worst_state = restored_state(small, STEPS), restored_state(worst, STEPS)
     assert_states_close(small_state, worst_state, rtol=1e-6)
     counts = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(
         small_state["opt_state"])[0] if "count" in jax.tree_util.keystr(path)]
@@ -193,7 +174,7 @@ def test_kill_9_on_the_mesh_then_resume_gives_the_same_numbers(runs, tmp_path, t
         got = [{k: v for k, v in r.items() if k not in timing} for r in records(killed, kind)]
         assert got == [{k: v for k, v in r.items() if k not in timing}
                        for r in records(want, kind)], kind
-    assert_states_close(final_state(killed), final_state(want), rtol=0)
+    assert_states_close(restored_state(killed, STEPS), restored_state(want, STEPS), rtol=0)
 
 
 def test_resume_on_the_mesh_continues_exactly(runs, tmp_path):
@@ -201,7 +182,7 @@ def test_resume_on_the_mesh_continues_exactly(runs, tmp_path):
     the numbers it had, keeping the receive buffer it had grown to."""
     run_dir = runs(EP_MESH, "--mesh", EP_MESH)
     before = {kind: records(run_dir, kind) for kind in ("train", "eval")}
-    state_before = final_state(run_dir)
+    state_before = restored_state(run_dir, STEPS)
     grown = records(run_dir, "compile")[-1]["ep_buffer_factor"]
     args = cli.build_parser().parse_args(
         ["train", "--resume-from", "10", "--out", str(run_dir), "--no-progress"])
@@ -215,7 +196,7 @@ def test_resume_on_the_mesh_continues_exactly(runs, tmp_path):
         got = records(run_dir, kind)
         assert [{k: v for k, v in r.items() if k not in timing} for r in got] == \
             [{k: v for k, v in r.items() if k not in timing} for r in want], kind
-    assert_states_close(final_state(run_dir), state_before, rtol=0)
+    assert_states_close(restored_state(run_dir, STEPS), state_before, rtol=0)
 
 
 def test_a_checkpoint_restores_onto_another_mesh(runs, tmp_path):
@@ -232,4 +213,5 @@ def test_a_checkpoint_restores_onto_another_mesh(runs, tmp_path):
     assert not trainer.run_config(run_dir)[1].expert_parallel
     single = runs("single")
     np.testing.assert_allclose(losses(run_dir), losses(single), rtol=2e-5)
-    assert_states_close(final_state(run_dir), final_state(single), rtol=1e-4)
+    assert_states_close(restored_state(run_dir, STEPS), restored_state(single, STEPS),
+                        rtol=1e-4)

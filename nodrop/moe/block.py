@@ -171,17 +171,26 @@ class ExpertBias(nnx.Variable):
     with `updated_expert_bias`."""
 
 
-def updated_expert_bias(bias: jax.Array, tokens_per_expert: jax.Array,
-                        rate: float) -> jax.Array:
-    """Aux-loss-free balancing step: bias + rate * sign(mean load - load).
+def updated_expert_bias(bias: jax.Array, tokens_per_expert: jax.Array, rate: float,
+                        rule: str = "sign") -> jax.Array:
+    """Aux-loss-free balancing step: overloaded experts' bias falls, underloaded ones' rises.
 
-    Underloaded experts' bias rises, overloaded ones' falls. Call it after the optimizer step and
-    store the result: `block.expert_bias[...] = updated_expert_bias(block.expert_bias[...],
-    aux.tokens_per_expert, rate)`. Pass the global batch's counts: under data parallelism where
-    each call sees one shard (shard_map, pmap), psum tokens_per_expert over the data axis first.
+    rule "sign" (DeepSeek-V3): bias + rate * sign(mean load - load), every expert by rate.
+    rule "proportional": bias + rate * clip((mean load - load) / mean load, -1, 1), so an expert
+    at twice the mean load or more moves by rate and one near the mean barely moves: a larger
+    rate then corrects the busiest experts faster without making the balanced ones oscillate.
+    Call it after the optimizer step and store the result: `block.expert_bias[...] =
+    updated_expert_bias(block.expert_bias[...], aux.tokens_per_expert, rate)`. Pass the global
+    batch's counts: under data parallelism where each call sees one shard (shard_map, pmap),
+    psum tokens_per_expert over the data axis first.
     """
     load = tokens_per_expert.astype(jnp.float32)
-    return bias + rate * jnp.sign(load.mean() - load)
+    mean = load.mean()
+    if rule == "sign":
+        return bias + rate * jnp.sign(mean - load)
+    if rule == "proportional":
+        return bias + rate * jnp.clip((mean - load) / jnp.maximum(mean, 1.0), -1.0, 1.0)
+    raise ValueError(f"updated_expert_bias: rule must be 'sign' or 'proportional', got {rule!r}")
 
 
 class MoEBlock(nnx.Module):

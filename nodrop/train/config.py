@@ -50,9 +50,11 @@ class TrainConfig:
     aux_loss_coef, z_loss_coef: weights of each MoE layer's load-balancing and router z-losses,
       summed over the MoE layers and added to the cross-entropy. seq_aux_loss_coef: the same
       for DeepSeek-V3's sequence-wise balance loss (0: off).
-    bias_update_rate: aux-loss-free balancing (DeepSeek-V3) step for the expert biases after
-      every optimizer step (0: off; None: DEFAULT_BIAS_UPDATE_RATE of the model's score
-      function, for every router).
+    bias_update_rate, bias_update_rule: aux-loss-free balancing (DeepSeek-V3): after every
+      optimizer step each expert's bias moves by the rate (0: off) times the sign of its load
+      error ("sign", DeepSeek-V3's rule) or times its relative load error clipped to 1
+      ("proportional"; nodrop.moe.updated_expert_bias). None: DEFAULT_BIAS_UPDATE_RATE and
+      DEFAULT_BIAS_UPDATE_RULE of the model's score function.
     router_lr_scale: multiplies the learning rate of the MoE routers' weights.
     eval_every, eval_batches: validation every N steps (and at the end) on eval_batches batches;
       eval_every None: steps / DEFAULT_EVALUATIONS, so a run of any length has about that many.
@@ -84,6 +86,7 @@ class TrainConfig:
     z_loss_coef: float = 1e-3
     seq_aux_loss_coef: float = 0.0
     bias_update_rate: float | None = None
+    bias_update_rule: str | None = None
     router_lr_scale: float = 1.0
     eval_every: int | None = None
     eval_batches: int = 8
@@ -139,6 +142,8 @@ class TrainConfig:
         require(self.bias_update_rate is None
                 or (number("bias_update_rate") and self.bias_update_rate >= 0),
                 "bias_update_rate", "a finite number >= 0 (or None for the preset's default)")
+        require(self.bias_update_rule in (None, "sign", "proportional"), "bias_update_rule",
+                "'sign' or 'proportional' (or None for the preset's default)")
         if self.mesh is not None:
             self.mesh_shape()  # raises for a malformed spec
 
@@ -175,7 +180,7 @@ class TrainConfig:
 
     def resolved(self, model: ModelConfig) -> TrainConfig:
         """A copy with the defaults that depend on the model or on other fields filled in
-        (seq_len, bias_update_rate, warmup_steps, eval_every), and the checks that need the
+        (seq_len, bias_update_rate and _rule, warmup_steps, eval_every), and the checks that need the
         model."""
         seq_len = model.seq_len if self.seq_len is None else self.seq_len
         if seq_len > model.seq_len:
@@ -185,10 +190,13 @@ class TrainConfig:
                 f"got {seq_len}")
         rate = (DEFAULT_BIAS_UPDATE_RATE[model.score_function] if self.bias_update_rate is None
                 else self.bias_update_rate)
+        rule = (DEFAULT_BIAS_UPDATE_RULE[model.score_function] if self.bias_update_rule is None
+                else self.bias_update_rule)
         warmup = self.steps // 10 if self.warmup_steps is None else self.warmup_steps
         eval_every = (max(1, self.steps // DEFAULT_EVALUATIONS) if self.eval_every is None
                       else self.eval_every)
         return dataclasses.replace(self, seq_len=seq_len, bias_update_rate=rate,
+                                   bias_update_rule=rule,
                                    warmup_steps=warmup, eval_every=eval_every)
 
     def to_dict(self) -> dict[str, Any]:
@@ -205,10 +213,13 @@ class TrainConfig:
 # The expert-bias step by score function, in the units the bias moves (nodrop.topk_router):
 # softmax logits, sigmoid scores. DeepSeek-V3 moves its sigmoid biases by 1e-3 a step over
 # batches of millions of tokens and tens of thousands of steps; runs of hundreds to thousands of
-# steps need the routers balanced sooner. Measured over steps 20-60 (docs/quality.md): softmax
-# 0.1 held qwen3's worst layer at 2.1 where 0.03 let it reach 2.7, and tiny and mixtral balanced
-# alike at 0.05 and 0.1; sigmoid 1e-2 beat 5e-3 and 3e-2 on deepseek.
-DEFAULT_BIAS_UPDATE_RATE = {"softmax": 0.1, "sigmoid": 1e-2}
+# steps need the routers balanced sooner. Measured over steps 20-60 (docs/quality.md, section
+# 9): with the sign rule a softmax rate of 0.1 held qwen3's worst layer at 1.71 (0.03 let it reach
+# 2.7; 0.3 oscillated at 2.3); the proportional rule at 0.3 held it at 1.42 and balanced tiny,
+# small and mixtral as well or better, where at 1.0 it oscillated. Sigmoid: sign 1e-2 beat 5e-3
+# and 3e-2 on deepseek.
+DEFAULT_BIAS_UPDATE_RATE = {"softmax": 0.3, "sigmoid": 1e-2}
+DEFAULT_BIAS_UPDATE_RULE = {"softmax": "proportional", "sigmoid": "sign"}
 
 # Evaluations per run when --eval-every is not given: a fixed cadence would give a 30-step run
 # one point and a 20000-step run hundreds.
@@ -346,6 +357,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> No
                      help="aux-loss-free expert-bias step, 0 for off (default "
                           f"{DEFAULT_BIAS_UPDATE_RATE['softmax']:g} for softmax routers, "
                           f"{DEFAULT_BIAS_UPDATE_RATE['sigmoid']:g} for sigmoid ones)")
+    moe.add_argument("--bias-update-rule", choices=("sign", "proportional"), default=S,
+                     help="expert-bias step per expert: rate * sign of its load error "
+                          "(DeepSeek-V3's; the default for sigmoid routers) or rate * its "
+                          "relative load error (the default for softmax routers)")
     moe.add_argument("--router-lr-scale", type=float, default=S,
                      help="multiplies the routers' learning rate (default 1; 0.1 for mixtral, "
                           "deepseek and qwen3)")

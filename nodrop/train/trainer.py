@@ -153,13 +153,14 @@ def configure(overrides: dict, saved: dict | None) -> tuple[TrainConfig, ModelCo
 # Fields added after runs were saved, with the value that computes what those runs computed
 # (one device, so no expert-parallel buffer); a saved config.json that lacks one resumes with
 # it. (The mesh itself may change on --resume.)
-ADDED_FIELDS = {"train": {"seq_aux_loss_coef": 0.0}, "model": {"ep_buffer_factor": 2.0}}
+ADDED_FIELDS = {"train": {"seq_aux_loss_coef": 0.0, "bias_update_rule": "sign"},
+                "model": {"ep_buffer_factor": 2.0}}
 
 
 def _saved_config(saved: dict, overrides: dict) -> tuple[TrainConfig, ModelConfig]:
     """The saved config.json's configuration with `overrides` applied; a field it lacks takes
-    today's default."""
-    base = TrainConfig.from_dict(saved["train"])
+    its ADDED_FIELDS value, or today's default."""
+    base = TrainConfig.from_dict({**ADDED_FIELDS["train"], **saved["train"]})
     # The run's vocabulary is the one it trained with, wherever it came from (a run that took
     # it from its data, or from its preset, before vocab_size was recorded in model_overrides).
     vocabulary = ({"vocab_size": saved["model"]["vocab_size"]}
@@ -330,7 +331,8 @@ def make_steps(config: TrainConfig, graphdef, tx, *, can_overflow: bool = False)
             model = nnx.merge(graphdef, params, model_state)
             for block, counts in zip(model.moe_blocks(), aux.tokens_per_expert):
                 block.expert_bias[...] = updated_expert_bias(
-                    block.expert_bias[...], counts, config.bias_update_rate)
+                    block.expert_bias[...], counts, config.bias_update_rate,
+                    config.bias_update_rule)
             _, _, model_state = nnx.split(model, nnx.Param, ...)
         if can_overflow:
             # Decided here, not by the host, so that the host need not wait for this step

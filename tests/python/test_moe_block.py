@@ -301,7 +301,22 @@ def test_bias_update_raises_underloaded_and_lowers_overloaded_experts():
     np.testing.assert_array_equal(np.asarray(updated_expert_bias(bias, balanced, 0.01)), bias)
 
 
-def test_bias_updates_balance_the_block():
+def test_proportional_bias_update_moves_by_the_relative_load_error_clipped_to_one():
+    bias = jnp.asarray([0.5, 0.0, -0.5, 0.0, 0.0], jnp.float32)
+    counts = jnp.asarray([20, 0, 4, 6, 0], jnp.int32)  # mean 6
+    # errors (6 - load) / 6: -2.33 (clipped to -1), 1, 1/3, 0, 1
+    np.testing.assert_allclose(
+        np.asarray(updated_expert_bias(bias, counts, 0.3, "proportional")),
+        [0.2, 0.3, -0.4, 0.0, 0.3], rtol=1e-6)
+    # No tokens at all: no error to correct (the mean is clamped, not divided by).
+    np.testing.assert_array_equal(np.asarray(updated_expert_bias(
+        bias, jnp.zeros((5,), jnp.int32), 0.3, "proportional")), bias)
+    with pytest.raises(ValueError, match="rule must be 'sign' or 'proportional', got 'Sign'"):
+        updated_expert_bias(bias, counts, 0.3, "Sign")
+
+
+@pytest.mark.parametrize("rule, rate", [("sign", 0.05), ("proportional", 0.1)])
+def test_bias_updates_balance_the_block(rule, rate):
     """The trainer's loop: forward, then the bias step; the skewed load evens out."""
     config = dataclasses.replace(DEEPSEEK, shared_ffn=0)
     block = make_block(config)
@@ -311,7 +326,7 @@ def test_bias_updates_balance_the_block():
     first = forward(block, x)
     imbalance = [float(first.max_over_mean)]
     block.expert_bias[...] = updated_expert_bias(block.expert_bias[...],
-                                                 first.tokens_per_expert, 0.05)
+                                                 first.tokens_per_expert, rate, rule)
     bias = np.asarray(block.expert_bias[...])
     load = np.asarray(first.tokens_per_expert)
     assert (bias[load < load.mean()] > 0).all() and (bias[load > load.mean()] < 0).all()
@@ -319,7 +334,7 @@ def test_bias_updates_balance_the_block():
         aux = forward(block, x)
         imbalance.append(float(aux.max_over_mean))
         block.expert_bias[...] = updated_expert_bias(block.expert_bias[...],
-                                                     aux.tokens_per_expert, 0.05)
+                                                     aux.tokens_per_expert, rate, rule)
     assert imbalance[0] > 2.5 and max(imbalance[-5:]) < 1.5, imbalance
 
 

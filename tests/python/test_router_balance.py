@@ -107,17 +107,7 @@ def load(records: dict[int, dict], first: int, last: int) -> np.ndarray:
 BALANCE_BATCH = {"deepseek": 64, "qwen3": 64}
 
 
-# Not met yet (H200, 2026-12-01, bench/results/2026-12-01-h200-logit-bias and -seeds): qwen3's
-# last layer averages 1.62 over steps 20-60 on 64 sequences with its load-balancing weight of
-# 0.1 (1.68-1.71 with 0.01; 2.11 on its 16), and measures 2.28 on 256 held-out sequences at
-# step 20: the warm-up's imbalance is the router's. Strict: passing must drop the marker.
-UNBALANCED = {"qwen3"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(
-    name, marks=pytest.mark.xfail(reason="qwen3's last layer above 1.5 after the warm-up",
-                                  strict=True) if name in UNBALANCED else ())
-    for name in PRESETS])
+@pytest.mark.parametrize("name", PRESETS)
 def test_routers_balanced_by_step_20(name, tmp_path, text):
     """From step 20 on, every layer's max/mean load averages at most 1.5 and never reaches 2.5
     (a collapse), each preset on its default data and tokenizer."""

@@ -246,6 +246,18 @@ def test_a_run_saved_before_the_mesh_fields_resumes(reference, tmp_path, capsys,
     assert code == 2 and "z_loss_coef: None -> 0.001" in err, err
 
 
+def test_a_run_saved_before_the_bias_rule_resumes_with_the_sign_rule():
+    """Runs saved before bias_update_rule existed moved their biases by the sign rule; resumed,
+    they keep it, where a new softmax run takes the proportional one."""
+    config, model = build({})
+    saved = {"train": {**config.to_dict(), "bias_update_rate": 0.1},
+             "model": model.to_dict()}
+    del saved["train"]["bias_update_rule"]
+    resumed, _ = trainer.configure({}, saved)
+    assert (resumed.bias_update_rule, resumed.bias_update_rate) == ("sign", 0.1)
+    assert config.bias_update_rule == "proportional"
+
+
 def test_resume_refuses_a_checkpoint_that_does_not_fit_the_model(reference, tmp_path, capsys):
     from test_checkpoint import train_state  # a small model's state, another shape
 
@@ -313,10 +325,12 @@ def test_a_new_run_refuses_a_folder_that_holds_one(reference, capsys, text_file)
 def test_defaults_that_depend_on_the_model_or_the_steps():
     config, model = build({})
     assert (config.preset, config.steps, config.seq_len) == ("tiny", 400, model.seq_len)
-    assert config.warmup_steps == 40 and config.bias_update_rate == 0.1  # softmax
+    assert config.warmup_steps == 40  # softmax: the proportional rule
+    assert (config.bias_update_rule, config.bias_update_rate) == ("proportional", 0.3)
     assert config.router_lr_scale == 1.0
     config, model = build({"preset": "deepseek"})
-    assert model.score_function == "sigmoid" and config.bias_update_rate == 1e-2
+    assert model.score_function == "sigmoid"
+    assert (config.bias_update_rule, config.bias_update_rate) == ("sign", 1e-2)
     assert config.lr == 3e-4 and config.warmup_steps == config.steps // 10
     assert config.router_lr_scale == 0.1  # a 2048-wide preset
     assert build({"preset": "small"})[0].router_lr_scale == 1.0

@@ -12,8 +12,9 @@ from pathlib import Path
 
 
 def records_of(path: Path, kind: str) -> dict[int, dict]:
-    if path.is_dir():
-        path = path / "metrics.jsonl"
+    if path.is_dir():  # a run folder, as written or as committed (compressed)
+        path = next((path / name for name in ("metrics.jsonl", "metrics.jsonl.gz")
+                     if (path / name).exists()), path / "metrics.jsonl")
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as lines:
         records = (json.loads(line) for line in lines)

@@ -62,7 +62,15 @@ class Loaded:
         if self.tokenizer is None:
             self._require_text()
             return list(text.encode("utf-8"))
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        except Exception as error:  # the Rust tokenizer raises a bare Exception
+            from nodrop.train.tokenizer import unknown_characters
+            missing = unknown_characters(self.tokenizer, text)
+            raise LoadError(
+                f"text: the characters {missing} are not in the model's vocabulary (its "
+                "tokenizer has no id for them)" if missing else
+                f"text: the model's tokenizer cannot encode it ({error})") from None
 
     def decode(self, ids: Iterable[int]) -> str:
         if self.tokenizer is None:
@@ -116,8 +124,11 @@ def _load_run(run_dir: Path, step: int | None, model_changes: dict[str, Any]) ->
 
     model, step = trainer.load_model(run_dir, step=step, **model_changes)
     saved = json.loads((run_dir / CONFIG_FILE).read_text())
+    # A run with a tokenizer must have its file; a run of token ids has one where the data
+    # came with nanoGPT's character map.
     run_tokenizer = (tokenizer.load(run_dir / TOKENIZER_FILE)
-                     if saved["train"].get("tokenizer") is not None else None)
+                     if saved["train"].get("tokenizer") is not None
+                     or (run_dir / TOKENIZER_FILE).exists() else None)
     return Loaded(model, model.config, run_tokenizer, step, saved)
 
 

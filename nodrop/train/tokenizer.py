@@ -7,6 +7,9 @@ TrainConfig.tokenizer chooses:
   encodes) with model.vocab_size entries, trained on the training split only, so validation text
   stays unseen. Training is deterministic: the same text and size give the same merges.
 - a path to a Hugging Face `tokenizer.json`.
+Token-id files that come with nanoGPT's character-level meta.pkl (a `stoi` map) need no
+tokenizer to train, but the run gets one made from that map (`from_meta`), so that generating
+and evaluating text work with the ids the files hold.
 
 The run folder keeps the tokenizer it trained with (tokenizer.json); a resumed run reads it from
 there and checks it against the sha256 in config.json. Trained tokenizers and token arrays are
@@ -25,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import tokenizers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from nodrop.train.data import Dataset, DataError, require_regular_file
 
@@ -56,6 +59,34 @@ def vocab_size(path: str | os.PathLike) -> int:
 
 def sha256(tokenizer: Tokenizer) -> str:
     return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+
+
+def from_meta(meta: dict, path: str | os.PathLike) -> Tokenizer | None:
+    """The character-level tokenizer of a nanoGPT meta.pkl: every character its `stoi` id, text
+    decoded by joining the characters. None where the meta.pkl has no `stoi` (GPT-2 ids: their
+    tokenizer is GPT-2's, given with --tokenizer). Raises DataError naming the file for a `stoi`
+    that is not a map of distinct single characters to distinct ids >= 0."""
+    stoi = meta.get("stoi")
+    if stoi is None:
+        return None
+    bad = ([] if type(stoi) is not dict else
+           [(c, i) for c, i in stoi.items() if type(c) is not str or len(c) != 1
+            or type(i) is not int or i < 0])
+    if type(stoi) is not dict or bad or len(set(stoi.values())) != len(stoi):
+        found = (type(stoi).__name__ if type(stoi) is not dict else
+                 f"the entries {bad[:3]}" if bad else "ids used twice")
+        raise DataError(f"{path}: stoi must map single characters to distinct ids >= 0 "
+                        f"(nanoGPT's character-level meta.pkl), got {found}")
+    tokenizer = Tokenizer(models.WordLevel(vocab=stoi, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return tokenizer
+
+
+def unknown_characters(tokenizer: Tokenizer, text: str) -> list[str]:
+    """The characters of `text` that a character-level tokenizer (`from_meta`) has no id for."""
+    vocabulary = tokenizer.get_vocab()
+    return sorted({c for c in text if c not in vocabulary})
 
 
 def train_bpe(text_bytes: np.ndarray, size: int) -> Tokenizer:

@@ -193,6 +193,12 @@ def load_data(config: TrainConfig, model_config: ModelConfig, *,
             **config.model_overrides, "vocab_size": size}})
         echo(f"nodrop: vocabulary {size} from the data: {why} (--set vocab_size=N to choose; "
              f"the model has {model_config.num_params() / 1e6:.2f}M parameters)")
+    if config.tokenizer is None and dataset.meta is not None and not dataset.text:
+        # nanoGPT's character map: the run keeps it as its tokenizer, for generate and eval.
+        run_tokenizer = tokenizer.from_meta(data.read_meta(dataset.meta), dataset.meta)
+        if run_tokenizer is not None:
+            echo(f"nodrop: the characters of {dataset.meta} are the run's tokenizer "
+                 f"({tokenizer.FILE}: generate and eval read and write text with it)")
     explicit = config.tokenizer is None and "vocab_size" in config.model_overrides
     data.check_ids(dataset, model_config.vocab_size,
                    "--set vocab_size" if explicit else None)

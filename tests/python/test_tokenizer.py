@@ -6,6 +6,7 @@ from __future__ import annotations
 import needs_train  # noqa: F401  (first: skips this module without nodrop[train])
 
 import json
+import re
 import os
 import threading
 from pathlib import Path
@@ -168,3 +169,20 @@ def test_a_tokenizer_that_is_not_a_regular_file_is_refused_without_blocking(tmp_
     reader.join(timeout=30)
     got = "a FIFO (named pipe)" if kind == "fifo" else "a folder"
     assert errors == [f"{path}: expected a regular file, got {got}"]
+
+
+def test_a_character_map_round_trips_text_and_refuses_what_is_not_one():
+    stoi = {c: i for i, c in enumerate("\n !abc")}
+    characters = tokenizer.from_meta({"vocab_size": 6, "stoi": stoi}, "meta.pkl")
+    text = "abc cab!\n\nba"
+    ids = characters.encode(text, add_special_tokens=False).ids
+    assert ids == [stoi[c] for c in text] and characters.decode(ids) == text
+    assert tokenizer.unknown_characters(characters, "abXcY") == ["X", "Y"]
+    assert tokenizer.from_meta({"vocab_size": 50257}, "meta.pkl") is None  # no map: GPT-2 ids
+    for stoi, found in [([("a", 0)], "got list"), ({"ab": 0}, "got the entries [('ab', 0)]"),
+                        ({"a": -1}, "got the entries [('a', -1)]"),
+                        ({"a": 0, "b": 0}, "got ids used twice")]:
+        with pytest.raises(data.DataError, match=r"^m.pkl: stoi must map single characters to "
+                           r"distinct ids >= 0 \(nanoGPT's character-level meta.pkl\), "
+                           + re.escape(found) + "$"):
+            tokenizer.from_meta({"stoi": stoi}, "m.pkl")

@@ -679,6 +679,18 @@ def test_a_char_level_folder_takes_its_vocabulary_from_meta_pkl(tmp_path, capsys
     assert (f"nodrop: vocabulary 65 from the data: the vocab_size of {folder / 'meta.pkl'} "
             "(nanoGPT's meta.pkl)") in out, out
     assert json.loads((run_dir / "config.json").read_text())["model"]["vocab_size"] == 65
+    # The character map is the run's tokenizer: text in and out with the files' ids.
+    assert "are the run's tokenizer (tokenizer.json" in out
+    loaded = nodrop.load(run_dir)
+    assert loaded.encode("AB C") == [33, 34, 0, 35] and loaded.decode([33, 34, 0, 35]) == "AB C"
+    code, out, err = run_cli(capsys, "generate", "--run", str(run_dir), "--prompt", "TO BE",
+                             "--max-tokens", "4")
+    assert code == 0 and out.startswith("TO BE"), err
+    code, out, err = run_cli(capsys, "generate", "--run", str(run_dir), "--prompt", "to be",
+                             "--max-tokens", "4")
+    assert code == 2, out
+    assert "text: the characters ['b', 'e', 'o', 't'] are not in the model's vocabulary" in err
+    assert "Traceback" not in err
 
 
 def test_a_meta_pkl_that_would_run_code_stops_the_run_without_running_it(tmp_path, capsys):

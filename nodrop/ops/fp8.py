@@ -66,8 +66,12 @@ def _scale(amax):
 
 
 def _cast(x, scale):
-    """x / scale saturated to +-448 and rounded to E4M3 (float32 past 448 would become NaN)."""
-    return jnp.clip(x / scale, -E4M3_MAX, E4M3_MAX).astype(E4M3)
+    """x / scale saturated to +-448 and rounded to E4M3 (float32 past 448 would become NaN).
+
+    The division is a multiplication by the float32 reciprocal of the scale, as a kernel does it:
+    XLA rewrites x / broadcast(s) that way under jit and not eagerly, and the 1-ulp difference
+    flips E4M3 roundings at ties, so spelling it out keeps eager, jit and kernels equal."""
+    return jnp.clip(x * (1 / scale), -E4M3_MAX, E4M3_MAX).astype(E4M3)
 
 
 def _expand(scale, block: Block, shape):
@@ -90,7 +94,8 @@ def quantize(x: ArrayLike, block: Block, *, scale: ArrayLike | None = None
     scale: the scales to use instead of amax / 448 (say, delayed scaling); values past 448 *
       scale saturate to +-448.
     Each block's scale is amax(|x|) / 448 (1 for a block of zeros; NaN for a block holding NaN
-    or inf, whose q is then NaN too), and q = x / scale rounded to nearest even in E4M3.
+    or inf, whose q is then NaN too), and q = x * (1 / scale) (float32) rounded to nearest even
+    in E4M3.
     """
     x = jnp.asarray(x)
     _require_matrices("x", x)

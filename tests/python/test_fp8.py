@@ -319,10 +319,10 @@ def test_a_short_fp8_training_run_tracks_the_unquantised_one(tmp_path, capsys):
     losses = {}
     for recipe in ("off", "blockwise"):
         out = tmp_path / recipe
-        code, _, err = run_cli(capsys, "train", *MODEL_FLAGS, "--set", "num_layers=1",
-                               "--no-progress", "--data", str(text), "--steps", "4", "--batch-size", "4", "--seq-len",
-                               "32", "--eval-every", "4", "--eval-batches", "1",
-                               "--checkpoint-every", "0", "--fp8", recipe, "--out", str(out))
+        code, _, err = run_cli(
+            capsys, "train", *MODEL_FLAGS, "--set", "num_layers=1", "--no-progress", "--data",
+            str(text), "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--eval-every", "4",
+            "--eval-batches", "1", "--checkpoint-every", "0", "--fp8", recipe, "--out", str(out))
         assert code == 0, err
         losses[recipe] = [r["loss"] for r in records(out, "train")]
         config = (out / "config.json").read_text()

@@ -115,6 +115,10 @@ def test_a_non_finite_value_makes_its_block_nan_and_only_it(bad):
     assert np.isnan(scale[0, 0]) and finite == pytest.approx([1 / 448] * 3, rel=1e-6)
     back = np.asarray(fp8.dequantize(q, scale, fp8.ACTIVATION_BLOCK))
     assert np.all(np.isnan(back[0, :128])) and np.all(back[0, 128:] == 1) and np.all(back[1] == 1)
+    # The weight gradient's blocks of 128 rows within a group follow the same rule.
+    back = np.asarray(fp8._qdq_group_rows(x.T, int32([150, 106]), "blockwise"))
+    assert np.all(np.isnan(back[:128, 0])) and np.all(back[128:, 0] == 1)
+    assert np.all(back[:, 1] == 1)
 
 
 def test_quantize_under_jit_is_bitwise_the_eager_one():
@@ -223,6 +227,20 @@ def test_gradients_follow_the_recipe(case, recipe):
     for g, size in enumerate(sizes):
         if size == 0:
             assert not np.any(np.asarray(drhs[g])), f"empty group {g}'s gradient is not zero"
+
+
+@RECIPES
+def test_grad_runs_nodrops_three_kernels(recipe):
+    """The backward takes nodrop's own transposes: the input gradient is the grouped matmul
+    against rhs[g].T and the weight gradient the ragged contraction, one call each."""
+    m, k, n, sizes = CASES["unaligned_groups_and_rows_past_them"]
+    lhs, rhs, _ = operands(m, k, n, sizes)
+    nonlinear = lambda a, b: jnp.sum(jnp.sin(  # noqa: E731  (keeps the forward's output used)
+        nodrop.fp8_grouped_matmul(a, b, int32(sizes), recipe=recipe)))
+    hlo = jax.jit(jax.grad(nonlinear, (0, 1))).lower(lhs, rhs).compile().as_text()
+    calls = {target: hlo.count(f'custom_call_target="{target}"')
+             for target in ("nodrop_grouped_matmul", "nodrop_grouped_matmul_contract")}
+    assert calls == {"nodrop_grouped_matmul": 2, "nodrop_grouped_matmul_contract": 1}
 
 
 def test_blockwise_weight_gradient_blocks_restart_at_each_group():

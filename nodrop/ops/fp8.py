@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike, DTypeLike
 
+from nodrop._fields import is_int
 from nodrop.ops import _checks
 from nodrop.ops.grouped_matmul import _clamped_ends, _group_sizes, grouped_matmul
 
@@ -43,7 +44,7 @@ def _block_shape(block: Block, x) -> tuple[int, int]:
     if block == "tensor":
         return max(x.shape[-2], 1), max(x.shape[-1], 1)
     if not (isinstance(block, tuple) and len(block) == 2
-            and all(isinstance(b, int) and b >= 1 for b in block)):
+            and all(is_int(b) and b >= 1 for b in block)):
         raise ValueError(f"block must be (rows, columns) of positive ints or 'tensor', "
                          f"got {block!r}")
     return block
@@ -61,7 +62,9 @@ def _scale(amax):
     underflows) gets 1, never 0; a block holding NaN or +-inf gets NaN, so non-finite values
     spread over their block instead of being clipped to finite ones (an overflow stays visible
     in the loss, as it would without FP8)."""
-    scale = amax / E4M3_MAX
+    # Times the float32 reciprocal, as in _cast: a division by a constant may be rewritten so
+    # under jit and not eagerly.
+    scale = amax * jnp.float32(1 / E4M3_MAX)
     return jnp.where(jnp.isfinite(amax), jnp.where(scale > 0, scale, 1.0), jnp.nan)
 
 

@@ -12,9 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (F32_TOL, as_f64, assert_close, int32, needs_train, random_normal,
-                      relative_error)
+from conftest import (F32_TOL, as_f64, assert_close, group_offsets, int32, invalid_group_sizes,
+                      needs_train, random_normal, relative_error, seeds, valid_group_sizes)
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import nodrop
 from nodrop.models import ModelConfig
@@ -229,6 +231,52 @@ def test_gradients_follow_the_recipe(case, recipe):
     for g, size in enumerate(sizes):
         if size == 0:
             assert not np.any(np.asarray(drhs[g])), f"empty group {g}'s gradient is not zero"
+
+
+PROPERTY_SHAPE = (300, 136, 24, 4)  # M, K, N, G: one shape, so each side compiles once
+
+
+@jax.jit
+def blockwise_by_masks(lhs, rhs, dout, sizes):
+    """The blockwise recipe's output and gradients another way: each group's rows masked and
+    rolled to row 0, so that plain WGRAD_BLOCK blocks start at its first row."""
+    rows = jnp.arange(lhs.shape[0])
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(sizes.astype(jnp.int64), 0)), lhs.shape[0])
+    starts = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
+    lhs, dout = (jnp.where((rows < ends[-1])[:, None], x, 0) for x in (lhs, dout))
+    rhs_q = qdq(rhs, fp8.WEIGHT_BLOCK)
+    out = reference.grouped_matmul(qdq(lhs, fp8.ACTIVATION_BLOCK), rhs_q, sizes)
+    dlhs = reference.grouped_matmul(qdq(dout, fp8.ACTIVATION_BLOCK), jnp.swapaxes(rhs_q, 1, 2),
+                                    sizes)
+    drhs = []
+    for start, end in zip(starts, ends):
+        mask = ((rows >= start) & (rows < end))[:, None]
+        a, b = (qdq(jnp.roll(jnp.where(mask, x, 0), -start, axis=0), fp8.WGRAD_BLOCK)
+                for x in (lhs, dout))
+        drhs.append(jnp.dot(a.T, b, precision=jax.lax.Precision.HIGHEST))
+    return out, dlhs, jnp.stack(drhs)
+
+
+@jax.jit
+def fp8_and_grads(lhs, rhs, dout, sizes):
+    out, vjp = jax.vjp(lambda a, b: nodrop.fp8_grouped_matmul(a, b, sizes), lhs, rhs)
+    return out, *vjp(dout)
+
+
+@settings(max_examples=30)
+@given(sizes=st.one_of(valid_group_sizes(PROPERTY_SHAPE[0], PROPERTY_SHAPE[3]),
+                       invalid_group_sizes(PROPERTY_SHAPE[0], PROPERTY_SHAPE[3])),
+       seed=seeds)
+def test_property_blockwise_matches_the_masked_formulation(sizes, seed):
+    """Any group sizes, invalid ones included (clamped as the engine clamps them)."""
+    m, k, n, g = PROPERTY_SHAPE
+    lhs, rhs, dout = operands(m, k, n, [0] * g, seed)
+    got = fp8_and_grads(lhs, rhs, dout, int32(sizes))
+    expected = blockwise_by_masks(lhs, rhs, dout, int32(sizes))
+    for name, a, b in zip(("out", "dlhs", "drhs"), got, expected):
+        assert_close(a, b, F32_TOL, name)
+    total = group_offsets(sizes, m)[-1]
+    assert not np.any(np.asarray(got[0][total:])) and not np.any(np.asarray(got[1][total:]))
 
 
 @RECIPES

@@ -24,7 +24,8 @@ class ModelConfig:
     dense_ffn: SwiGLU width of the dense (non-MoE) layers.
     num_experts, k, expert_ffn, shared_ffn, score_function, num_groups, topk_groups, renormalize,
       scaling_factor, capacity_factor: each MoE layer, as in `nodrop.moe.MoEConfig`
-      (expert_ffn is its `ffn`). moe_matmul: its `matmul`, "nodrop" or "ragged_dot".
+      (expert_ffn is its `ffn`). moe_matmul: its `matmul`, "nodrop" or "ragged_dot". fp8:
+      its `fp8`, the experts' FP8 recipe ("off", "blockwise" or "tensorwise"; emulated).
     moe_every, first_dense: layer i (0-based) is MoE iff i >= first_dense and
       (i - first_dense) % moe_every == 0; the first `first_dense` layers are dense.
     tie_embeddings: the LM head is the embedding table transposed (no separate head weights).
@@ -62,6 +63,7 @@ class ModelConfig:
     remat: bool = False
     expert_parallel: bool = False
     ep_buffer_factor: float | None = 2.0
+    fp8: str = "off"
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
 
@@ -112,7 +114,7 @@ class ModelConfig:
             capacity_factor=self.capacity_factor, matmul=self.moe_matmul,
             residual_init_scale=self.residual_init_scale, dtype=self.dtype,
             param_dtype=self.param_dtype, expert_parallel=self.expert_parallel,
-            ep_buffer_factor=self.ep_buffer_factor)
+            ep_buffer_factor=self.ep_buffer_factor, fp8=self.fp8)
 
     @property
     def residual_init_scale(self) -> float:

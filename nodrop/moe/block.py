@@ -5,7 +5,8 @@ that token alone. With `capacity_factor` set, the block instead drops tokens the
 training runs do today (nodrop/moe/capacity.py), with the experts as one batched einsum over
 [E, C, H] buffers; it is kept as the baseline to compare against. With `ops="reference"` the
 same block runs on the pure-JAX references of nodrop's ops (nodrop/ops/reference.py): `nodrop
-demo` checks one against the other.
+demo` checks one against the other. With `fp8` set, the experts' matmuls run one of the FP8
+recipes of nodrop/ops/fp8.py, emulated (quantised and dequantised operands).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from nodrop.moe.losses import (load_balancing_loss, router_z_loss, sequence_bala
                                tokens_per_expert)
 from nodrop.ops import reference
 from nodrop.ops._checks import FLOAT_DTYPES
+from nodrop.ops.fp8 import RECIPES as FP8_RECIPES
+from nodrop.ops.fp8 import fp8_grouped_matmul
 from nodrop.ops.grouped_matmul import grouped_matmul
 from nodrop.ops.permute import permute, unpermute
 from nodrop.ops.router import SCORE_FUNCTIONS, topk_router
@@ -32,6 +35,7 @@ from nodrop.parallel.mesh import (EXPERT_AXIS, check_batch, check_experts, exper
                                   logical_metadata, logical_param, token_axes)
 
 EXPERT_MATMULS = ("nodrop", "ragged_dot")
+FP8_MODES = ("off", *FP8_RECIPES)
 # config.ops -> the implementation of each op the block calls.
 OPS = {
     "nodrop": dict(topk_router=topk_router, permute=permute, grouped_matmul=grouped_matmul,
@@ -68,6 +72,12 @@ class MoEConfig:
     ep_buffer_factor: expert parallelism's receive buffer, as a factor of the balanced load
       (nodrop.parallel.expert.pair_capacity); None sizes it for the worst case (every token to
       one rank), where it cannot overflow.
+    fp8: the experts' matmuls (gate_up and down, forward and both gradients) on FP8 operands:
+      "off" (the default), "blockwise" (DeepSeek-V3's 1x128 / 128x128 scales) or "tensorwise"
+      (one scale per tensor), as `nodrop.fp8_grouped_matmul`. Emulated: the operands are
+      quantised and dequantised, then multiplied in float32 by the block's matmul (or, with
+      capacity_factor, its einsum). The router, the shared experts and everything outside the
+      block stay as they are.
     """
 
     num_experts: int
@@ -88,6 +98,7 @@ class MoEConfig:
     param_dtype: DTypeLike = jnp.float32
     expert_parallel: bool = False
     ep_buffer_factor: float | None = 2.0
+    fp8: str = "off"
 
     def __post_init__(self) -> None:
         require = requirer(self, lambda field: f"MoEConfig.{field}")
@@ -125,6 +136,7 @@ class MoEConfig:
         require(self.ep_buffer_factor is None or (
             is_finite_number(self.ep_buffer_factor) and self.ep_buffer_factor > 0),
             "ep_buffer_factor", "None (the worst case) or a positive finite number")
+        require(self.fp8 in FP8_MODES, "fp8", f"one of {FP8_MODES}")
         for field in ("dtype", "param_dtype"):
             if field == "dtype" and self.dtype is None:
                 continue  # the input's dtype
@@ -276,9 +288,11 @@ class MoEBlock(nnx.Module):
         else:
             capacity = capacity_rows(num_slots, cfg.num_experts, cfg.capacity_factor)
             rows, row_map = dispatch(tokens, ids, cfg.num_experts, capacity)
-            buffers = rows.reshape(cfg.num_experts, capacity, cfg.hidden)
-            out = swiglu(lambda a, w: jnp.einsum("ech,ehf->ecf", a, w), buffers, gate_up, down)
-            y = combine(out.reshape(rows.shape), row_map, weights)
+            # Every expert's buffer is C rows: groups of C rows, on the batched einsum.
+            sizes = jnp.full((cfg.num_experts,), capacity, jnp.int32)
+            matmul = _fp8_or(cfg, _capacity_einsum)
+            out = swiglu(lambda a, w: matmul(a, w, sizes), rows, gate_up, down)
+            y = combine(out, row_map, weights)
             load = tokens_per_expert(ids, cfg.num_experts)
             processed = jnp.minimum(load, capacity)
 
@@ -331,8 +345,24 @@ def _route(cfg: MoEConfig, flat, router, expert_bias):
 
 def _experts(cfg: MoEConfig, rows, group_sizes, gate_up, down):
     """The SwiGLU experts over rows grouped by expert (group_sizes [G] against G experts)."""
-    matmul = OPS[cfg.ops]["grouped_matmul"] if cfg.matmul == "nodrop" else jax.lax.ragged_dot
+    matmul = _fp8_or(cfg, OPS[cfg.ops]["grouped_matmul"] if cfg.matmul == "nodrop"
+                     else jax.lax.ragged_dot)
     return swiglu(lambda a, w: matmul(a, w, group_sizes), rows, gate_up, down)
+
+
+def _fp8_or(cfg: MoEConfig, matmul):
+    """The experts' grouped matmul (lhs, rhs, group_sizes) under cfg.fp8's recipe, or as it is."""
+    if cfg.fp8 == "off":
+        return matmul
+    return functools.partial(fp8_grouped_matmul, recipe=cfg.fp8, matmul=matmul)
+
+
+def _capacity_einsum(lhs, rhs, group_sizes):
+    """The capacity-factor mode's experts: lhs [E*C, H] holds E buffers of C rows (group_sizes
+    all C), so one batched einsum against rhs [E, H, F]."""
+    del group_sizes
+    buffers = lhs.reshape(rhs.shape[0], -1, lhs.shape[-1])
+    return jnp.einsum("ech,ehf->ecf", buffers, rhs).reshape(lhs.shape[0], rhs.shape[-1])
 
 
 def _add_shared(cfg: MoEConfig, y, tokens, shared):

@@ -21,6 +21,7 @@ import numpy as np
 
 from nodrop._fields import is_finite_number, is_int, requirer, unknown_fields
 from nodrop.models import PRESETS, ModelConfig, preset
+from nodrop.moe.block import FP8_MODES
 from nodrop.parallel import parse_mesh_spec
 from nodrop.train import tokenizer
 
@@ -286,7 +287,8 @@ def check_backend(model: ModelConfig, platform: str) -> None:
 
 # ModelConfig fields with a flag of their own; any field can be set with --set FIELD=VALUE.
 _MODEL_FLAGS = {"capacity_factor": "--capacity-factor", "moe_matmul": "--moe-matmul",
-                "remat": "--remat", "dtype": "--dtype", "ep_buffer_factor": "--ep-buffer"}
+                "remat": "--remat", "dtype": "--dtype", "ep_buffer_factor": "--ep-buffer",
+                "fp8": "--fp8"}
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> None:
@@ -386,6 +388,12 @@ def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> No
                        help="recompute each layer's activations in the backward pass")
     model.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=S,
                        help="compute dtype (parameters stay float32)")
+    model.add_argument("--fp8", choices=FP8_MODES, default=S,
+                       help="the experts' matmuls on FP8 (E4M3) operands: blockwise "
+                            "(DeepSeek-V3's 1x128 and 128x128 scales), tensorwise (one scale "
+                            "per tensor) or off (the default). Emulated by quantising and "
+                            "dequantising, on the CPU and, until nodrop has FP8 kernels, on the "
+                            "GPU too: the numerics of FP8 training, not its speed")
     model.add_argument("--ep-buffer", type=_buffer_factor, default=S, metavar="F|worst",
                        dest="ep_buffer_factor",
                        help="expert parallelism's receive buffer, F x the balanced load "
@@ -510,6 +518,7 @@ MODEL_FIELD_HELP = {
     "remat": "recompute each layer's activations in the backward pass",
     "expert_parallel": "experts split over the mesh's expert axis (set by --mesh)",
     "ep_buffer_factor": "expert parallelism's receive buffer, x the balanced load (none: worst)",
+    "fp8": "the experts' FP8 recipe, emulated: off, blockwise or tensorwise",
     "dtype": "compute dtype: float32, bfloat16 or float16",
     "param_dtype": "dtype of the master weights",
 }

@@ -380,7 +380,7 @@ BAD_FIELDS = [
     ("scaling_factor", 0.0), ("moe_every", 0), ("first_dense", -1), ("tie_embeddings", 1),
     ("capacity_factor", -1.0), ("moe_matmul", "cutlass"), ("rope_theta", 0.0),
     ("rope_theta", float("inf")), ("norm_eps", -1e-6), ("remat", None), ("dtype", "int8"),
-    ("param_dtype", "float64"), ("param_dtype", "not a dtype"),
+    ("param_dtype", "float64"), ("param_dtype", "not a dtype"), ("fp8", "e5m2"),
 ]
 
 

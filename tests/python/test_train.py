@@ -227,12 +227,13 @@ def test_resume_refuses_a_different_configuration_naming_the_fields(reference, t
     assert code == 2 and "--steps 29 is below the checkpoint's step 30" in err
 
 
-def test_a_run_saved_before_the_mesh_fields_resumes(reference, tmp_path, capsys, text_file):
+def test_a_run_saved_before_the_mesh_and_fp8_fields_resumes(reference, tmp_path, capsys, text_file):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
     saved = json.loads((run_dir / "config.json").read_text())
     del saved["train"]["mesh"]
-    del saved["model"]["ep_buffer_factor"], saved["model"]["expert_parallel"]
+    for field in ("ep_buffer_factor", "expert_parallel", "fp8"):
+        del saved["model"][field]
     (run_dir / "config.json").write_text(json.dumps(saved))
     code, out, err = run_cli(capsys, "train", *train_flags(text_file, steps=STEPS + 1),
                              "--resume", "--out", str(run_dir))
@@ -342,14 +343,15 @@ def test_model_overrides_from_flags_are_typed_like_the_model_config():
     args = cli.build_parser().parse_args([
         "train", "--set", "num_layers=3", "--set", "rope_theta=5e5", "--set",
         "tie_embeddings=true", "--set", "score_function=sigmoid", "--capacity-factor", "none",
-        "--moe-matmul", "ragged_dot", "--dtype", "bfloat16", "--no-remat"])
+        "--moe-matmul", "ragged_dot", "--dtype", "bfloat16", "--no-remat", "--fp8", "blockwise"])
     overrides = overrides_from_args(args)
     assert overrides == {"model_overrides": {
         "num_layers": 3, "rope_theta": 5e5, "tie_embeddings": True, "score_function": "sigmoid",
         "capacity_factor": None, "moe_matmul": "ragged_dot", "dtype": "bfloat16",
-        "remat": False}}
+        "remat": False, "fp8": "blockwise"}}
     _, model = build(overrides)
     assert model.num_layers == 3 and model.tie_embeddings and model.dtype == np.dtype("bfloat16")
+    assert model.moe_config().fp8 == "blockwise"
     assert overrides_from_args(cli.build_parser().parse_args(["train"])) == {}
 
 
@@ -533,6 +535,8 @@ def test_checkpoint_every_zero_saves_no_checkpoint(tmp_path, text_file, referenc
     (["--capacity-factor", "-1"], "model.capacity_factor (--capacity-factor) must be None"),
     (["--set", "hidden=0"], "model.hidden (--set hidden=...) must be a positive int, got 0"),
     (["--set", "k=9"], "model.k (--set k=...) must be an int in [1, num_experts=8]"),
+    (["--set", "fp8=fp16"], "model.fp8 (--fp8) must be one of ('off', 'blockwise', 'tensorwise'), "
+                            "got 'fp16'"),
     (["--set", "widht=3"], "--set 'widht=3': expected FIELD=VALUE with FIELD one of"),
     (["--set", "hidden=big"], "--set 'hidden=big': invalid literal for int()"),
     (["--resume"], "--resume needs --out"),

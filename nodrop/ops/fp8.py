@@ -1,0 +1,237 @@
+"""FP8 training recipes as quantise-dequantise emulation: the numerics FP8 kernels must match.
+
+E4M3 (`float8_e4m3fn`, largest finite value 448) operands with float32 scales, one per block:
+
+- "blockwise" (DeepSeek-V3): activations and output gradients in 1 x 128 blocks along the
+  contraction axis K (ACTIVATION_BLOCK), weights in 128 x 128 blocks of each expert
+  (WEIGHT_BLOCK). The weight gradient contracts over the rows M, so there its operands (the
+  activations and the output gradient) are quantised in blocks of 128 rows of one column
+  (WGRAD_BLOCK) that never cross a group boundary: a group whose size is not a multiple of 128
+  ends with a shorter block. Each scale then multiplies one K-block's float32 partial sum.
+- "tensorwise": one scale per tensor (per expert for the weights), current scaling.
+
+Here the operands are quantised, dequantised to float32 and multiplied by an ordinary grouped
+matmul, so a CPU run (and a GPU run, until nodrop has FP8 kernels) computes what the FP8
+kernels will, up to float32 summation order; it is not faster than bf16.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike, DTypeLike
+
+from nodrop._fields import is_int
+from nodrop.ops import _checks
+from nodrop.ops.grouped_matmul import _clamped_ends, _group_sizes, grouped_matmul
+
+E4M3 = jnp.float8_e4m3fn
+E4M3_MAX = float(jnp.finfo(E4M3).max)  # 448
+BLOCK = 128
+ACTIVATION_BLOCK = (1, BLOCK)
+WEIGHT_BLOCK = (BLOCK, BLOCK)
+WGRAD_BLOCK = (BLOCK, 1)
+RECIPES = ("blockwise", "tensorwise")
+
+Block = tuple[int, int] | str
+
+
+def _block_shape(block: Block, x) -> tuple[int, int]:
+    """(rows, columns) of one block over x's last two axes; "tensor" is all of them."""
+    if block == "tensor":
+        return max(x.shape[-2], 1), max(x.shape[-1], 1)
+    if not (isinstance(block, tuple) and len(block) == 2
+            and all(is_int(b) and b >= 1 for b in block)):
+        raise ValueError(f"block must be (rows, columns) of positive ints or 'tensor', "
+                         f"got {block!r}")
+    return block
+
+
+def _require_matrices(name: str, x) -> None:
+    if x.ndim < 2:
+        raise ValueError(f"{name} must have rank 2 or more ([..., rows, columns]), got shape "
+                         f"{tuple(x.shape)}")
+
+
+def _scale(amax):
+    """The float32 scale of blocks whose largest magnitude is amax: amax / 448, so the block's
+    largest value maps to E4M3's largest. A block of zeros (or one so small that the division
+    underflows) gets 1, never 0; a block holding NaN or +-inf gets NaN, so non-finite values
+    spread over their block instead of being clipped to finite ones (an overflow stays visible
+    in the loss, as it would without FP8)."""
+    # Times the float32 reciprocal, as in _cast: a division by a constant may be rewritten so
+    # under jit and not eagerly.
+    scale = amax * jnp.float32(1 / E4M3_MAX)
+    return jnp.where(jnp.isfinite(amax), jnp.where(scale > 0, scale, 1.0), jnp.nan)
+
+
+def _cast(x, scale):
+    """x / scale saturated to +-448 and rounded to E4M3 (float32 past 448 would become NaN).
+
+    The division is a multiplication by the float32 reciprocal of the scale, as a kernel does it:
+    XLA rewrites x / broadcast(s) that way under jit and not eagerly, and the 1-ulp difference
+    flips E4M3 roundings at ties, so spelling it out keeps eager, jit and kernels equal."""
+    return jnp.clip(x * (1 / scale), -E4M3_MAX, E4M3_MAX).astype(E4M3)
+
+
+def _expand(scale, block: Block, shape):
+    """Per-block scales [..., R/r, C/c] as one per element of `shape`."""
+    if block == "tensor":
+        return scale
+    rows, cols = block
+    full = jnp.repeat(jnp.repeat(scale, rows, axis=-2), cols, axis=-1)
+    return full[..., :shape[-2], :shape[-1]]
+
+
+def quantize(x: ArrayLike, block: Block, *, scale: ArrayLike | None = None
+             ) -> tuple[jax.Array, jax.Array]:
+    """x [..., R, C] -> (q float8_e4m3fn of x's shape, scale float32 [..., ceil(R/r), ceil(C/c)]).
+
+    block: (r, c), blocks of r rows and c columns over the last two axes, with shorter last
+      blocks where r or c does not divide R or C (ACTIVATION_BLOCK, (1, 128): each row in runs
+      of 128; WEIGHT_BLOCK, (128, 128), per leading index, i.e. per expert of [G, K, N]); or
+      "tensor": one scale over the last two axes ([..., 1, 1]; per expert for [G, K, N]).
+    scale: the scales to use instead of amax / 448 (say, delayed scaling); values past 448 *
+      scale saturate to +-448.
+    Each block's scale is amax(|x|) / 448 (1 for a block of zeros; NaN for a block holding NaN
+    or inf, whose q is then NaN too), and q = x * (1 / scale) (float32) rounded to nearest even
+    in E4M3.
+    """
+    x = jnp.asarray(x)
+    _require_matrices("x", x)
+    _checks.require_float("x", x)
+    rows, cols = _block_shape(block, x)
+    x = x.astype(jnp.float32)
+    grid = (-(-x.shape[-2] // rows), -(-x.shape[-1] // cols))
+    if scale is None:
+        # Zero padding up to whole blocks leaves every block's amax as it is.
+        padded = jnp.pad(jnp.abs(x), [(0, 0)] * (x.ndim - 2)
+                         + [(0, grid[0] * rows - x.shape[-2]), (0, grid[1] * cols - x.shape[-1])])
+        blocks = padded.reshape(*x.shape[:-2], grid[0], rows, grid[1], cols)
+        scale = _scale(blocks.max(axis=(-3, -1), initial=0.0))
+    scale = jnp.asarray(scale, jnp.float32)
+    if scale.shape != (*x.shape[:-2], *grid):
+        raise ValueError(f"scale must have shape {(*x.shape[:-2], *grid)} (one per block of "
+                         f"{block!r} over x of shape {tuple(x.shape)}), got {tuple(scale.shape)}")
+    return _cast(x, _expand(scale, block, x.shape)), scale
+
+
+def dequantize(q: ArrayLike, scale: ArrayLike, block: Block,
+               dtype: DTypeLike = jnp.float32) -> jax.Array:
+    """q * scale, each block's scale over its elements (the block `quantize` was given), in
+    `dtype`."""
+    q = jnp.asarray(q)
+    _require_matrices("q", q)
+    _block_shape(block, q)
+    full = _expand(jnp.asarray(scale, jnp.float32), block, q.shape)
+    return (q.astype(jnp.float32) * full).astype(dtype)
+
+
+def _qdq(x, block: Block):
+    """x quantised and dequantised, in float32."""
+    return dequantize(*quantize(x, block), block)
+
+
+def _qdq_group_rows(x, group_sizes, recipe: str):
+    """The weight gradient's operand [M, C] (contracted over M), quantised and dequantised:
+    blockwise in WGRAD_BLOCK blocks that restart at each group's first row; tensorwise as one
+    tensor."""
+    if recipe == "tensorwise":
+        return _qdq(x, "tensor")
+    num_rows, num_groups = x.shape[0], group_sizes.shape[0]
+    ends = _clamped_ends(group_sizes, num_rows)
+    starts = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
+    blocks_per_group = -(-(ends - starts) // BLOCK)
+    first_block = jnp.cumsum(blocks_per_group) - blocks_per_group
+    rows = jnp.arange(num_rows)
+    group = jnp.searchsorted(ends, rows, side="right")  # G for rows past the groups
+    # At most M // 128 + G blocks lie in groups (each group adds at most one short block); rows
+    # past the groups share the one after them.
+    num_blocks = num_rows // BLOCK + num_groups + 1
+    in_group = group < num_groups
+    safe = jnp.minimum(group, num_groups - 1)
+    segment = jnp.where(in_group, first_block[safe] + (rows - starts[safe]) // BLOCK,
+                        num_blocks - 1)
+    x = x.astype(jnp.float32)
+    amax = jax.ops.segment_max(jnp.abs(x), segment, num_blocks, indices_are_sorted=True)
+    scale = _scale(jnp.maximum(amax, 0.0))[segment]  # segment_max of no rows is -inf
+    return _cast(x, scale).astype(jnp.float32) * scale
+
+
+def _rows_in_groups(x, group_sizes):
+    """x with the rows past the groups zeroed: the matmul ignores them, and so must the scales
+    (a tensorwise scale would otherwise see whatever they hold)."""
+    total = _clamped_ends(group_sizes, x.shape[0])[-1]
+    return jnp.where((jnp.arange(x.shape[0]) < total)[:, None], x, 0)
+
+
+def _operand_blocks(recipe: str) -> tuple[Block, Block]:
+    """(the rows' block along their last axis, the weights' block per expert)."""
+    return (ACTIVATION_BLOCK, WEIGHT_BLOCK) if recipe == "blockwise" else ("tensor", "tensor")
+
+
+def fp8_grouped_matmul(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *,
+                       recipe: str = "blockwise",
+                       matmul: Callable[..., jax.Array] = grouped_matmul) -> jax.Array:
+    """The grouped matmul `matmul(lhs, rhs, group_sizes)` on FP8 operands, emulated.
+
+    Args:
+      lhs: [M, K] float32, float16 or bfloat16; rhs: [G, K, N]; group_sizes: [G] integers
+        (as `nodrop.grouped_matmul`; rows past the groups give zero rows and zero gradient).
+      recipe: "blockwise" or "tensorwise" (see the module's docstring).
+      matmul: the grouped matmul over the dequantised float32 operands, (lhs, rhs, group_sizes)
+        -> [M, N]: `nodrop.grouped_matmul` (the default), `nodrop.ops.reference.grouped_matmul`
+        or `jax.lax.ragged_dot`. Its own transposes compute the gradients.
+
+    Forward: matmul(qdq(lhs, 1 x 128), qdq(rhs, 128 x 128 per expert)). Backward, with dout
+    quantised too: dlhs = matmul(qdq(dout, 1 x 128), qdq(rhs)^T), and drhs[g] = qdq(lhs)^T @
+    qdq(dout) over group g's rows, both quantised in blocks of 128 rows within the group.
+    Everything after dequantising is float32; the result and gradients are in lhs's and rhs's
+    dtypes.
+    """
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    group_sizes = _checks.as_array(group_sizes)
+    _checks.require_rank("lhs", lhs, 2, "[M, K]")
+    _checks.require_rank("rhs", rhs, 3, "[G, K, N]")
+    _checks.require_float("lhs", lhs)
+    _checks.require_float("rhs", rhs)
+    _checks.require_dim("rhs", rhs, 1, lhs.shape[1], "rows along axis 1 (K, lhs's columns)")
+    group_sizes = _group_sizes(group_sizes, rhs.shape[0], "rhs")
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+    return _fp8_grouped_matmul(lhs, rhs, group_sizes, recipe, matmul)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fp8_grouped_matmul(lhs, rhs, group_sizes, recipe, matmul):
+    return _forward(lhs, rhs, group_sizes, recipe, matmul)[0]
+
+
+def _forward(lhs, rhs, group_sizes, recipe, matmul):
+    rows_block, weights_block = _operand_blocks(recipe)
+    out = matmul(_qdq(_rows_in_groups(lhs, group_sizes), rows_block),
+                 _qdq(rhs, weights_block), group_sizes)
+    return out.astype(lhs.dtype), (lhs, rhs, group_sizes)
+
+
+def _backward(recipe, matmul, residuals, dout):
+    lhs, rhs, group_sizes = residuals
+    rows_block, weights_block = _operand_blocks(recipe)
+    dout = _rows_in_groups(dout, group_sizes)
+    rhs_q = _qdq(rhs, weights_block)
+    # The matmul's own transposes (for nodrop's: the grouped matmul against rhs[g].T, and the
+    # ragged contraction), on the operands quantised along each mode's contraction axis.
+    dlhs, = jax.linear_transpose(lambda a: matmul(a, rhs_q, group_sizes),
+                                 jax.ShapeDtypeStruct(lhs.shape, jnp.float32))(
+        _qdq(dout, rows_block))
+    lhs_q = _qdq_group_rows(_rows_in_groups(lhs, group_sizes), group_sizes, recipe)
+    drhs, = jax.linear_transpose(lambda w: matmul(lhs_q, w, group_sizes),
+                                 jax.ShapeDtypeStruct(rhs.shape, jnp.float32))(
+        _qdq_group_rows(dout, group_sizes, recipe))
+    return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None
+
+
+_fp8_grouped_matmul.defvjp(_forward, _backward)

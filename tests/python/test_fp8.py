@@ -1,0 +1,400 @@
+"""The FP8 recipes' emulation (nodrop/ops/fp8.py): E4M3 quantisation, fp8_grouped_matmul against
+the reference on explicitly dequantised operands, its gradients against the recipes' formulas,
+the transforms, MoEBlock and the trainer with fp8 set, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import (F32_TOL, as_f64, assert_close, group_offsets, int32, invalid_group_sizes,
+                      needs_train, random_normal, relative_error, seeds, valid_group_sizes)
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import nodrop
+from nodrop.models import ModelConfig
+from nodrop.moe import MoEBlock, MoEConfig
+from nodrop.ops import fp8, reference
+
+E4M3_EPS = 2.0 ** -4  # half the spacing of E4M3's 3 mantissa bits, relative
+E4M3_SUBNORMAL_STEP = 2.0 ** -9  # E4M3's subnormal spacing (times the scale)
+RECIPES = pytest.mark.parametrize("recipe", fp8.RECIPES)
+
+# name -> (M, K, N, group_sizes): K and N span one full and one short 128-block.
+CASES = {
+    "unaligned_groups_and_rows_past_them": (330, 200, 136, [130, 0, 100, 50]),
+    "all_rows_in_one_group": (300, 200, 136, [0, 300, 0]),
+    "empty_groups": (40, 200, 136, [0, 0, 0]),
+    "aligned": (256, 128, 128, [128, 128]),
+}
+
+
+@functools.partial(jax.jit, static_argnums=1)  # one compilation per shape, not one per op
+def qdq(x, block):
+    return fp8.dequantize(*fp8.quantize(x, block), block)
+
+
+def within_groups(x, sizes):
+    """x with the rows past the groups zeroed (fp8_grouped_matmul's scales never see them)."""
+    return jnp.where((jnp.arange(x.shape[0]) < sum(sizes))[:, None], x, 0)
+
+
+def assert_within_e4m3(x, block):
+    """Every element of qdq(x) within E4M3's rounding of x / scale: 2^-4 relative for normal
+    values, half a subnormal step below them; each block's amax maps onto +-448."""
+    q, scale = fp8.quantize(x, block)
+    back = as_f64(fp8.dequantize(q, scale, block))
+    full = as_f64(fp8._expand(scale, block, x.shape)) * np.ones(x.shape)
+    x = as_f64(x)
+    bound = np.maximum(E4M3_EPS * np.abs(x), E4M3_SUBNORMAL_STEP / 2 * full) * (1 + 1e-6)
+    assert np.all(np.abs(back - x) <= bound), np.max(np.abs(back - x) / bound)
+    assert float(np.max(np.abs(as_f64(q)))) == fp8.E4M3_MAX
+
+
+# --- quantisation ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape, block, scales", [
+    ((5, 300), fp8.ACTIVATION_BLOCK, (5, 3)),
+    ((3, 130, 300), fp8.WEIGHT_BLOCK, (3, 2, 3)),
+    ((300, 7), fp8.WGRAD_BLOCK, (3, 7)),
+    ((3, 130, 300), "tensor", (3, 1, 1)),
+])
+def test_round_trip_is_within_e4m3_bounds(shape, block, scales):
+    # Magnitudes over eight decades, so blocks hold E4M3's subnormals too.
+    rng = np.random.default_rng(0)
+    x = random_normal(rng, shape) * jnp.asarray(10.0 ** rng.uniform(-4, 4, shape), jnp.float32)
+    q, scale = fp8.quantize(x, block)
+    assert q.dtype == jnp.float8_e4m3fn and q.shape == shape
+    assert scale.dtype == jnp.float32 and scale.shape == scales
+    assert_within_e4m3(x, block)
+
+
+def test_a_short_last_block_has_its_own_scale():
+    x = jnp.concatenate([jnp.full((2, 256), 1000.0, jnp.float32),
+                         jnp.full((2, 44), 1e-3, jnp.float32)], axis=1)
+    q, scale = fp8.quantize(x, fp8.ACTIVATION_BLOCK)
+    np.testing.assert_allclose(scale, [[1000 / 448, 1000 / 448, 1e-3 / 448]] * 2, rtol=1e-6)
+    np.testing.assert_allclose(fp8.dequantize(q, scale, fp8.ACTIVATION_BLOCK), x, rtol=1e-6)
+
+
+@pytest.mark.parametrize("block", [fp8.ACTIVATION_BLOCK, fp8.WEIGHT_BLOCK, "tensor"])
+def test_an_all_zero_block_has_scale_one_and_zeros(block):
+    x = jnp.zeros((130, 260), jnp.float32).at[0, 0].set(3.0)
+    q, scale = fp8.quantize(x, block)
+    zero_blocks = np.ones(scale.shape, bool)
+    zero_blocks[0, 0] = False
+    assert np.all(np.asarray(scale)[zero_blocks] == 1.0)
+    assert scale[0, 0] == np.float32(3) * np.float32(1 / 448)  # amax times 1/448 in float32
+    back = fp8.dequantize(q, scale, block)
+    assert float(back[0, 0]) == pytest.approx(3.0, rel=1e-6)
+    assert np.count_nonzero(np.asarray(back)) == 1
+    q, scale = fp8.quantize(jnp.zeros((4, 4), jnp.float32), block)
+    assert np.all(np.asarray(scale) == 1.0) and not np.any(np.asarray(q, np.float32))
+
+
+def test_values_past_the_scale_saturate_instead_of_becoming_nan():
+    x = jnp.asarray([[1.0, -1.0, 0.5, 1e30, -jnp.finfo(jnp.float32).max]], jnp.float32)
+    q, _ = fp8.quantize(x, fp8.ACTIVATION_BLOCK, scale=jnp.full((1, 1), 1e-3, jnp.float32))
+    np.testing.assert_array_equal(np.asarray(q, np.float32), [[448, -448, 448, 448, -448]])
+    # Without a given scale the amax maps onto 448 exactly, whatever the float32 division does.
+    q, _ = fp8.quantize(jnp.asarray([[3.0, 7.0, -7.0]], jnp.float32), fp8.ACTIVATION_BLOCK)
+    np.testing.assert_array_equal(np.asarray(q, np.float32)[0, 1:], [448, -448])
+
+
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
+def test_a_non_finite_value_makes_its_block_nan_and_only_it(bad):
+    x = jnp.ones((2, 256), jnp.float32).at[0, 5].set(bad)
+    q, scale = fp8.quantize(x, fp8.ACTIVATION_BLOCK)
+    finite = np.asarray(scale)[[0, 1, 1], [1, 0, 1]]
+    assert np.isnan(scale[0, 0]) and finite == pytest.approx([1 / 448] * 3, rel=1e-6)
+    back = np.asarray(fp8.dequantize(q, scale, fp8.ACTIVATION_BLOCK))
+    assert np.all(np.isnan(back[0, :128])) and np.all(back[0, 128:] == 1) and np.all(back[1] == 1)
+    # The weight gradient's blocks of 128 rows within a group follow the same rule.
+    back = np.asarray(fp8._qdq_group_rows(x.T, int32([150, 106]), "blockwise"))
+    assert np.all(np.isnan(back[:128, 0])) and np.all(back[128:, 0] == 1)
+    assert np.all(back[:, 1] == 1)
+
+
+def test_quantize_under_jit_is_bitwise_the_eager_one():
+    """Data on which x / scale, rewritten by XLA under jit as x * (1 / scale), rounded one
+    element to the other side of an E4M3 tie."""
+    x = operands(*CASES["aligned"])[2][128:]
+    for block in (fp8.WGRAD_BLOCK, fp8.ACTIVATION_BLOCK, "tensor"):
+        eager = fp8.quantize(x, block)
+        jitted = jax.jit(fp8.quantize, static_argnums=1)(x, block)
+        for a, b in zip(eager, jitted):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_dequantize_returns_the_dtype_asked_for():
+    q, scale = fp8.quantize(jnp.ones((2, 3), jnp.bfloat16), "tensor")
+    assert fp8.dequantize(q, scale, "tensor", jnp.bfloat16).dtype == jnp.bfloat16
+    assert fp8.dequantize(q, scale, "tensor").dtype == jnp.float32
+
+
+# --- fp8_grouped_matmul: forward -------------------------------------------------------------
+
+
+def operands(m, k, n, sizes, seed=0):
+    rng = np.random.default_rng(seed)
+    return (random_normal(rng, (m, k)), random_normal(rng, (len(sizes), k, n)),
+            random_normal(rng, (m, n)))
+
+
+def blocks_of(recipe):
+    return ((fp8.ACTIVATION_BLOCK, fp8.WEIGHT_BLOCK) if recipe == "blockwise"
+            else ("tensor", "tensor"))
+
+
+@RECIPES
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_is_the_matmul_of_the_dequantised_operands(case, recipe):
+    m, k, n, sizes = CASES[case]
+    lhs, rhs, _ = operands(m, k, n, sizes)
+    lhs = lhs.at[sum(sizes):].set(jnp.nan)  # rows past the groups take no part, even NaN
+    out = nodrop.fp8_grouped_matmul(lhs, rhs, int32(sizes), recipe=recipe)
+    rows_block, weights_block = blocks_of(recipe)
+    expected = reference.grouped_matmul(qdq(within_groups(lhs, sizes), rows_block),
+                                        qdq(rhs, weights_block), int32(sizes))
+    assert out.shape == (m, n) and out.dtype == jnp.float32
+    assert_close(out, expected, F32_TOL)
+    assert not np.any(np.asarray(out[sum(sizes):]))
+    # and it is close to the unquantised product: E4M3's rounding of two operands
+    exact = reference.grouped_matmul(within_groups(lhs, sizes), rhs, int32(sizes))
+    assert relative_error(out, exact, floor=1.0) < 0.1
+
+
+@pytest.mark.parametrize("matmul", [reference.grouped_matmul, jax.lax.ragged_dot],
+                         ids=["reference", "ragged_dot"])
+def test_forward_on_any_grouped_matmul(matmul):
+    m, k, n, sizes = CASES["unaligned_groups_and_rows_past_them"]
+    lhs, rhs, _ = operands(m, k, n, sizes)
+    expected = nodrop.fp8_grouped_matmul(lhs, rhs, int32(sizes))
+    assert_close(nodrop.fp8_grouped_matmul(lhs, rhs, int32(sizes), matmul=matmul), expected,
+                 F32_TOL)
+
+
+def test_output_in_lhs_dtype():
+    m, k, n, sizes = CASES["aligned"]
+    lhs, rhs, _ = operands(m, k, n, sizes)
+    out = nodrop.fp8_grouped_matmul(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16),
+                                    int32(sizes))
+    assert out.dtype == jnp.bfloat16
+    grads = jax.grad(lambda a, b: nodrop.fp8_grouped_matmul(a, b, int32(sizes)).astype(
+        jnp.float32).sum(), (0, 1))(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16))
+    assert [g.dtype for g in grads] == [jnp.bfloat16, jnp.bfloat16]
+
+
+# --- gradients -------------------------------------------------------------------------------
+
+
+def expected_grads(lhs, rhs, dout, sizes, recipe):
+    """The recipe's formulas, written out: dlhs = qdq(dout) @ qdq(rhs)^T along N; drhs[g] =
+    qdq(lhs_g)^T @ qdq(dout_g), quantised per group in blocks of 128 rows (blockwise)."""
+    rows_block, weights_block = blocks_of(recipe)
+    lhs, dout = within_groups(lhs, sizes), within_groups(dout, sizes)
+    dlhs = reference.grouped_matmul(qdq(dout, rows_block),
+                                    jnp.swapaxes(qdq(rhs, weights_block), 1, 2), int32(sizes))
+    if recipe == "tensorwise":
+        lhs, dout = qdq(lhs, "tensor"), qdq(dout, "tensor")
+    ends = np.cumsum(sizes)
+    drhs = []
+    for start, end in zip(ends - sizes, ends):
+        a, b = lhs[start:end], dout[start:end]
+        if recipe == "blockwise" and end > start:  # each group's rows on their own
+            a, b = qdq(a, fp8.WGRAD_BLOCK), qdq(b, fp8.WGRAD_BLOCK)
+        drhs.append(jnp.dot(a.T, b, precision=jax.lax.Precision.HIGHEST))
+    return dlhs, jnp.stack(drhs)
+
+
+@RECIPES
+@pytest.mark.parametrize("case", list(CASES))
+def test_gradients_follow_the_recipe(case, recipe):
+    m, k, n, sizes = CASES[case]
+    lhs, rhs, dout = operands(m, k, n, sizes)
+    # Jitted: one compilation instead of one per op (eager gradients: the transforms' test).
+    dlhs, drhs = jax.jit(lambda a, b, d: jax.vjp(
+        lambda a, b: nodrop.fp8_grouped_matmul(a, b, int32(sizes), recipe=recipe), a, b)[1](d))(
+        lhs, rhs, dout)
+    expected_dlhs, expected_drhs = expected_grads(lhs, rhs, dout, sizes, recipe)
+    assert_close(dlhs, expected_dlhs, F32_TOL, "dlhs")
+    assert_close(drhs, expected_drhs, F32_TOL, "drhs")
+    assert not np.any(np.asarray(dlhs[sum(sizes):]))
+    for g, size in enumerate(sizes):
+        if size == 0:
+            assert not np.any(np.asarray(drhs[g])), f"empty group {g}'s gradient is not zero"
+
+
+PROPERTY_SHAPE = (300, 136, 24, 4)  # M, K, N, G: one shape, so each side compiles once
+
+
+@jax.jit
+def blockwise_by_masks(lhs, rhs, dout, sizes):
+    """The blockwise recipe's output and gradients another way: each group's rows masked and
+    rolled to row 0, so that plain WGRAD_BLOCK blocks start at its first row."""
+    rows = jnp.arange(lhs.shape[0])
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(sizes.astype(jnp.int64), 0)), lhs.shape[0])
+    starts = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
+    lhs, dout = (jnp.where((rows < ends[-1])[:, None], x, 0) for x in (lhs, dout))
+    rhs_q = qdq(rhs, fp8.WEIGHT_BLOCK)
+    out = reference.grouped_matmul(qdq(lhs, fp8.ACTIVATION_BLOCK), rhs_q, sizes)
+    dlhs = reference.grouped_matmul(qdq(dout, fp8.ACTIVATION_BLOCK), jnp.swapaxes(rhs_q, 1, 2),
+                                    sizes)
+    drhs = []
+    for start, end in zip(starts, ends):
+        mask = ((rows >= start) & (rows < end))[:, None]
+        a, b = (qdq(jnp.roll(jnp.where(mask, x, 0), -start, axis=0), fp8.WGRAD_BLOCK)
+                for x in (lhs, dout))
+        drhs.append(jnp.dot(a.T, b, precision=jax.lax.Precision.HIGHEST))
+    return out, dlhs, jnp.stack(drhs)
+
+
+@jax.jit
+def fp8_and_grads(lhs, rhs, dout, sizes):
+    out, vjp = jax.vjp(lambda a, b: nodrop.fp8_grouped_matmul(a, b, sizes), lhs, rhs)
+    return out, *vjp(dout)
+
+
+@settings(max_examples=30)
+@given(sizes=st.one_of(valid_group_sizes(PROPERTY_SHAPE[0], PROPERTY_SHAPE[3]),
+                       invalid_group_sizes(PROPERTY_SHAPE[0], PROPERTY_SHAPE[3])),
+       seed=seeds)
+def test_property_blockwise_matches_the_masked_formulation(sizes, seed):
+    """Any group sizes, invalid ones included (clamped as the engine clamps them)."""
+    m, k, n, g = PROPERTY_SHAPE
+    lhs, rhs, dout = operands(m, k, n, [0] * g, seed)
+    got = fp8_and_grads(lhs, rhs, dout, int32(sizes))
+    expected = blockwise_by_masks(lhs, rhs, dout, int32(sizes))
+    for name, a, b in zip(("out", "dlhs", "drhs"), got, expected):
+        assert_close(a, b, F32_TOL, name)
+    total = group_offsets(sizes, m)[-1]
+    assert not np.any(np.asarray(got[0][total:])) and not np.any(np.asarray(got[1][total:]))
+
+
+@RECIPES
+def test_grad_runs_nodrops_three_kernels(recipe):
+    """The backward takes nodrop's own transposes: the input gradient is the grouped matmul
+    against rhs[g].T and the weight gradient the ragged contraction, one call each."""
+    m, k, n, sizes = CASES["unaligned_groups_and_rows_past_them"]
+    lhs, rhs, _ = operands(m, k, n, sizes)
+    nonlinear = lambda a, b: jnp.sum(jnp.sin(  # noqa: E731  (keeps the forward's output used)
+        nodrop.fp8_grouped_matmul(a, b, int32(sizes), recipe=recipe)))
+    hlo = jax.jit(jax.grad(nonlinear, (0, 1))).lower(lhs, rhs).compile().as_text()
+    calls = {target: hlo.count(f'custom_call_target="{target}"')
+             for target in ("nodrop_grouped_matmul", "nodrop_grouped_matmul_contract")}
+    assert calls == {"nodrop_grouped_matmul": 2, "nodrop_grouped_matmul_contract": 1}
+
+
+def test_blockwise_weight_gradient_blocks_restart_at_each_group():
+    """Blocks that crossed the boundary between groups 0 and 1 would give group 1's first rows
+    group 0's large scale, flushing them to zero."""
+    sizes = [100, 60]
+    lhs = jnp.concatenate([jnp.full((100, 1), 1e4), jnp.full((60, 1), 1e-3)]).astype(jnp.float32)
+    rhs = jnp.ones((2, 1, 1), jnp.float32)
+    _, vjp = jax.vjp(lambda b: nodrop.fp8_grouped_matmul(lhs, b, int32(sizes)), rhs)
+    drhs, = vjp(jnp.ones((160, 1), jnp.float32))
+    np.testing.assert_allclose(drhs[:, 0, 0], [100 * 1e4, 60 * 1e-3], rtol=1e-6)
+
+
+def loss(lhs, rhs, sizes, dout):
+    return jnp.sum(nodrop.fp8_grouped_matmul(lhs, rhs, sizes) * dout)
+
+
+def test_jit_grad_remat_and_scan_give_the_eager_gradients():
+    m, k, n, sizes = CASES["unaligned_groups_and_rows_past_them"]
+    lhs, rhs, dout = operands(m, k, n, sizes)
+    sizes = int32(sizes)
+    eager = jax.grad(loss, (0, 1))(lhs, rhs, sizes, dout)
+    for name, fn in [("jit", jax.jit(jax.grad(loss, (0, 1)))),
+                     ("remat", jax.jit(jax.grad(jax.checkpoint(loss), (0, 1))))]:
+        for got, want in zip(fn(lhs, rhs, sizes, dout), eager):
+            assert_close(got, want, F32_TOL, name)
+
+    def scanned(lhs, rhs):  # the same layer twice: the gradient is twice the one layer's
+        def body(total, weights):
+            return total + loss(lhs, weights, sizes, dout), None
+        return jax.lax.scan(body, jnp.float32(0), jnp.stack([rhs, rhs]))[0]
+
+    dlhs, drhs = jax.jit(jax.grad(scanned, (0, 1)))(lhs, rhs)
+    assert_close(dlhs, 2 * eager[0], F32_TOL, "scan dlhs")
+    assert_close(drhs, 2 * eager[1], F32_TOL, "scan drhs")
+
+
+# --- the MoE block and the trainer -----------------------------------------------------------
+
+
+BLOCK = MoEConfig(num_experts=4, k=2, hidden=160, ffn=136, renormalize=True, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0], ids=["dropless", "capacity"])
+def test_moe_block_with_fp8_is_close_to_without(capacity_factor):
+    x = random_normal(np.random.default_rng(1), (2, 96, BLOCK.hidden))
+    config = dataclasses.replace(BLOCK, capacity_factor=capacity_factor)
+    outputs, grads = {}, {}
+    for recipe in ("off", *fp8.RECIPES):
+        block = MoEBlock(dataclasses.replace(config, fp8=recipe), rngs=nnx.Rngs(0))
+        outputs[recipe] = nnx.jit(lambda b: b(x)[0])(block)
+        grads[recipe] = nnx.jit(nnx.grad(lambda b: jnp.sum(b(x)[0] ** 2)))(block)
+    for recipe in fp8.RECIPES:
+        # Four E4M3 roundings (x, gate_up, the hidden rows, down), each up to 2^-4 relative.
+        err = float(jnp.linalg.norm(outputs[recipe] - outputs["off"])
+                    / jnp.linalg.norm(outputs["off"]))
+        assert 0 < err < 0.1, (recipe, err)
+        for name in ("gate_up", "down", "router"):
+            got, want = grads[recipe][name][...], grads["off"][name][...]
+            err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+            assert err < 0.15, (recipe, name, err)
+
+
+def test_fp8_outside_the_recipes_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"^MoEConfig\.fp8 must be one of \('off', 'blockwise', "
+                                         r"'tensorwise'\), got 'fp16'$"):
+        dataclasses.replace(BLOCK, fp8="fp16")
+    with pytest.raises(ValueError, match=r"^ModelConfig\.fp8 must be one of .*got 'e5m2'$"):
+        ModelConfig(fp8="e5m2")
+
+
+def test_bad_operands_are_refused_naming_them():
+    lhs, rhs = jnp.ones((8, 4), jnp.float32), jnp.ones((2, 4, 3), jnp.float32)
+    with pytest.raises(ValueError, match=r"recipe must be one of \('blockwise', 'tensorwise'\), "
+                                         "got 'off'"):
+        nodrop.fp8_grouped_matmul(lhs, rhs, int32([4, 4]), recipe="off")
+    with pytest.raises(ValueError, match="rhs has 5 rows along axis 1 .* but expected 4"):
+        nodrop.fp8_grouped_matmul(lhs, jnp.ones((2, 5, 3), jnp.float32), int32([4, 4]))
+    with pytest.raises(ValueError, match="group_sizes has 3 groups but rhs has 2"):
+        nodrop.fp8_grouped_matmul(lhs, rhs, int32([4, 4, 0]))
+    with pytest.raises(ValueError, match=r"block must be \(rows, columns\) .* got \(0, 128\)"):
+        fp8.quantize(lhs, (0, 128))
+    with pytest.raises(ValueError, match=r"scale must have shape \(8, 1\) .* got \(1, 1\)"):
+        fp8.quantize(lhs, fp8.ACTIVATION_BLOCK, scale=jnp.ones((1, 1), jnp.float32))
+
+
+@needs_train
+def test_a_short_fp8_training_run_tracks_the_unquantised_one(tmp_path, capsys):
+    from test_train import MODEL_FLAGS, records, run_cli
+
+    from nodrop.train import data
+    text = tmp_path / "corpus.txt"
+    text.write_bytes((data.stdlib_root() / "argparse.py").read_bytes()[:20_000])
+    losses = {}
+    for recipe in ("off", "blockwise"):
+        out = tmp_path / recipe
+        code, _, err = run_cli(
+            capsys, "train", *MODEL_FLAGS, "--set", "num_layers=1", "--no-progress", "--data",
+            str(text), "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--eval-every", "4",
+            "--eval-batches", "1", "--checkpoint-every", "0", "--fp8", recipe, "--out", str(out))
+        assert code == 0, err
+        losses[recipe] = [r["loss"] for r in records(out, "train")]
+        config = (out / "config.json").read_text()
+        assert f'"fp8": "{recipe}"' in config
+    assert all(math.isfinite(v) for v in losses["blockwise"])
+    assert losses["blockwise"] != losses["off"]  # the recipe ran
+    np.testing.assert_allclose(losses["blockwise"], losses["off"], rtol=0.03)

@@ -8,7 +8,7 @@ jitted forward+backward against the same layer as plain JAX would write it: the 
 routing and permutation around jax.lax.ragged_dot. It exits with status 1 if a difference exceeds
 the tolerance.
 
-bench/gpu_moe.py and bench/gpu_layer_profile.py time this layer step (`loss_and_grads`) on a GPU.
+bench/gpu_moe.py and bench/gpu_profile.py time this layer step (`loss_and_grads`) on a GPU.
 """
 
 from __future__ import annotations

@@ -169,6 +169,7 @@ class Attention(nnx.Module):
         batch, seq = out.shape[:2]
         return jnp.dot(out.reshape(batch, seq, -1), self.output[...].astype(self.config.dtype))
 
+    @jax.named_scope("attention")  # profile regions: bench/gpu_profile.py reads them
     def __call__(self, x, cos, sin):
         cfg = self.config
         q, k, v = self._qkv(x, cos, sin)
@@ -205,6 +206,7 @@ class DenseMLP(nnx.Module):
         self.down = _param(rngs, residual_init(config.residual_init_scale),
                            (config.dense_ffn, config.hidden), config.param_dtype, ("mlp", "embed"))
 
+    @jax.named_scope("dense_ffn")
     def __call__(self, x):
         dtype = self.config.dtype
         return swiglu(jnp.dot, x.astype(dtype), self.gate_up[...].astype(dtype),
@@ -335,10 +337,12 @@ class MoELM(nnx.Module):
                 f"got {tokens.dtype} {tuple(tokens.shape)}")
         return tokens
 
+    @jax.named_scope("embed")
     def _embed(self, tokens):
         return jnp.take(self.embedding[...], tokens, axis=0, mode="fill",
                         fill_value=jnp.nan).astype(self.config.dtype)
 
+    @jax.named_scope("lm_head")
     def _logits(self, x):
         cfg = self.config
         x = self.final_norm(x).astype(cfg.dtype)

@@ -263,6 +263,9 @@ class MoEBlock(nnx.Module):
         self.shared_down = (param(residual_init(config.residual_init_scale), (shared, hidden),
                                   ("mlp", "embed")) if shared else None)
 
+    # Named scopes mark the profile's regions (bench/gpu_profile.py): router, experts,
+    # shared_experts, and the rest of moe (permute and unpermute, or dispatch and combine).
+    @jax.named_scope("moe")
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
         cfg = compute_config(self.config, x)
         if x.ndim not in (2, 3) or x.shape[-1] != cfg.hidden:
@@ -291,7 +294,8 @@ class MoEBlock(nnx.Module):
             # Every expert's buffer is C rows: groups of C rows, on the batched einsum.
             sizes = jnp.full((cfg.num_experts,), capacity, jnp.int32)
             matmul = _fp8_or(cfg, _capacity_einsum)
-            out = swiglu(lambda a, w: matmul(a, w, sizes), rows, gate_up, down)
+            with jax.named_scope("experts"):
+                out = swiglu(lambda a, w: matmul(a, w, sizes), rows, gate_up, down)
             y = combine(out, row_map, weights)
             load = tokens_per_expert(ids, cfg.num_experts)
             processed = jnp.minimum(load, capacity)
@@ -330,6 +334,7 @@ def compute_config(config: MoEConfig, x: jax.Array) -> MoEConfig:
     return dataclasses.replace(config, dtype=dtype)
 
 
+@jax.named_scope("router")
 def _route(cfg: MoEConfig, flat, router, expert_bias):
     """flat [T, H] -> (logits [T, E] float32, weights [T, k], ids [T, k])."""
     # The router runs in float32 whatever the compute dtype: rounding its inputs or logits to
@@ -343,6 +348,7 @@ def _route(cfg: MoEConfig, flat, router, expert_bias):
     return logits, weights, ids
 
 
+@jax.named_scope("experts")
 def _experts(cfg: MoEConfig, rows, group_sizes, gate_up, down):
     """The SwiGLU experts over rows grouped by expert (group_sizes [G] against G experts)."""
     matmul = _fp8_or(cfg, OPS[cfg.ops]["grouped_matmul"] if cfg.matmul == "nodrop"
@@ -365,6 +371,7 @@ def _capacity_einsum(lhs, rhs, group_sizes):
     return jnp.einsum("ech,ehf->ecf", buffers, rhs).reshape(lhs.shape[0], rhs.shape[-1])
 
 
+@jax.named_scope("shared_experts")
 def _add_shared(cfg: MoEConfig, y, tokens, shared):
     if not shared:
         return y
@@ -376,6 +383,7 @@ def _num_sequences(x) -> int:
     return x.shape[0] if x.ndim == 3 else 1
 
 
+@jax.named_scope("router")
 def _aux(cfg: MoEConfig, logits, ids, load, processed, overflow, *, num_sequences: int,
          axis_name=None):
     """MoEAux from this call's routing (num_sequences of equal length); with axis_name (inside

@@ -63,6 +63,9 @@ class TrainConfig:
       the newest few; checkpoint_every 0 saves none (benchmark runs: a GPU preset's state is
       tens of GB), and such a run cannot be resumed. log_every: metrics are fetched from the device (one sync) every N steps.
     seed: model initialisation and data order.
+    profile: 'START:STOP' traces steps START to STOP (1-based, inclusive) with the JAX profiler
+      into RUN/tensorboard/plugins/profile/ (TensorBoard's profile plugin; Perfetto reads its
+      perfetto_trace.json.gz); None: no trace. The traced steps run slower, timed apart.
     mesh: None (one device) or a device mesh 'data=2,fsdp=1,expert=4' (axes left out are 1,
       nodrop.parallel.make_mesh) over every device: the batch split over data x fsdp x expert,
       the experts over expert (expert parallelism), the dense matrices over fsdp.
@@ -96,6 +99,7 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     mesh: str | None = None
+    profile: str | None = None
 
     def __post_init__(self):
         require = requirer(self, describe, ConfigError)
@@ -147,6 +151,19 @@ class TrainConfig:
                 "'sign' or 'proportional' (or None for the preset's default)")
         if self.mesh is not None:
             self.mesh_shape()  # raises for a malformed spec
+        if self.profile is not None:
+            start, stop = self.profile_steps()
+            require(stop <= self.steps, "profile", f"steps within 1..steps={self.steps}")
+
+    def profile_steps(self) -> tuple[int, int] | None:
+        """(START, STOP) of `profile`; None without one."""
+        if self.profile is None:
+            return None
+        match = re.fullmatch(r"(\d+):(\d+)", self.profile) if isinstance(self.profile, str) else None
+        if match is None or not 1 <= int(match[1]) <= int(match[2]):
+            raise ConfigError(f"{describe('profile')} must be 'START:STOP' with 1 <= START <= "
+                              f"STOP, got {self.profile!r}")
+        return int(match[1]), int(match[2])
 
     def mesh_shape(self) -> dict[str, int] | None:
         """{'data': .., 'fsdp': .., 'expert': ..} of `mesh`; None without one."""
@@ -230,7 +247,7 @@ DEFAULT_EVALUATIONS = 10
 # extends or shortens the run, and with it the cosine schedule's remaining steps; mesh only
 # where the state lives, up to float32 rounding: Orbax reshards the checkpoint onto it).
 RESUMABLE_CHANGES = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints",
-                     "log_every", "mesh")
+                     "log_every", "mesh", "profile")
 
 # The GPU presets' training defaults (the tiny preset's are TrainConfig's own).
 # Their routers read a 2048-wide residual stream: Adam moves every router weight by about lr a
@@ -377,6 +394,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> No
                          help=f"default {d.keep_checkpoints}")
     cadence.add_argument("--log-every", type=int, default=S,
                          help=f"steps between metric fetches (default {d.log_every})")
+    cadence.add_argument("--profile", default=S, metavar="START:STOP",
+                         help="trace steps START to STOP with the JAX profiler into "
+                              "RUN/tensorboard/ (TensorBoard's profile tab, or Perfetto)")
     model = parser.add_argument_group("model overrides (on top of the preset)")
     model.add_argument("--capacity-factor", type=_optional_float, default=S, metavar="CF",
                        help="drop tokens past CF * T * k / E per expert; 'none' is dropless "

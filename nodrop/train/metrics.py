@@ -16,6 +16,8 @@ metrics.jsonl records, each with "kind" and "step":
 - ep_rerun: expert parallelism's receive buffer overflowed at this step (in evaluation if
   "evaluation" is true, else in its training step, which changed nothing): old_factor, and
   new_factor (null: the worst case), with which the step or evaluation was run again.
+- profile: steps first_step to step were traced (--profile) into tensorboard/plugins/profile/;
+  their timing is a record of its own.
 
 On resume the records after the checkpoint's step are dropped from metrics.jsonl, and a
 TensorBoard SessionLog START at the first re-run step makes TensorBoard discard the old events

@@ -59,6 +59,8 @@ CONFIG_FILE = "config.json"
 # cannot overflow.
 EP_BUFFER_FACTORS = (2.0, 4.0, None)
 SUMMARY_FILE = "summary.json"
+# --profile's trace, where TensorBoard's profile plugin finds it beside the run's scalars.
+PROFILE_DIR = "tensorboard"
 
 
 class Diverged(RuntimeError):
@@ -311,7 +313,8 @@ def make_steps(config: TrainConfig, graphdef, tx, *, can_overflow: bool = False)
 
     def forward(model, batch):
         logits, aux = model(batch[:, :-1])
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+        with jax.named_scope("loss"):
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
         return ce, aux
 
     def loss_fn(model, batch):
@@ -331,8 +334,9 @@ def make_steps(config: TrainConfig, graphdef, tx, *, can_overflow: bool = False)
         # nnx.remat must see the model's variables under an nnx transform.
         model = nnx.merge(graphdef, params, model_state)
         (loss, (ce, aux)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        with jax.named_scope("optimizer"):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
         if config.bias_update_rate > 0:
             model = nnx.merge(graphdef, params, model_state)
             for block, counts in zip(model.moe_blocks(), aux.tokens_per_expert):
@@ -794,10 +798,15 @@ def _train(job: _Job, state: _State) -> None:
     SIGINT or SIGTERM makes it save the current step (unless --checkpoint-every 0) and raise
     Interrupted."""
     config = job.config
+    profile = config.profile_steps() if distributed.is_primary() else None
+    if profile is not None and state.step >= profile[0]:
+        profile = None  # resumed past the traced steps' start
     state.interval_start = time.perf_counter()
     try:
         with _StopFlag(job.run_dir) as stop:
             while state.step < config.steps:
+                if profile is not None and state.step + 1 == profile[0]:
+                    jax.profiler.start_trace(job.run_dir / PROFILE_DIR, create_perfetto_trace=True)
                 _step(job, state)
                 step = state.step
                 last = step == config.steps
@@ -810,8 +819,13 @@ def _train(job: _Job, state: _State) -> None:
                 do_eval = step % config.eval_every == 0 or last
                 do_save = config.checkpoint_every > 0 and (
                     step % config.checkpoint_every == 0 or last or stopping)
-                if step % config.log_every == 0 or do_eval or do_save:
+                # The traced steps are flushed on their own: their timing is not the others'.
+                profile_edge = profile is not None and step in (profile[0] - 1, profile[1])
+                if step % config.log_every == 0 or do_eval or do_save or profile_edge:
                     overflow = _flush(job, state)
+                    if profile is not None and step == profile[1]:
+                        _stop_profile(job, state, profile)
+                        profile = None
                     if overflow is not None:
                         # Nothing after it changed the state: go on from its batch.
                         _grow_buffer(job, state, overflow, "training")
@@ -837,11 +851,23 @@ def _train(job: _Job, state: _State) -> None:
                 if do_eval or do_save:
                     state.interval_start = time.perf_counter()  # not timing evaluation and saving
     except BaseException:
+        if profile is not None and profile[0] <= state.step:
+            with contextlib.suppress(RuntimeError):  # the trace so far, if it started
+                jax.profiler.stop_trace()
         job.progress.close()  # a failed or interrupted run: plot what was logged, then re-raise
         with contextlib.suppress(OSError):  # a full disk must not hide why the run stopped
             _plots(job)
         raise
     job.progress.close()
+
+
+def _stop_profile(job: _Job, state: _State, profile: tuple[int, int]) -> None:
+    """Ends --profile's trace and writes beside it the optimized HLO of the step it traced,
+    which names the op behind each kernel (its metadata's op_name holds the named scopes)."""
+    jax.profiler.stop_trace()
+    traces = sorted((job.run_dir / PROFILE_DIR / "plugins" / "profile").iterdir())
+    _write_text(traces[-1] / "train_step.hlo.txt", state.train_step.as_text())
+    job.metrics.write({"kind": "profile", "step": profile[1], "first_step": profile[0]})
 
 
 def _step(job: _Job, state: _State) -> None:

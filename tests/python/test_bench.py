@@ -15,7 +15,7 @@ import pytest
 from conftest import needs_train
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-PROGRAMS = ("batch_invariance", "cpu_grouped_matmul", "gpu_moe", "gpu_gemm_sustained", "gpu_layer_profile",
+PROGRAMS = ("batch_invariance", "cpu_grouped_matmul", "gpu_moe", "gpu_gemm_sustained", "gpu_profile",
             "gemm_tiles_table", "ncu_stall_regions")
 MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 
@@ -131,3 +131,34 @@ def test_ncu_stall_regions(tmp_path, monkeypatch, capsys):
         "  +00000   90.0%  executed up to     512  HGMMA",
         "  +00400   10.0%  executed up to      64  BAR",
     ]
+
+
+@needs_train
+def test_a_profiled_run_traces_its_steps_and_names_the_regions(tmp_path):
+    """`nodrop train --profile` traces the steps it names, timed apart from the others, and
+    saves the step's HLO, whose op names put the ops in the model's named scopes (what
+    gpu_profile.py's `runs` sums the GPU kernels by)."""
+    import gpu_profile
+    from nodrop.train import trainer
+    from nodrop.train.metrics import read_jsonl
+
+    run_dir = tmp_path / "run"
+    trainer.run({"steps": 6, "batch_size": 2, "seq_len": 32, "eval_every": 6, "eval_batches": 1,
+                 "checkpoint_every": 0, "log_every": 4, "profile": "3:4",
+                 "model_overrides": {"num_layers": 2, "first_dense": 1, "dense_ffn": 64}},
+                out=run_dir, progress=False)
+    traces = list((run_dir / "tensorboard" / "plugins" / "profile").iterdir())
+    assert len(traces) == 1
+    assert (traces[0] / "perfetto_trace.json.gz").is_file()
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r for r in records if r["kind"] == "profile"] == [
+        {"kind": "profile", "step": 4, "first_step": 3}]
+    intervals = [(r["first_step"], r["step"]) for r in records if r["kind"] == "timing"]
+    assert intervals == [(1, 2), (3, 4), (5, 6)]
+
+    op_names = gpu_profile.hlo_op_names((traces[0] / "train_step.hlo.txt").read_text())
+    regions = {gpu_profile.region(name) for name in op_names.values()}
+    assert set(gpu_profile.SCOPES) - {"shared_experts"} <= regions
+    assert gpu_profile.region("jit(train_step)/transpose(jvp(moe))/router/dot_general") == "router"
+    assert gpu_profile.region("jit(train_step)/jvp()/rsqrt") is None
+    assert gpu_profile.kernel_class("loop_multiply_fusion") == "XLA elementwise fusions"

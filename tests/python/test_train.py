@@ -543,6 +543,11 @@ def test_checkpoint_every_zero_saves_no_checkpoint(tmp_path, text_file, referenc
     (["--set", "widht=3"], "--set 'widht=3': expected FIELD=VALUE with FIELD one of"),
     (["--set", "hidden=big"], "--set 'hidden=big': invalid literal for int()"),
     (["--resume"], "--resume needs --out"),
+    (["--profile", "5:3"], "profile (--profile) must be 'START:STOP' with 1 <= START <= STOP, "
+                           "got '5:3'"),
+    (["--profile", "3"], "profile (--profile) must be 'START:STOP' with 1 <= START <= STOP"),
+    (["--steps", "10", "--profile", "5:11"],
+     "profile (--profile) must be steps within 1..steps=10, got '5:11'"),
     (["--seed", "99999999999999999999"],
      "seed (--seed) must be an int in [0, 9223372036854775807], got 99999999999999999999"),
     (["--seed", "-1"], "seed (--seed) must be an int in [0, 9223372036854775807], got -1"),

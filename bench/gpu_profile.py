@@ -50,6 +50,18 @@ KERNEL_CLASSES = (
 TOP = 14
 
 
+def short_name(kernel: str) -> str:
+    """A CUTLASS grouped GEMM's schedule, MMA shape and operand majors (its mangled name runs to
+    thousands of characters); any other kernel's name as it is."""
+    if "GroupProblemShape" not in kernel:
+        return kernel
+    schedule = re.search(r"KernelPtrArrayTmaWarpSpecialized(\w+?)E", kernel)
+    # GMMA's operand majors: 0 K-major, 1 MN-major (A then B).
+    mma = re.search(r"MMA_(\d+x\d+x\d+)_F32(\w+?)_SS\w*?MajorE(\d)E\w+?_(\d)E", kernel)
+    return ("CUTLASS grouped GEMM " + (schedule[1] if schedule else "?") + " "
+            + (f"{mma[1]} {mma[2]} majors {mma[3]}{mma[4]}" if mma else "?"))
+
+
 def kernel_class(name: str) -> str:
     return next((label for label, pattern in KERNEL_CLASSES if re.search(pattern, name)),
                 "other kernels")
@@ -112,11 +124,16 @@ def run_profile(run_dir: pathlib.Path) -> dict:
     tokens_per_s = (sum(r["tokens_per_s"] * r["mean_step_time_s"] * r["steps"] for r in untimed)
                     / seconds if seconds else None)
     op_names = hlo_op_names((trace_dir / "train_step.hlo.txt").read_text())
+    op_names_by_kernel = {name.replace(".", "_"): name for name in op_names}
     kernels, lines = device_kernels(next(trace_dir.glob("perfetto_trace.json.gz")))
     by_region, by_class, by_pair = (collections.Counter() for _ in range(3))
     by_kernel, resolved = collections.Counter(), 0
     for name, micros, args in kernels:
-        op = args.get("hlo_op") or name
+        # Under CUDA graphs (XLA's command buffers) every kernel's hlo_op is the graph's; XLA's
+        # own fusions are still named after their HLO instruction, "." made "_".
+        op = args.get("hlo_op", "")
+        if op not in op_names:
+            op = op_names_by_kernel.get(name, name)
         resolved += op in op_names
         key = (REGION_NAMES.get(region(op_names.get(op)), region(op_names.get(op))),
                kernel_class(name))
@@ -124,7 +141,7 @@ def run_profile(run_dir: pathlib.Path) -> dict:
         by_region[key[0]] += ms
         by_class[key[1]] += ms
         by_pair[key] += ms
-        by_kernel[name] += ms
+        by_kernel[short_name(name)] += ms
     arg_keys = sorted({key for _, _, args in kernels for key in args})
     return {"name": run_dir.name if run_dir.name not in ("seed-0", "") else run_dir.parent.name,
             "steps": steps, "tokens_per_s": tokens_per_s,

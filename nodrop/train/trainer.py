@@ -826,6 +826,7 @@ def _train(job: _Job, state: _State) -> None:
                     if profile is not None and step == profile[1]:
                         _stop_profile(job, state, profile)
                         profile = None
+                        state.interval_start = time.perf_counter()  # not timing the trace's write
                     if overflow is not None:
                         # Nothing after it changed the state: go on from its batch.
                         _grow_buffer(job, state, overflow, "training")

@@ -185,6 +185,30 @@ def test_model_matches_a_float64_reference(config):
     assert_close(model(tokens)[0], reference_forward(model, tokens), 1e-5, "logits")
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_head_logits_gradient_is_the_float32_one_of_a_rounded_cotangent(dtype):
+    """The head's backward rounds the logits' gradient to the compute dtype, then runs the same
+    products with float32 accumulation; in float32 it is the plain dot's gradient."""
+    rng = np.random.default_rng(0)
+    x = random_normal(rng, (2, 5, 64), dtype)
+    head = random_normal(rng, (64, 96), dtype, scale=0.1)
+    grad = random_normal(rng, (2, 5, 96), jnp.float32)
+    logits, vjp = jax.vjp(jax.jit(lm.head_logits), x, head)
+    grad_x, grad_head = vjp(grad)
+    assert logits.dtype == jnp.float32 and (grad_x.dtype, grad_head.dtype) == (dtype, dtype)
+
+    def plain(x, head):
+        return jnp.dot(x, head, precision=jax.lax.Precision.HIGHEST)
+
+    as_f32 = lambda a: jnp.asarray(a, jnp.float32)
+    expected_logits, plain_vjp = jax.vjp(plain, as_f32(x), as_f32(head))
+    expected_x, expected_head = plain_vjp(as_f32(grad.astype(dtype)))
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2  # the gradients' own rounding to dtype
+    assert_close(logits, expected_logits, 1e-5, "logits")
+    assert_close(as_f32(grad_x), expected_x, tol, "grad x")
+    assert_close(as_f32(grad_head), expected_head, tol, "grad head")
+
+
 def test_rope_scores_depend_only_on_the_position_difference():
     head_dim, seq = 16, 40
     cos, sin = lm.rope_tables(seq, head_dim, 10000.0)

@@ -185,7 +185,7 @@ def plot(profiles: list[dict], path: pathlib.Path) -> None:
         left = [a + b for a, b in zip(left, widths)]
     ax.set_xlabel("GPU kernel time per training step (ms)")
     ax.invert_yaxis()
-    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.35 - 0.1 * len(profiles)))
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 

@@ -9,12 +9,16 @@ Everything runs in this one process: bf16 inputs, float32 accumulation, jitted.
    forward+backward (the output and the gradients of both inputs: 3 GEMMs): nodrop.ragged_dot,
    jax.lax.ragged_dot, the token-dropping batched einsum at capacity factors 1.0 and 1.25 (useful
    FLOPs only, with the fraction of token slots it would drop), torch._grouped_mm where torch
-   imports, and a dense jnp.dot of the same FLOPs (the ceiling).
+   imports, tokamax.ragged_dot where tokamax imports (its Mosaic GPU kernels on a GPU: see
+   bench/tokamax_peer.py), and a dense jnp.dot of the same FLOPs (the ceiling).
 2. An MoE expert layer, nodrop.moe.MoEBlock (top-k softmax router, SwiGLU experts, combine),
-   forward+backward: dropless on nodrop's ops against the same block dropping tokens
-   (MoEConfig(capacity_factor=1.0) and 1.25).
+   forward+backward: dropless on nodrop's ops against the same block with its expert matmuls on
+   tokamax.ragged_dot (the same routing) and against the block dropping tokens
+   (MoEConfig(capacity_factor=1.0) and 1.25). With each variant's activation memory: the
+   compiled step's temporary buffers (XLA's memory_analysis) per token.
 
-Shapes and group sizes: bench/shapes.py. Timing: bench/timing.py (side_by_side).
+Shapes and group sizes: bench/shapes.py. Timing: bench/timing.py (side_by_side). A case that
+fails (tokamax missing, a kernel that does not compile, out of memory) is recorded as failed.
 
 Writes DIR/gpu-moe.json (every number), DIR/gpu-moe.md (the tables) and DIR/gpu-moe.png
 (forward+backward TFLOP/s). Exit status 1 if a target (see below) fails.
@@ -45,10 +49,12 @@ from nodrop.moe.capacity import capacity_rows
 from shapes import (GEMM_SHAPES, GROUP_SIZE_KINDS, LAYER_SEED, LAYER_SHAPES, group_sizes,
                     layer_config)
 from timing import CASE_BUDGET_S, DEFAULT_ITERS, HEAT_S, PASSES, REPEATS, WARMUP, side_by_side
+from tokamax_peer import MOE_OPS, load_tokamax, tokamax_ops
 from torch_peer import load_torch, share_gpu_with_torch, torch_grouped_mm_steps, torch_sync
 
 CAPACITY_FACTORS = (1.0, 1.25)
 BASELINE_CAPACITY = "capacity_1.0"  # the token-dropping peer of the ratios and the layer target
+MEMORY_BASELINE = "capacity_1.25"  # the layer's memory target: dropless holds no more than this
 DTYPE = jnp.bfloat16
 RAGGED_DOT_MAX_FORWARD_S = 2.0  # a slower jax.lax.ragged_dot forward skips its forward+backward
 CHECK_TOLERANCE = 1e-2  # nodrop's bf16 output vs a float32 jnp.dot, relative to max |dot|
@@ -58,12 +64,14 @@ MIN_VS_TORCH = 1.0  # every shape and group sizes
 MIN_VS_DENSE = {"Mixtral-8x7B": 0.85}
 MIN_VS_RAGGED_DOT = {"Mixtral-8x7B": 5.0, "Qwen3-30B-A3B": 50.0}
 MIN_LAYER_SPEEDUP = 1.0  # capacity-1.0 layer ms / nodrop layer ms
+MIN_MEMORY_SAVING = 1.0  # capacity-1.25 temporary bytes / nodrop temporary bytes, layer step
 
 IMPL_LABELS = {
-    "nodrop": "nodrop", "torch": "torch._grouped_mm", "ragged_dot": "jax.lax.ragged_dot",
+    "nodrop": "nodrop", "torch": "torch._grouped_mm", "tokamax": "tokamax.ragged_dot",
+    "ragged_dot": "jax.lax.ragged_dot",
     **{f"capacity_{cf}": f"capacity {cf}" for cf in CAPACITY_FACTORS}, "dense": "dense jnp.dot",
 }
-PLOTTED_IMPLS = ("nodrop", "torch", "ragged_dot", BASELINE_CAPACITY, "dense")
+PLOTTED_IMPLS = ("nodrop", "torch", "tokamax", "ragged_dot", BASELINE_CAPACITY, "dense")
 PASS_LABELS = {"forward": "fwd", "forward+backward": "fwd+bwd"}
 NOT_RUN = dict(status="not run", ms=None, tflops=None, iters=0, detail="")
 START = time.perf_counter()
@@ -74,20 +82,37 @@ START = time.perf_counter()
 
 def measure(runs: dict, iters: int, flops: float) -> dict:
     """{name: result} for runs {name: (run, sync)}, timed side by side. A failure (out of
-    memory, say) is recorded instead of raised; where a group fails, each run is retried alone
-    so that one failure does not cost the others their figures."""
+    memory, say) is recorded instead of raised. A run whose first call fails is left out of the
+    others' windows; where the rest fail together, each is retried alone, so that one failure
+    does not cost the others their figures."""
+    results, runnable = {}, {}
+    for name, (run, sync) in runs.items():
+        try:
+            sync(run())  # alone, compiling: what cannot compile or run at all fails here
+            runnable[name] = run, sync
+        except Exception as error:  # XlaRuntimeError, torch.OutOfMemoryError, ...
+            results[name] = failure(error)
     try:
-        timings = side_by_side(runs, iters)
-    except Exception as error:  # XlaRuntimeError, torch.OutOfMemoryError, ...
-        if len(runs) > 1:
-            return {name: measure({name: run}, iters, flops)[name] for name, run in runs.items()}
-        text = str(error)
-        oom = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
-        return {name: dict(status="OOM" if oom else "error", ms=None, tflops=None, iters=0,
-                           detail=f"{type(error).__name__}: {text[:500]}") for name in runs}
-    return {name: dict(status="ok", ms=1e3 * seconds, tflops=flops / seconds / 1e12,
-                       iters=calls, detail="")
-            for name, (seconds, calls) in timings.items()}
+        timings = side_by_side(runnable, iters) if runnable else {}
+    except Exception as error:
+        if len(runnable) == 1:
+            results |= {name: failure(error) for name in runnable}
+        else:
+            results |= {name: measure({name: run}, iters, flops)[name]
+                        for name, run in runnable.items()}
+    else:
+        results |= {name: dict(status="ok", ms=1e3 * seconds, tflops=flops / seconds / 1e12,
+                               iters=calls, detail="")
+                    for name, (seconds, calls) in timings.items()}
+    return {name: results[name] for name in runs}
+
+
+def failure(error: Exception) -> dict:
+    """The result of a case that raised `error`: out of memory, or another error."""
+    text = str(error)
+    oom = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+    return dict(status="OOM" if oom else "error", ms=None, tflops=None, iters=0,
+                detail=f"{type(error).__name__}: {text[:500]}")
 
 
 def log(case: dict) -> None:
@@ -136,13 +161,20 @@ def dense_dot(lhs, rhs, group_sizes):
 
 
 GROUPED_MATMULS = {"nodrop": nodrop.ragged_dot, "ragged_dot": jax.lax.ragged_dot}
+CHECKED_IMPLS = ("nodrop", "tokamax")  # outputs compared with jnp.dot (nodrop's is a target)
 
 
-def check_nodrop(forward, operands, sizes) -> float:
-    """nodrop's forward on its first, middle and last groups vs jnp.dot in float32:
-    max |difference| / max |dot|. Catches rows written wrongly, or not at all."""
+def check_output(impl: str, forward, operands, sizes) -> float | None:
+    """`forward`'s output on its first, middle and last groups vs jnp.dot in float32:
+    max |difference| / max |dot|, None where it fails. Catches rows written wrongly, or not at
+    all."""
     lhs, rhs = operands[:2]
-    out = forward(*operands)
+    try:
+        out = forward(*operands)
+    except Exception as error:  # recorded as a failed check; the timing says more
+        print(f"{IMPL_LABELS[impl]} output check failed: {type(error).__name__}: {error}",
+              flush=True)
+        return None
     ends = np.cumsum(sizes)
     worst = 0.0
     for group in sorted({0, len(sizes) // 2, len(sizes) - 1}):
@@ -152,9 +184,10 @@ def check_nodrop(forward, operands, sizes) -> float:
     return worst
 
 
-def gemm_cases_of(name: str, dims, iters: int, torch) -> list[dict]:
-    """Per group sizes and pass: nodrop.ragged_dot and torch._grouped_mm (where torch imports)
-    timed side by side, then jax.lax.ragged_dot; then dense and capacity."""
+def gemm_cases_of(name: str, dims, iters: int, torch, tokamax) -> list[dict]:
+    """Per group sizes and pass: nodrop.ragged_dot, torch._grouped_mm (where torch imports) and
+    tokamax.ragged_dot (`tokamax`: tokamax_peer.load_tokamax) timed side by side, then
+    jax.lax.ragged_dot; then dense and capacity."""
     rows, k, n, groups = dims
     keys = jax.random.split(jax.random.key(0), 3)
     lhs = jax.random.normal(keys[0], (rows, k), DTYPE)
@@ -163,7 +196,7 @@ def gemm_cases_of(name: str, dims, iters: int, torch) -> list[dict]:
     flops = 2 * rows * k * n
     # Jitted once per shape: group sizes are a run-time argument, so both kinds share a compile.
     steps = {(impl, passes): jax.jit(make_step(matmul))
-             for impl, matmul in GROUPED_MATMULS.items()
+             for impl, matmul in (GROUPED_MATMULS | {"tokamax": tokamax}).items()
              for passes, (make_step, _) in PASSES.items()}
     torch_steps = torch_grouped_mm_steps(torch, dims) if torch is not None else None
     common = dict(section="gemm", shape=name, dims=list(dims))
@@ -171,31 +204,33 @@ def gemm_cases_of(name: str, dims, iters: int, torch) -> list[dict]:
     for kind in GROUP_SIZE_KINDS:
         sizes = group_sizes(kind, rows, groups)
         operands = (lhs, rhs, jnp.asarray(sizes), grad_out)
-        try:
-            check = check_nodrop(steps["nodrop", "forward"], operands, sizes)
-        except Exception as error:  # recorded as a failed check; the timing says more
-            print(f"nodrop output check failed: {type(error).__name__}: {error}", flush=True)
-            check = None
+        checks = {impl: check_output(impl, steps[impl, "forward"], operands, sizes)
+                  for impl in CHECKED_IMPLS}
         if torch_steps is not None:
             offs = torch.tensor(np.cumsum(sizes), dtype=torch.int32, device="cuda")
+
+        def run(impl, passes):
+            return functools.partial(steps[impl, passes], *operands), jax.block_until_ready
+
         ragged_forward_ms = 0.0
         for passes, (_, gemms) in PASSES.items():
-            runs = {"nodrop": (functools.partial(steps["nodrop", passes], *operands),
-                               jax.block_until_ready)}
+            runs = {"nodrop": run("nodrop", passes)}
             if torch_steps is not None:
                 runs["torch"] = (functools.partial(torch_steps[passes], offs), torch_sync(torch))
+            runs["tokamax"] = run("tokamax", passes)
             results = measure(runs, iters, gemms * flops)
             if ragged_forward_ms > 1e3 * RAGGED_DOT_MAX_FORWARD_S:
                 detail = f"forward took {ragged_forward_ms:.0f} ms per call"
                 results["ragged_dot"] = dict(NOT_RUN, status="skipped", detail=detail)
             else:  # alone: it is far slower than the others, and its verdicts have wide margins
-                results |= measure({"ragged_dot": (
-                    functools.partial(steps["ragged_dot", passes], *operands),
-                    jax.block_until_ready)}, iters, gemms * flops)
+                results |= measure({"ragged_dot": run("ragged_dot", passes)}, iters,
+                                   gemms * flops)
             if passes == "forward" and results["ragged_dot"]["status"] == "ok":
                 ragged_forward_ms = results["ragged_dot"]["ms"]
             for impl, result in results.items():
-                extra = dict(sizes=sizes.tolist(), check=check) if impl == "nodrop" else {}
+                extra = dict(check=checks[impl]) if impl in checks else {}
+                if impl == "nodrop":
+                    extra["sizes"] = sizes.tolist()
                 add_case(cases, **common, group_sizes=kind, passes=passes, impl=impl, **result,
                          **extra)
     return cases + padded_gemm_cases(common, lhs, rhs, grad_out, iters)
@@ -231,29 +266,50 @@ def padded_gemm_cases(common: dict, lhs, rhs, grad_out, iters: int) -> list[dict
 # --- MoE expert layer -------------------------------------------------------------------------
 
 
-def layer_cases(name: str, iters: int) -> list[dict]:
-    """nodrop.demo's loss and gradients of nodrop.moe.MoEBlock at LAYER_SHAPES[name]: dropless
-    and at each capacity factor, on the same weights and data, timed side by side."""
+def layer_cases(name: str, iters: int, tokamax) -> list[dict]:
+    """nodrop.demo's loss and gradients of nodrop.moe.MoEBlock at LAYER_SHAPES[name]: dropless,
+    dropless with the expert matmuls on `tokamax` (tokamax_peer.load_tokamax), and at each
+    capacity factor, on the same weights and data, timed side by side; with the memory of each
+    compiled step."""
     tokens, hidden, ffn, experts, k = dims = LAYER_SHAPES[name]
-    configs = {"nodrop": layer_config(name)}
-    configs |= {f"capacity_{cf}": layer_config(name, capacity_factor=cf) for cf in CAPACITY_FACTORS}
-    params = nnx.state(MoEBlock(configs["nodrop"], rngs=nnx.Rngs(LAYER_SEED)), nnx.Param)
-    x, target = demo.inputs(jax.random.key(LAYER_SEED), configs["nodrop"], tokens)
     flops = 3 * 6 * tokens * k * hidden * ffn  # 3 GEMMs of 2*T*k*H*F forward, twice that backward
-    runs, extra = {}, {}
-    for impl, config in configs.items():
-        block = MoEBlock(config, rngs=nnx.Rngs(LAYER_SEED))  # the weights of `params`
-        step = jax.jit(demo.loss_and_grads(block))
-        runs[impl] = (functools.partial(step, params, x, target), jax.block_until_ready)
-        if config.capacity_factor is not None:
-            aux = nnx.jit(lambda block, x: block(x)[1])(block, x)
-            extra[impl] = dict(capacity=capacity_rows(tokens * k, experts, config.capacity_factor),
-                               dropped=float(aux.dropped_fraction))
+    results, runs, extra = {}, {}, {}
+    with tokamax_ops(tokamax):
+        configs = {"nodrop": layer_config(name), "tokamax": layer_config(name, ops=MOE_OPS)}
+        configs |= {f"capacity_{cf}": layer_config(name, capacity_factor=cf)
+                    for cf in CAPACITY_FACTORS}
+        params = nnx.state(MoEBlock(configs["nodrop"], rngs=nnx.Rngs(LAYER_SEED)), nnx.Param)
+        x, target = demo.inputs(jax.random.key(LAYER_SEED), configs["nodrop"], tokens)
+        for impl, config in configs.items():
+            block = MoEBlock(config, rngs=nnx.Rngs(LAYER_SEED))  # the weights of `params`
+            try:  # compiled here, for its memory; the timing runs this executable
+                step = jax.jit(demo.loss_and_grads(block)).lower(params, x, target).compile()
+            except Exception as error:  # tokamax's kernels on this device, say
+                results[impl] = failure(error)
+                continue
+            runs[impl] = (functools.partial(step, params, x, target), jax.block_until_ready)
+            extra[impl] = dict(memory=step_memory(step, tokens))
+            if config.capacity_factor is not None:
+                aux = nnx.jit(lambda block, x: block(x)[1])(block, x)
+                extra[impl] |= dict(
+                    capacity=capacity_rows(tokens * k, experts, config.capacity_factor),
+                    dropped=float(aux.dropped_fraction))
+    results |= measure(runs, iters, flops)
     cases = []
-    for impl, result in measure(runs, iters, flops).items():
+    for impl in configs:
         add_case(cases, section="layer", shape=name, dims=list(dims), group_sizes="router",
-                 passes="forward+backward", impl=impl, **result, **extra.get(impl, {}))
+                 passes="forward+backward", impl=impl, **results[impl], **extra.get(impl, {}))
     return cases
+
+
+def step_memory(compiled, tokens: int) -> dict:
+    """XLA's memory plan of a compiled layer step (memory_analysis()), in bytes: its arguments
+    (weights, tokens), outputs (gradients, output) and temporary buffers, the activations kept
+    from the forward for the backward among them; and those temporaries per token of the layer."""
+    stats = compiled.memory_analysis()
+    return dict(argument_bytes=stats.argument_size_in_bytes,
+                output_bytes=stats.output_size_in_bytes, temp_bytes=stats.temp_size_in_bytes,
+                temp_bytes_per_token=stats.temp_size_in_bytes / tokens)
 
 
 # --- summary and targets ----------------------------------------------------------------------
@@ -286,7 +342,7 @@ def gemm_summary(cases: list[dict]) -> list[dict]:
         impls = {impl: index.get((shape, kind, passes, impl))
                  or index.get((shape, "any", passes, impl)) or NOT_RUN for impl in IMPL_LABELS}
         ratios = {peer: ratio(case, impls[peer])
-                  for peer in ("torch", "dense", "ragged_dot", BASELINE_CAPACITY)}
+                  for peer in ("torch", "tokamax", "dense", "ragged_dot", BASELINE_CAPACITY)}
         minimums = {"torch": MIN_VS_TORCH, "dense": MIN_VS_DENSE.get(shape),
                     "ragged_dot": MIN_VS_RAGGED_DOT.get(shape)}
         targets = {}
@@ -299,6 +355,7 @@ def gemm_summary(cases: list[dict]) -> list[dict]:
             targets["check"] = dict(minimum=None, verdict="PASS" if passed else "FAIL")
         rows.append(dict(
             shape=shape, dims=case["dims"], group_sizes=kind, passes=passes, check=case["check"],
+            tokamax_check=impls["tokamax"].get("check"),
             results={impl: {key: c[key] for key in ("status", "ms", "tflops")}
                      for impl, c in impls.items()},
             ratios=ratios, targets=targets,
@@ -308,21 +365,32 @@ def gemm_summary(cases: list[dict]) -> list[dict]:
 
 
 def layer_summary(cases: list[dict]) -> list[dict]:
-    """One row per shape: ms, TFLOP/s and dropped fraction of each variant, the speed-up target."""
+    """One row per shape: ms, TFLOP/s, dropped fraction and memory of each variant; nodrop's
+    speed-ups (peer ms / nodrop ms) and memory saving (peer temporary bytes / nodrop's); the
+    speed-up and memory targets."""
     rows = {}
     for case in cases:
         row = rows.setdefault(case["shape"], dict(shape=case["shape"], dims=case["dims"],
                                                   results={}))
         row["results"][case["impl"]] = {key: case.get(key) for key in (
-            "status", "ms", "tflops", "capacity", "dropped")}
+            "status", "ms", "tflops", "capacity", "dropped", "memory")}
     for row in rows.values():
-        nodrop_case, baseline = row["results"]["nodrop"], row["results"][BASELINE_CAPACITY]
-        speedup = None
-        if nodrop_case["status"] == "ok" and baseline["status"] == "ok":
-            speedup = baseline["ms"] / nodrop_case["ms"]
-        row["speedup"] = speedup
-        row["targets"] = {BASELINE_CAPACITY: dict(minimum=MIN_LAYER_SPEEDUP, verdict=verdict(
-            speedup, MIN_LAYER_SPEEDUP, nodrop_case, BASELINE_CAPACITY, baseline))}
+        results = row["results"]
+        nodrop_case = results["nodrop"]
+        row["speedups"] = {peer: results[peer]["ms"] / nodrop_case["ms"]
+                           for peer in ("tokamax", BASELINE_CAPACITY)
+                           if nodrop_case["status"] == "ok" and results[peer]["status"] == "ok"}
+        row["memory_saving"] = None
+        if nodrop_case["memory"] and results[MEMORY_BASELINE]["memory"]:
+            row["memory_saving"] = (results[MEMORY_BASELINE]["memory"]["temp_bytes"]
+                                    / nodrop_case["memory"]["temp_bytes"])
+        row["targets"] = {
+            BASELINE_CAPACITY: dict(minimum=MIN_LAYER_SPEEDUP, verdict=verdict(
+                row["speedups"].get(BASELINE_CAPACITY), MIN_LAYER_SPEEDUP, nodrop_case,
+                BASELINE_CAPACITY, results[BASELINE_CAPACITY])),
+            "memory": dict(minimum=MIN_MEMORY_SAVING, verdict=verdict(
+                row["memory_saving"], MIN_MEMORY_SAVING, nodrop_case, MEMORY_BASELINE,
+                results[MEMORY_BASELINE]))}
     return list(rows.values())
 
 
@@ -342,7 +410,12 @@ def target_lines(gemm_rows: list[dict], layer_rows: list[dict]) -> list[str]:
     for row in layer_rows:
         target = row["targets"][BASELINE_CAPACITY]
         lines.append(f"layer {row['shape']}: {IMPL_LABELS[BASELINE_CAPACITY]} ms / nodrop ms >= "
-                     f"{target['minimum']:g}x: {ratio_text(row['speedup'], target)}")
+                     f"{target['minimum']:g}x: "
+                     f"{ratio_text(row['speedups'].get(BASELINE_CAPACITY), target)}")
+        target = row["targets"]["memory"]
+        lines.append(f"layer {row['shape']}: {IMPL_LABELS[MEMORY_BASELINE]} temporary bytes / "
+                     f"nodrop temporary bytes >= {target['minimum']:g}x: "
+                     f"{ratio_text(row['memory_saving'], target)}")
     return lines
 
 
@@ -362,32 +435,38 @@ def ratio_text(value: float | None, target: dict | None) -> str:
 
 
 def gemm_table(rows: list[dict]) -> list[str]:
-    impls = ("nodrop", "torch", "ragged_dot", *(f"capacity_{cf}" for cf in CAPACITY_FACTORS),
-             "dense")
-    peers = ("torch", "dense", "ragged_dot", BASELINE_CAPACITY)
+    impls = ("nodrop", "torch", "tokamax", "ragged_dot",
+             *(f"capacity_{cf}" for cf in CAPACITY_FACTORS), "dense")
+    peers = ("torch", "tokamax", "dense", "ragged_dot", BASELINE_CAPACITY)
     lines = [
         "| shape | group sizes | pass | " + " | ".join(IMPL_LABELS[i] for i in impls)
         + " | " + " | ".join(f"nodrop / {IMPL_LABELS[p]}" for p in peers)
         + " | dropped at capacity " + " / ".join(f"{cf}" for cf in CAPACITY_FACTORS)
-        + " | nodrop check |",
-        "| --- | --- | --- | " + "---: | " * len(impls) + "--- | " * len(peers) + "--- | --- |",
+        + " | nodrop check | tokamax check |",
+        "| --- | --- | --- | " + "---: | " * len(impls) + "--- | " * len(peers)
+        + "--- | --- | --- |",
     ]
     for row in rows:
         dropped = " / ".join(f"{fraction:.1%}" for fraction in row["dropped"].values())
-        check = ""
-        if "check" in row["targets"]:
+        check = tokamax_check = ""
+        if "check" in row["targets"]:  # forward rows
             check = "error" if row["check"] is None else f"{row['check']:.0e}"
             check += f" {row['targets']['check']['verdict']}"
+            tokamax_check = ("error" if row["tokamax_check"] is None
+                             else f"{row['tokamax_check']:.0e}")
         lines.append(
             f"| {row['shape']} | {row['group_sizes']} | {PASS_LABELS[row['passes']]} | "
             + " | ".join(tflops_cell(row["results"][i]) for i in impls) + " | "
             + " | ".join(ratio_text(row["ratios"][p], row["targets"].get(p)) for p in peers)
-            + f" | {dropped} | {check} |")
+            + f" | {dropped} | {check} | {tokamax_check} |")
     return lines
 
 
+LAYER_VARIANTS = ("nodrop", "tokamax", *(f"capacity_{cf}" for cf in CAPACITY_FACTORS))
+
+
 def layer_table(rows: list[dict]) -> list[str]:
-    variants = ("nodrop", *(f"capacity_{cf}" for cf in CAPACITY_FACTORS))
+    peers = (BASELINE_CAPACITY, "tokamax")
 
     def cell(result):
         if result["status"] != "ok":
@@ -395,13 +474,34 @@ def layer_table(rows: list[dict]) -> list[str]:
         dropped = f", {result['dropped']:.1%} dropped" if result["dropped"] is not None else ""
         return f"{result['ms']:.2f} ms ({result['tflops']:.0f} TFLOP/s{dropped})"
 
-    lines = ["| shape (T, H, F, E, k) | " + " | ".join(IMPL_LABELS[v] for v in variants)
-             + f" | {IMPL_LABELS[BASELINE_CAPACITY]} ms / nodrop ms |",
-             "| --- | " + "--- | " * len(variants) + "--- |"]
+    lines = ["| shape (T, H, F, E, k) | " + " | ".join(IMPL_LABELS[v] for v in LAYER_VARIANTS)
+             + " | " + " | ".join(f"{IMPL_LABELS[p]} ms / nodrop ms" for p in peers) + " |",
+             "|" + " --- |" * (1 + len(LAYER_VARIANTS) + len(peers))]
     for row in rows:
-        speedup = ratio_text(row["speedup"], row["targets"][BASELINE_CAPACITY])
+        speedups = " | ".join(ratio_text(row["speedups"].get(p), row["targets"].get(p))
+                              for p in peers)
         lines.append(f"| {row['shape']} {tuple(row['dims'])} | "
-                     + " | ".join(cell(row["results"][v]) for v in variants) + f" | {speedup} |")
+                     + " | ".join(cell(row["results"][v]) for v in LAYER_VARIANTS)
+                     + f" | {speedups} |")
+    return lines
+
+
+def memory_table(rows: list[dict]) -> list[str]:
+    def cell(result):
+        memory = result["memory"]
+        if memory is None:  # it did not compile
+            return result["status"]
+        return (f"{memory['temp_bytes_per_token']:,.0f} B/token "
+                f"({memory['temp_bytes'] / 2**20:,.1f} MiB)")
+
+    lines = ["| shape (T, H, F, E, k) | " + " | ".join(IMPL_LABELS[v] for v in LAYER_VARIANTS)
+             + f" | {IMPL_LABELS[MEMORY_BASELINE]} / nodrop |",
+             "| --- | " + "---: | " * len(LAYER_VARIANTS) + "--- |"]
+    for row in rows:
+        saving = ratio_text(row["memory_saving"], row["targets"]["memory"])
+        lines.append(f"| {row['shape']} {tuple(row['dims'])} | "
+                     + " | ".join(cell(row["results"][v]) for v in LAYER_VARIANTS)
+                     + f" | {saving} |")
     return lines
 
 
@@ -413,13 +513,15 @@ def markdown(meta: dict, gemm_rows: list[dict], layer_rows: list[dict]) -> str:
         f"# nodrop on {meta['device']['jax']}: grouped matmul and MoE layer, {meta['date']}",
         "",
         f"Device: {meta['device']['jax']} (torch: {meta['device']['torch'] or meta['torch']}). "
-        f"{versions}.",
+        f"{versions}. tokamax.ragged_dot: {meta['tokamax']}.",
         f"bf16 inputs, float32 accumulation, jitted; median over {timing['repeats']} repeats of "
         f"the mean of {timing['iters']} back-to-back calls (fewer where those would take over "
         f"{CASE_BUDGET_S:g} s), after {timing['warmup']} warm-up calls and {timing['heat_s']:g} s "
-        "of untimed calls that bring the card to its power limit, where training runs. nodrop "
-        "and torch._grouped_mm, and the layer's three variants, take turns repeat by repeat, in "
-        "an order reversed every other repeat, so that each meets the card in the same state.",
+        "of untimed calls that bring the card to its power limit, where training runs. nodrop, "
+        "torch._grouped_mm and tokamax.ragged_dot, and the layer's four variants, take turns "
+        "repeat by repeat, in an order reversed every other repeat, so that each meets the card "
+        "in the same state; a case whose first call fails is left out of the turns and shown "
+        "as its status (error, OOM; the json has the message).",
     ]
     if gemm_rows:
         shapes = "; ".join(f"{name} {tuple(dims)}" for name, dims in dict(
@@ -431,7 +533,8 @@ def markdown(meta: dict, gemm_rows: list[dict], layer_rows: list[dict]) -> str:
             "time does not depend on the group sizes, which only set the share of token slots "
             "it drops. Dense: [M, K] @ [K, N] of the same FLOPs. The check compares nodrop's "
             "first, middle and last group with jnp.dot in float32 (max |difference| / max "
-            f"|dot|, tolerance {CHECK_TOLERANCE:g}).",
+            f"|dot|, tolerance {CHECK_TOLERANCE:g}); tokamax check: the same for "
+            "tokamax.ragged_dot (no target; a large one makes its TFLOP/s meaningless).",
             "", *gemm_table(gemm_rows)]
     if layer_rows:
         lines += [
@@ -442,8 +545,17 @@ def markdown(meta: dict, gemm_rows: list[dict], layer_rows: list[dict]) -> str:
             "the tokens. nodrop: dropless, topk_router, permute, grouped_matmul x2 forward (x4 "
             "backward), unpermute. Capacity: MoEConfig(capacity_factor=...), the same router, "
             "slot positions by a cumsum over a one-hot mask, scatter into [E, C, H] buffers, "
-            "batched einsums, gather back. TFLOP/s counts the useful 18*T*k*H*F FLOPs.",
-            "", *layer_table(layer_rows)]
+            "batched einsums, gather back. tokamax.ragged_dot: the dropless block with its two "
+            "grouped matmuls on tokamax.ragged_dot (forward and backward), the rest nodrop's "
+            "(the same routing). TFLOP/s counts the useful 18*T*k*H*F FLOPs.",
+            "", *layer_table(layer_rows),
+            "", "## MoE expert layer, activation memory", "",
+            "The compiled forward+backward step's temporary buffers (XLA's memory_analysis(): "
+            "temp_size_in_bytes; the activations kept for the backward, the dispatch buffers, "
+            "the kernels' workspaces) in bytes per token of the layer, and in all. Weights, "
+            "tokens and gradients (arguments and outputs) are the same for every variant: the "
+            "json has them.",
+            "", *memory_table(layer_rows)]
     targets = target_lines(gemm_rows, layer_rows)
     failed = [line for line in targets if "FAIL" in line]
     lines += ["", "## Targets", "",
@@ -481,7 +593,7 @@ def plot(meta: dict, gemm_rows: list[dict], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def metadata(torch, torch_status: str, iters: int) -> dict:
+def metadata(torch, torch_status: str, tokamax_status: str, iters: int) -> dict:
     def version(package):
         try:
             return importlib.metadata.version(package)
@@ -494,9 +606,11 @@ def metadata(torch, torch_status: str, iters: int) -> dict:
         device=dict(jax=jax.devices()[0].device_kind,
                     torch=torch.cuda.get_device_name(0) if torch else None),
         torch=torch_status or "torch._grouped_mm available",
+        tokamax=tokamax_status,
         versions=dict(python=platform.python_version(), jax=jax.__version__,
                       jaxlib=version("jaxlib"), nodrop=nodrop.__version__,
-                      numpy=np.__version__, torch=torch.__version__ if torch else None),
+                      numpy=np.__version__, torch=torch.__version__ if torch else None,
+                      tokamax=version("tokamax")),
         nodrop_engines=nodrop.backends(),
         xla_mem_fraction=os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"],
         timing=dict(warmup=WARMUP, heat_s=HEAT_S, repeats=REPEATS, iters=iters,
@@ -504,7 +618,7 @@ def metadata(torch, torch_status: str, iters: int) -> dict:
                     ragged_dot_max_forward_s=RAGGED_DOT_MAX_FORWARD_S),
         targets=dict(min_vs_torch=MIN_VS_TORCH, min_vs_dense=MIN_VS_DENSE,
                      min_vs_ragged_dot=MIN_VS_RAGGED_DOT, min_layer_speedup=MIN_LAYER_SPEEDUP,
-                     check_tolerance=CHECK_TOLERANCE))
+                     min_memory_saving=MIN_MEMORY_SAVING, check_tolerance=CHECK_TOLERANCE))
 
 
 # --- command line -----------------------------------------------------------------------------
@@ -541,8 +655,9 @@ def main(argv=None) -> int:
     if jax.default_backend() == "gpu" and not nodrop.backends()["cuda"]:
         raise SystemExit("nodrop has no CUDA engine (nodrop/libnodrop_ffi_cuda.so): build it")
     torch, torch_status = load_torch()
-    meta = metadata(torch, torch_status, args.iters)
-    print(f"{meta['device']['jax']}; {meta['torch']}; "
+    tokamax, tokamax_status = load_tokamax()
+    meta = metadata(torch, torch_status, tokamax_status, args.iters)
+    print(f"{meta['device']['jax']}; {meta['torch']}; {meta['tokamax']}; "
           + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v), flush=True)
 
     def chosen(shapes):
@@ -552,12 +667,12 @@ def main(argv=None) -> int:
     gemm_cases, layer_results = [], []
     if args.only in ("gemm", "all"):
         for name, dims in chosen(GEMM_SHAPES).items():
-            gemm_cases += gemm_cases_of(name, dims, args.iters, torch)
+            gemm_cases += gemm_cases_of(name, dims, args.iters, torch, tokamax)
             if torch is not None:  # this shape's torch tensors are freed now
                 torch.cuda.empty_cache()
     if args.only in ("layer", "all"):
         for name in chosen(LAYER_SHAPES):
-            layer_results += layer_cases(name, args.iters)
+            layer_results += layer_cases(name, args.iters, tokamax)
 
     gemm_rows, layer_rows = gemm_summary(gemm_cases), layer_summary(layer_results)
     table = markdown(meta, gemm_rows, layer_rows)

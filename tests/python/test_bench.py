@@ -88,17 +88,29 @@ def test_cpu_benchmark_summary_and_verdicts():
     assert row["check_ok"] and row["vs_dense_pass"] and row["vs_ragged_dot_pass"]
 
 
-@needs_train  # its plot: matplotlib
-def test_gpu_moe_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch):
-    """bench/gpu_moe.py's grouped-matmul and MoE-layer cases (MoEBlock, dropless and with
-    capacity factors), summaries, tables and plot, on the CPU without torch."""
-    import gpu_moe
+TINY_GEMM = (96, 16, 24, 4)  # (M, K, N, G)
+TINY_LAYER = (48, 16, 24, 4, 2)  # (T, H, F, E, k)
+NO_TOKAMAX = "tokamax (an optional peer of bench/gpu_moe.py) is not installed"
+
+
+@pytest.fixture
+def tiny_shapes(monkeypatch):
+    """The GPU benchmark's shapes plus "tiny", for the CPU; no heat-up."""
     import shapes
     import timing
 
-    monkeypatch.setitem(shapes.GEMM_SHAPES, "tiny", (96, 16, 24, 4))
-    monkeypatch.setitem(shapes.LAYER_SHAPES, "tiny", (48, 16, 24, 4, 2))
+    monkeypatch.setitem(shapes.GEMM_SHAPES, "tiny", TINY_GEMM)
+    monkeypatch.setitem(shapes.LAYER_SHAPES, "tiny", TINY_LAYER)
     monkeypatch.setattr(timing, "HEAT_S", 0.0)
+
+
+@needs_train  # its plot: matplotlib
+def test_gpu_moe_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch, tiny_shapes):
+    """bench/gpu_moe.py's grouped-matmul and MoE-layer cases (MoEBlock dropless, on tokamax and
+    with capacity factors), the layer's memory, summaries, tables and plot, on the CPU without
+    torch; tokamax's cases run where it is installed, else are recorded as failed."""
+    import gpu_moe
+
     monkeypatch.setattr(gpu_moe, "load_torch", lambda: (None, "not on this machine"))
     monkeypatch.setenv(MEM_FRACTION, "restored after the test")
     code = gpu_moe.main(["--out", str(tmp_path), "--shapes", "tiny", "--iters", "1"])
@@ -107,12 +119,104 @@ def test_gpu_moe_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch):
     assert {p.name for p in tmp_path.iterdir()} == {"gpu-moe.json", "gpu-moe.md", "gpu-moe.png"}
     results = json.loads((tmp_path / "gpu-moe.json").read_text())
     layer = {case["impl"]: case for case in results["layer"]["cases"]}
-    assert set(layer) == {"nodrop", "capacity_1.0", "capacity_1.25"}
-    assert all(case["status"] == "ok" for case in layer.values())
+    assert set(layer) == {"nodrop", "tokamax", "capacity_1.0", "capacity_1.25"}
+    assert all(case["status"] == "ok" for impl, case in layer.items() if impl != "tokamax")
     assert 0 <= layer["capacity_1.0"]["dropped"] < 1 and "dropped" not in layer["nodrop"]
+    for impl in ("nodrop", "capacity_1.0", "capacity_1.25"):
+        memory = layer[impl]["memory"]
+        assert memory["temp_bytes_per_token"] == memory["temp_bytes"] / TINY_LAYER[0] > 0
+    summary, = results["layer"]["summary"]
+    assert summary["memory_saving"] > 0 and summary["speedups"]["capacity_1.0"] > 0
     gemm = results["gemm"]["summary"]
-    assert {row["targets"]["check"]["verdict"] for row in gemm if row["passes"] == "forward"} \
-        == {"PASS"}
+    forward_rows = [row for row in gemm if row["passes"] == "forward"]
+    assert {row["targets"]["check"]["verdict"] for row in forward_rows} == {"PASS"}
+    markdown = (tmp_path / "gpu-moe.md").read_text()
+    assert "## MoE expert layer, activation memory" in markdown and " B/token " in markdown
+    assert "temporary bytes / nodrop temporary bytes" in markdown.split("## Targets")[1]
+
+    tokamax_cases = [*(c for c in results["gemm"]["cases"] if c["impl"] == "tokamax"),
+                     layer["tokamax"]]
+    assert len(tokamax_cases) == 5  # uniform and Zipf, forward and forward+backward; the layer
+    if results["tokamax"].startswith("tokamax does not import"):
+        assert all(c["status"] == "error" and results["tokamax"] in c["detail"]
+                   for c in tokamax_cases)
+        return
+    assert results["tokamax"].endswith("implementation='xla'")  # the CPU's
+    assert all(c["status"] == "ok" for c in tokamax_cases), tokamax_cases
+    assert all(row["tokamax_check"] <= 1e-2 for row in forward_rows)
+    assert summary["speedups"]["tokamax"] > 0 and layer["tokamax"]["memory"]["temp_bytes"] > 0
+
+
+def test_tokamax_agrees_with_nodrop_at_a_tiny_shape(tiny_shapes):
+    """tokamax.ragged_dot as bench/gpu_moe.py calls it (on the CPU, its XLA implementation)
+    against nodrop.ragged_dot: the same output and gradients. And the MoE block with its expert
+    matmuls on it against the dropless block: the same loss and gradients."""
+    pytest.importorskip("tokamax", reason=NO_TOKAMAX)
+    import jax
+    import jax.numpy as jnp
+    import shapes
+    import tokamax_peer
+    from flax import nnx
+    from timing import forward_backward
+
+    import nodrop
+    from nodrop import demo
+    from nodrop.moe import MoEBlock
+    from nodrop.moe.block import OPS
+
+    tokamax, status = tokamax_peer.load_tokamax()
+    assert status.endswith("implementation='xla'"), status
+    rows, k, n, groups = TINY_GEMM
+    keys = jax.random.split(jax.random.key(0), 3)
+    operands = (jax.random.normal(keys[0], (rows, k), jnp.bfloat16),
+                jax.random.normal(keys[1], (groups, k, n), jnp.bfloat16),
+                jnp.asarray(shapes.group_sizes("zipf", rows, groups)),
+                jax.random.normal(keys[2], (rows, n), jnp.bfloat16))
+    expected, actual = (jax.jit(forward_backward(matmul))(*operands)
+                        for matmul in (nodrop.ragged_dot, tokamax))
+    assert_close(actual, expected)
+
+    with tokamax_peer.tokamax_ops(tokamax):
+        configs = (shapes.layer_config("tiny"),
+                   shapes.layer_config("tiny", ops=tokamax_peer.MOE_OPS))
+        params = nnx.state(MoEBlock(configs[0], rngs=nnx.Rngs(0)), nnx.Param)
+        x, target = demo.inputs(jax.random.key(1), configs[0], TINY_LAYER[0])
+        expected, actual = (
+            jax.jit(demo.loss_and_grads(MoEBlock(config, rngs=nnx.Rngs(0))))(params, x, target)
+            for config in configs)
+    assert_close(actual, expected)
+    assert tokamax_peer.MOE_OPS not in OPS  # the block's op table as it was
+
+
+def assert_close(actual, expected):
+    """Every leaf of `actual` of the dtype of `expected`'s and within 1% (of its largest)."""
+    import jax
+    from nodrop.demo import relative_difference
+
+    for got, want in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        assert got.dtype == want.dtype and relative_difference(got, want) < 1e-2
+
+
+def test_a_missing_tokamax_is_recorded_not_raised(monkeypatch, tiny_shapes):
+    """Without tokamax bench/gpu_moe.py imports, and its tokamax cases are recorded as failed,
+    with the reason, while the others still run."""
+    import importlib
+
+    import gpu_moe
+    import tokamax_peer
+
+    monkeypatch.setitem(sys.modules, "tokamax", None)  # `import tokamax` raises
+    importlib.reload(tokamax_peer)
+    importlib.reload(gpu_moe)
+    tokamax, status = tokamax_peer.load_tokamax()
+    assert status.startswith("tokamax does not import: ModuleNotFoundError")
+    cases = [*gpu_moe.gemm_cases_of("tiny", TINY_GEMM, 1, None, tokamax),
+             *gpu_moe.layer_cases("tiny", 1, tokamax)]
+    statuses = {(c["section"], c["group_sizes"], c["passes"], c["impl"]): c["status"]
+                for c in cases}
+    failed = {key for key, value in statuses.items() if value != "ok"}
+    assert {key[3] for key in failed} == {"tokamax"} and len(failed) == 5
+    assert all(status in c["detail"] for c in cases if c["impl"] == "tokamax")
 
 
 def test_ncu_stall_regions(tmp_path, monkeypatch, capsys):

@@ -120,9 +120,12 @@ def log(case: dict) -> None:
         result = f"{case['ms']:9.3f} ms {case['tflops']:7.1f} TFLOP/s"
     else:
         result = f"{case['status']} {case['detail'][:160]}"
+    # The layer's memory too: a run cut short by a time limit keeps what its log printed.
+    memory = case.get("memory")
+    memory = f", {memory['temp_bytes_per_token']:,.0f} temporary B/token" if memory else ""
     print(f"[{time.perf_counter() - START:6.1f} s] {case['section']} {case['shape']} "
           f"{case['group_sizes']} {PASS_LABELS[case['passes']]} {IMPL_LABELS[case['impl']]}: "
-          f"{result}{dropped_text(case.get('dropped'))}", flush=True)
+          f"{result}{dropped_text(case.get('dropped'))}{memory}", flush=True)
 
 
 def dropped_text(dropped) -> str:

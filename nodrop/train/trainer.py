@@ -832,6 +832,7 @@ def _train(job: _Job, state: _State) -> None:
                         _grow_buffer(job, state, overflow, "training")
                         state.step = overflow - 1
                         state.halted = jax.device_put(np.bool_(False), job.replicated)
+                        state.interval_start = time.perf_counter()  # not timing the recompile
                         continue
                 if do_eval:
                     _validate(job, state)

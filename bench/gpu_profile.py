@@ -193,12 +193,13 @@ def plot(profiles: list[dict], path: pathlib.Path) -> None:
 def runs_main(args) -> int:
     profiles = [run_profile(pathlib.Path(run)) for run in args.runs]
     report = [f"# Training step, kernel time per step (ms, {profiles[0]['steps']} traced steps)\n",
-              "| run | kernels ms/step | tokens/s (untraced steps) | kernels resolved to an HLO op |",
+              "| run | kernels ms/step | tokens/s (untraced steps) | kernels named by HLO op |",
               "| --- | ---: | ---: | ---: |"]
     for p in profiles:
         rate = f"{p['tokens_per_s']:,.0f}" if p["tokens_per_s"] else "-"
         report.append(f"| {p['name']} | {p['total_ms']:.2f} | {rate} | {p['resolved']:.0%} |")
-    report += ["", "## By region (named scope)\n", side_by_side_table(profiles, "regions", "region"),
+    report += ["", "## By region (named scope)\n",
+               side_by_side_table(profiles, "regions", "region"),
                "", "## By kernel class\n", side_by_side_table(profiles, "classes", "kernel class"),
                "", "## By region and kernel class (largest)\n",
                side_by_side_table(profiles, "pairs", "region / kernel class", 24),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,8 +16,8 @@ import pytest
 from conftest import needs_train
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-PROGRAMS = ("batch_invariance", "cpu_grouped_matmul", "gpu_moe", "gpu_gemm_sustained", "gpu_profile",
-            "gemm_tiles_table", "ncu_stall_regions")
+PROGRAMS = ("batch_invariance", "cpu_grouped_matmul", "ep_scaling", "gpu_moe",
+            "gpu_gemm_sustained", "gpu_profile", "gemm_tiles_table", "ncu_stall_regions")
 MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 
 
@@ -266,3 +267,28 @@ def test_a_profiled_run_traces_its_steps_and_names_the_regions(tmp_path):
     assert gpu_profile.region("jit(train_step)/transpose(jvp(moe))/router/dot_general") == "router"
     assert gpu_profile.region("jit(train_step)/jvp()/rsqrt") is None
     assert gpu_profile.kernel_class("loop_multiply_fusion") == "XLA elementwise fusions"
+
+
+@needs_train
+def test_ep_scaling_dry_run_on_8_host_devices(tmp_path):
+    """bench/ep_scaling.py, the expert-parallel measurement of a multi-GPU host, end to end on 8
+    host CPU devices at the tiny preset (its own process: JAX takes the device count at start):
+    every section reports, nothing is dropped under skew, and EP matches one device."""
+    out = tmp_path / "ep"
+    done = subprocess.run([sys.executable, str(BENCH / "ep_scaling.py"), "--out", str(out),
+                           "--dry-run"], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    results = json.loads((out / "ep-scaling.json").read_text())
+    assert results["header"]["devices"] == 8
+    runs = results["scaling"]["tiny"]["runs"]
+    assert list(runs) == ["1 device", "EP=1", "EP=2", "EP=4", "EP=8"]
+    assert all(run["status"] == "ok" and run["dropped_fraction"] == 0 for run in runs.values())
+    assert results["exchange"]["tiny"]["ms"]["nodrop"] > 0
+    skew = results["skew"]["tiny"]
+    assert skew["verdict"] == "PASS" and set(skew["cases"]) == {
+        "uniform", "zipf", "every_token_to_rank_0"}
+    # The adversarial routing overflows the default buffer: it grows, and still drops nothing.
+    assert skew["cases"]["every_token_to_rank_0"]["reruns"] >= 1
+    assert results["match"]["tiny"]["verdict"] == "PASS"
+    assert (out / "ep-scaling.png").stat().st_size > 0 and "## Skew" in (
+        out / "ep-scaling.md").read_text()

@@ -152,15 +152,15 @@ class TrainConfig:
         if self.mesh is not None:
             self.mesh_shape()  # raises for a malformed spec
         if self.profile is not None:
-            start, stop = self.profile_steps()
-            require(stop <= self.steps, "profile", f"steps within 1..steps={self.steps}")
+            require(self.profile_steps()[1] <= self.steps, "profile",
+                    f"steps within 1..steps={self.steps}")
 
     def profile_steps(self) -> tuple[int, int] | None:
         """(START, STOP) of `profile`; None without one."""
         if self.profile is None:
             return None
-        match = re.fullmatch(r"(\d+):(\d+)", self.profile) if isinstance(self.profile, str) else None
-        if match is None or not 1 <= int(match[1]) <= int(match[2]):
+        match = isinstance(self.profile, str) and re.fullmatch(r"(\d+):(\d+)", self.profile)
+        if not match or not 1 <= int(match[1]) <= int(match[2]):
             raise ConfigError(f"{describe('profile')} must be 'START:STOP' with 1 <= START <= "
                               f"STOP, got {self.profile!r}")
         return int(match[1]), int(match[2])

@@ -801,12 +801,14 @@ def _train(job: _Job, state: _State) -> None:
     profile = config.profile_steps() if distributed.is_primary() else None
     if profile is not None and state.step >= profile[0]:
         profile = None  # resumed past the traced steps' start
+    tracing = False
     state.interval_start = time.perf_counter()
     try:
         with _StopFlag(job.run_dir) as stop:
             while state.step < config.steps:
-                if profile is not None and state.step + 1 == profile[0]:
+                if profile is not None and state.step + 1 == profile[0] and not tracing:
                     jax.profiler.start_trace(job.run_dir / PROFILE_DIR, create_perfetto_trace=True)
+                    tracing = True
                 _step(job, state)
                 step = state.step
                 last = step == config.steps
@@ -825,7 +827,7 @@ def _train(job: _Job, state: _State) -> None:
                     overflow = _flush(job, state)
                     if profile is not None and step == profile[1]:
                         _stop_profile(job, state, profile)
-                        profile = None
+                        profile, tracing = None, False
                         state.interval_start = time.perf_counter()  # not timing the trace's write
                     if overflow is not None:
                         # Nothing after it changed the state: go on from its batch.
@@ -853,9 +855,8 @@ def _train(job: _Job, state: _State) -> None:
                 if do_eval or do_save:
                     state.interval_start = time.perf_counter()  # not timing evaluation and saving
     except BaseException:
-        if profile is not None and profile[0] <= state.step:
-            with contextlib.suppress(RuntimeError):  # the trace so far, if it started
-                jax.profiler.stop_trace()
+        if tracing:  # keep the trace so far
+            jax.profiler.stop_trace()
         job.progress.close()  # a failed or interrupted run: plot what was logged, then re-raise
         with contextlib.suppress(OSError):  # a full disk must not hide why the run stopped
             _plots(job)

@@ -37,6 +37,14 @@ import time
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+
+import nodrop
+from nodrop.models import preset as preset_config
+from nodrop.moe import MoEBlock
+from nodrop.parallel import make_mesh
+from nodrop.parallel.expert import pair_capacity, return_rows, send_rows
+from timing import side_by_side
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
@@ -80,7 +88,7 @@ def train(plan: Plan, preset: str, mesh: str | None, steps: int, out: pathlib.Pa
           global_batch: int | None = None) -> dict:
     """A `nodrop train` run; its tokens/s per device after the first timing interval, reruns,
     dropped fraction, or the error that stopped it."""
-    from nodrop.train import trainer
+    from nodrop.train import trainer  # nodrop[train]: imported where a section needs it
     from nodrop.train.metrics import read_jsonl
 
     devices = 1 if mesh is None else len(jax.devices())
@@ -139,16 +147,17 @@ def describe(run: dict) -> str:
 # --- 2. exchange -------------------------------------------------------------------------------
 
 
-def exchange(plan: Plan, report) -> None:
-    from nodrop.parallel import make_mesh
-    from nodrop.parallel.expert import pair_capacity, return_rows, send_rows
-    from timing import side_by_side
-
+def ep_presets(plan: Plan):
+    """(devices, the mesh expert=devices, preset, its ModelConfig, sequence length) per preset."""
     n = len(jax.devices())
     mesh = make_mesh(f"expert={n}")
     for preset in plan.presets:
-        model = model_config(plan, preset)
-        seq = plan.seq_len or model.seq_len
+        model = preset_config(preset, **plan.model_overrides)
+        yield n, mesh, preset, model, plan.seq_len or model.seq_len
+
+
+def exchange(plan: Plan, report) -> None:
+    for n, mesh, preset, model, seq in ep_presets(plan):
         rows = plan.batch_per_device * seq * model.k  # one device's permuted rows
         capacity = pair_capacity(rows, n, BUFFER_FACTORS[0])
         hidden, experts = model.hidden, model.num_experts
@@ -203,16 +212,7 @@ def routing_row(name: str, experts: int, n: int):
 
 
 def skew(plan: Plan, report) -> None:
-    from flax import nnx
-
-    from nodrop.moe import MoEBlock
-    from nodrop.parallel import make_mesh
-
-    n = len(jax.devices())
-    mesh = make_mesh(f"expert={n}")
-    for preset in plan.presets:
-        model = model_config(plan, preset)
-        seq = plan.seq_len or model.seq_len
+    for n, mesh, preset, model, seq in ep_presets(plan):
         config = dataclasses.replace(model.moe_config(), expert_parallel=True)
         x = jax.random.normal(jax.random.key(1), (plan.batch_per_device * n, seq, model.hidden),
                               jnp.float32).at[..., 0].set(1.0).astype(model.dtype)
@@ -253,10 +253,6 @@ def skew(plan: Plan, report) -> None:
 def block_step(block, config, x, cotangent, *, mesh, memory_only=False) -> dict:
     """The block's output, aux and gradients (params and x) under jit, on `mesh` or one device;
     with the compiled step's temporary memory per device."""
-    from flax import nnx
-
-    from nodrop.moe import MoEBlock
-
     params = nnx.state(block, nnx.Param)
     graphdef, _, rest = nnx.split(MoEBlock(config, rngs=nnx.Rngs(0)), nnx.Param, ...)
 
@@ -295,7 +291,7 @@ def match(plan: Plan, out: pathlib.Path, report) -> None:
             report.add("match", preset, dict(one_device=one, ep=ep, verdict="FAIL"))
             continue
         relative = max(abs(a - b) / abs(a) for a, b in zip(one["losses"], ep["losses"]))
-        tolerance = MATCH_TOLERANCE[model_config(plan, preset).dtype.name]
+        tolerance = MATCH_TOLERANCE[preset_config(preset, **plan.model_overrides).dtype.name]
         print(f"[match] {preset}: largest relative loss difference over {steps} steps "
               f"{relative:.2e} (tolerance {tolerance:.0e})", flush=True)
         report.add("match", preset, dict(
@@ -395,11 +391,6 @@ def plot(scaling: dict, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def model_config(plan: Plan, preset: str):
-    from nodrop.models import preset as preset_config
-    return preset_config(preset, **plan.model_overrides)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, required=True)
@@ -418,7 +409,6 @@ def main(argv=None) -> int:
         presets=tuple(args.presets.split(",")), batch_per_device=args.batch_per_device,
         seq_len=None, steps=args.steps, match_steps=50, data=args.data, model_overrides={})
     args.out.mkdir(parents=True, exist_ok=True)
-    import nodrop
     devices = jax.devices()
     report = Report(args.out, dict(
         devices=len(devices), device=devices[0].device_kind, nvls=os.environ["NCCL_NVLS_ENABLE"],

@@ -6,6 +6,7 @@ and input checks, serialisation and presets."""
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -207,6 +208,14 @@ def test_head_logits_gradient_is_the_float32_one_of_a_rounded_cotangent(dtype):
     assert_close(logits, expected_logits, 1e-5, "logits")
     assert_close(as_f32(grad_x), expected_x, tol, "grad x")
     assert_close(as_f32(grad_head), expected_head, tol, "grad head")
+    # The rounding itself (the tolerance above cannot see it): every product of the backward
+    # reads operands of the compute dtype, none a float32 logits gradient.
+    backward = jax.jit(lambda x, head, grad: jax.vjp(lm.head_logits, x, head)[1](grad))
+    text = backward.lower(x, head, grad).as_text()
+    operand_types = re.findall(r"stablehlo\.dot_general .*: \(tensor<[^>]*x(\w+)>, "
+                               r"tensor<[^>]*x(\w+)>\)", text)
+    short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[jnp.dtype(dtype).name]
+    assert operand_types == [(short, short)] * 2, operand_types
 
 
 def test_rope_scores_depend_only_on_the_position_difference():

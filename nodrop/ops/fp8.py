@@ -56,16 +56,17 @@ def _require_matrices(name: str, x) -> None:
                          f"{tuple(x.shape)}")
 
 
-def _scale(amax):
+def _scale(amax, finite):
     """The float32 scale of blocks whose largest magnitude is amax: amax / 448, so the block's
     largest value maps to E4M3's largest. A block of zeros (or one so small that the division
-    underflows) gets 1, never 0; a block holding NaN or +-inf gets NaN, so non-finite values
-    spread over their block instead of being clipped to finite ones (an overflow stays visible
-    in the loss, as it would without FP8)."""
+    underflows) gets 1, never 0; a block holding NaN or +-inf (`finite` false) gets NaN, so
+    non-finite values spread over their block instead of being clipped to finite ones (an
+    overflow stays visible in the loss, as it would without FP8). `finite` is counted apart:
+    XLA's CPU max reductions do not always carry a NaN to amax."""
     # Times the float32 reciprocal, as in _cast: a division by a constant may be rewritten so
     # under jit and not eagerly.
     scale = amax * jnp.float32(1 / E4M3_MAX)
-    return jnp.where(jnp.isfinite(amax), jnp.where(scale > 0, scale, 1.0), jnp.nan)
+    return jnp.where(finite, jnp.where(scale > 0, scale, 1.0), jnp.nan)
 
 
 def _cast(x, scale):
@@ -111,7 +112,8 @@ def quantize(x: ArrayLike, block: Block, *, scale: ArrayLike | None = None
         padded = jnp.pad(jnp.abs(x), [(0, 0)] * (x.ndim - 2)
                          + [(0, grid[0] * rows - x.shape[-2]), (0, grid[1] * cols - x.shape[-1])])
         blocks = padded.reshape(*x.shape[:-2], grid[0], rows, grid[1], cols)
-        scale = _scale(blocks.max(axis=(-3, -1), initial=0.0))
+        scale = _scale(blocks.max(axis=(-3, -1), initial=0.0),
+                       jnp.isfinite(blocks).all(axis=(-3, -1)))
     scale = jnp.asarray(scale, jnp.float32)
     if scale.shape != (*x.shape[:-2], *grid):
         raise ValueError(f"scale must have shape {(*x.shape[:-2], *grid)} (one per block of "
@@ -157,7 +159,10 @@ def _qdq_group_rows(x, group_sizes, recipe: str):
                         num_blocks - 1)
     x = x.astype(jnp.float32)
     amax = jax.ops.segment_max(jnp.abs(x), segment, num_blocks, indices_are_sorted=True)
-    scale = _scale(jnp.maximum(amax, 0.0))[segment]  # segment_max of no rows is -inf
+    nonfinite = jax.ops.segment_sum((~jnp.isfinite(x)).astype(jnp.int32), segment, num_blocks,
+                                    indices_are_sorted=True)
+    # segment_max of no rows is -inf
+    scale = _scale(jnp.maximum(amax, 0.0), nonfinite == 0)[segment]
     return _cast(x, scale).astype(jnp.float32) * scale
 
 

@@ -123,6 +123,18 @@ def test_a_non_finite_value_makes_its_block_nan_and_only_it(bad):
     assert np.all(back[:, 1] == 1)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_nan_reaches_its_block_scale_whatever_the_shape(dtype):
+    """At [37, 300] XLA's CPU max reduction returned a finite amax for a block holding a NaN
+    (the scale was 0.0156): finiteness is counted apart from the amax."""
+    x = jax.random.normal(jax.random.key(0), (37, 300), dtype).at[5, 200].set(jnp.nan)
+    for quantize in (fp8.quantize, jax.jit(fp8.quantize, static_argnums=1)):
+        scale = np.asarray(quantize(x, fp8.ACTIVATION_BLOCK)[1])
+        assert np.isnan(scale[5, 1]) and np.isfinite(np.delete(scale.ravel(), 5 * 3 + 1)).all()
+    back = np.asarray(fp8._qdq_group_rows(x, int32([3, 30, 4]), "blockwise"))
+    assert np.isnan(back[3:33, 200]).all() and np.isfinite(np.delete(back, 200, axis=1)).all()
+
+
 def test_quantize_under_jit_is_bitwise_the_eager_one():
     """Data on which x / scale, rewritten by XLA under jit as x * (1 / scale), rounded one
     element to the other side of an E4M3 tie."""

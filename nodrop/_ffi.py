@@ -26,6 +26,7 @@ TARGETS = {
     "nodrop_gather_row_dots": "NodropGatherRowDots",
     "nodrop_topk_router": "NodropTopkRouter",
     "nodrop_topk_router_grad": "NodropTopkRouterGrad",
+    "nodrop_quantize_fp8": "NodropQuantizeFp8",
 }
 CPU_TARGETS = {target: symbol + "Cpu" for target, symbol in TARGETS.items()}
 CUDA_TARGETS = {target: symbol + "Cuda" for target, symbol in TARGETS.items()}

@@ -22,10 +22,12 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
+from nodrop import _ffi
 from nodrop._fields import is_int
-from nodrop.ops import _checks
+from nodrop.ops import _checks, _partition, _primitives
 from nodrop.ops.grouped_matmul import _clamped_ends, _group_sizes, grouped_matmul
 
 E4M3 = jnp.float8_e4m3fn
@@ -133,7 +135,10 @@ def dequantize(q: ArrayLike, scale: ArrayLike, block: Block,
 
 
 def _qdq(x, block: Block):
-    """x quantised and dequantised, in float32."""
+    """x quantised and dequantised, in float32; matrices in 1 x 128 blocks on the engine's
+    quantize_fp8 (bitwise `quantize`'s)."""
+    if block == ACTIVATION_BLOCK and x.ndim == 2:
+        return dequantize(*quantize_rows(x), block)
     return dequantize(*quantize(x, block), block)
 
 
@@ -240,3 +245,45 @@ def _backward(recipe, matmul, residuals, dout):
 
 
 _fp8_grouped_matmul.defvjp(_forward, _backward)
+
+
+# --- the engine's quantisation -------------------------------------------------------------------
+
+
+def quantize_rows(x: ArrayLike, block: int = BLOCK) -> tuple[jax.Array, jax.Array]:
+    """`quantize(x, (1, block))` in one engine call: x [M, C] (float32, float16 or bfloat16) ->
+    (q float8_e4m3fn [M, C], scale float32 [M, ceil(C / block)]), bitwise the same as the
+    emulation's (the same float32 operations, rounding to nearest even). The activations' and
+    output gradients' quantisation of the blockwise recipe, for FP8 kernels to read. Rows
+    partition locally under sharding; the columns are gathered. Not differentiable (the
+    recipes' custom_vjp never differentiates a quantisation)."""
+    x = jnp.asarray(x)
+    _checks.require_rank("x", x, 2, "[M, C]")
+    _checks.require_float("x", x)
+    if not is_int(block) or block < 1:
+        raise ValueError(f"block must be a positive int, got {block!r}")
+    return tuple(_quantize_p.bind(*_ffi.match_vma(x), block=int(block)))
+
+
+def _quantize_lowering(x, *, block, partition):
+    def run(x):
+        rows, cols = x.shape
+        return _ffi.call(
+            "nodrop_quantize_fp8",
+            (jax.ShapeDtypeStruct((rows, cols), E4M3),
+             jax.ShapeDtypeStruct((rows, -(-cols // block)), jnp.float32)),
+            x, block=np.int64(block))
+
+    if not partition:
+        return run(x)
+    return _partition.partitioned(
+        run, "m c -> m c, m b", (("m", "c"),), (("m", "c"), ("m", "b")),
+        lambda axes_of, x: run(x), ("m",), need_replication_factors=("c", "b"))(x)
+
+
+_quantize_p = _primitives.define(
+    "nodrop_quantize_fp8",
+    abstract_eval=lambda x, *, block: (
+        _primitives.result_aval((x,), x.shape, E4M3),
+        _primitives.result_aval((x,), (x.shape[0], -(-x.shape[1] // block)), jnp.float32)),
+    lower=_quantize_lowering, multiple_results=True)

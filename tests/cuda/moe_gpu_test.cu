@@ -760,4 +760,69 @@ TEST(RouterArgs, RejectsBadConfigs) {
   CUDA_CHECK(cudaStreamSynchronize(stream()));
 }
 
+// ---- FP8 quantisation ------------------------------------------------------------------------
+
+// Stores `value` as element i of a `dtype` buffer.
+void set_value(Bytes& bytes, DType dtype, int64_t i, float value) {
+  switch (dtype) {
+    case DType::kFloat32: reinterpret_cast<float*>(bytes.data())[i] = value; break;
+    case DType::kFloat16: reinterpret_cast<__half*>(bytes.data())[i] = __float2half_rn(value); break;
+    case DType::kBFloat16:
+      reinterpret_cast<__nv_bfloat16*>(bytes.data())[i] = __float2bfloat16_rn(value);
+      break;
+  }
+}
+
+class QuantizeFp8Gpu : public testing::TestWithParam<DType> {};
+
+// Bitwise the CPU engine's bytes: codes and scales, with a short last block (C = 300), an
+// all-zero block, a NaN block and an inf block, and an odd block size (rows of 7 blocks of 45).
+TEST_P(QuantizeFp8Gpu, MatchesTheCpuBitwise) {
+  const DType dtype = GetParam();
+  for (const int64_t block : {int64_t{128}, int64_t{45}}) {
+    const int64_t M = 37, C = 300, blocks = (C + block - 1) / block;
+    Bytes x = random_values(dtype, M * C, 41);
+    for (int64_t i = 0; i < block; ++i) set_value(x, dtype, 3 * C + i, 0.0f);
+    set_value(x, dtype, 5 * C + 200, std::nanf(""));
+    set_value(x, dtype, 6 * C + 10, INFINITY);
+    const Floats large = random_floats(C, 43, -3e4f, 3e4f);
+    const Floats small = random_floats(C, 44, -1e-4f, 1e-4f);
+    for (int64_t i = 0; i < C; ++i) {  // rows of large and of small magnitudes
+      set_value(x, dtype, 9 * C + i, large[i]);
+      set_value(x, dtype, 10 * C + i, small[i]);
+    }
+    Bytes want_q(M * C);
+    Floats want_scale(M * blocks);
+    ASSERT_TRUE(nodrop::cpu::quantize_fp8(x.data(), dtype, M, C, block, want_q.data(),
+                                          want_scale.data()).ok());
+    const DeviceBuffer d_x = to_device(x, 2 * bytes_of(dtype));  // not 16-byte aligned
+    const DeviceBuffer q(M * C), scale(M * blocks * sizeof(float));
+    run_twice(
+        [&] {
+          return nodrop::cuda::quantize_fp8(d_x.get(), dtype, M, C, block, q.as<uint8_t>(),
+                                            scale.as<float>(), stream());
+        },
+        {&q, &scale});
+    EXPECT_EQ(mismatch(download<uint8_t>(q), want_q), "") << "block " << block;
+    EXPECT_EQ(mismatch(download<uint32_t>(scale), as_vector<uint32_t>(Bytes(
+                  reinterpret_cast<const uint8_t*>(want_scale.data()),
+                  reinterpret_cast<const uint8_t*>(want_scale.data() + want_scale.size())))), "")
+        << "block " << block;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, QuantizeFp8Gpu,
+                         testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
+                         [](const auto& info) { return std::string(dtype_short(info.param)); });
+
+TEST(QuantizeFp8GpuArgs, RejectsBadBlocksAndDoesNothingWhenEmpty) {
+  const DeviceBuffer buffer(1 << 12);
+  EXPECT_FALSE(nodrop::cuda::quantize_fp8(buffer.get(), DType::kFloat32, 4, 4, 0,
+                                          buffer.as<uint8_t>(), buffer.as<float>(), stream())
+                   .ok());
+  EXPECT_TRUE(nodrop::cuda::quantize_fp8(nullptr, DType::kFloat32, 0, 4, 128, nullptr, nullptr,
+                                         stream()).ok());
+  CUDA_CHECK(cudaStreamSynchronize(stream()));
+}
+
 }  // namespace

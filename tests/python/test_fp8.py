@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -410,3 +411,56 @@ def test_a_short_fp8_training_run_tracks_the_unquantised_one(tmp_path, capsys):
     assert all(math.isfinite(v) for v in losses["blockwise"])
     assert losses["blockwise"] != losses["off"]  # the recipe ran
     np.testing.assert_allclose(losses["blockwise"], losses["off"], rtol=0.03)
+
+
+# --- the engine's quantisation: bitwise the emulation's ------------------------------------------
+
+
+def bits(q):
+    return np.asarray(jnp.asarray(q).view(jnp.uint8))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("block", [128, 45, 1, 300, 512])
+def test_quantize_rows_is_bitwise_quantize(dtype, block):
+    rng = np.random.default_rng(block)
+    x = (rng.standard_normal((37, 300)) * np.exp2(rng.integers(-12, 12, (37, 1))))
+    x = jnp.asarray(x, dtype).at[3, :block].set(0).at[5, 200].set(jnp.nan).at[6, 10].set(jnp.inf)
+    q, scale = fp8.quantize_rows(x, block)
+    want_q, want_scale = fp8.quantize(x, (1, block))
+    assert q.dtype == fp8.E4M3 and scale.shape == (37, -(-300 // block))
+    np.testing.assert_array_equal(bits(q), bits(want_q))
+    np.testing.assert_array_equal(np.asarray(scale), np.asarray(want_scale))  # NaN == NaN here
+    jitted = jax.jit(fp8.quantize_rows, static_argnums=1)(x, block)
+    np.testing.assert_array_equal(bits(jitted[0]), bits(q))
+
+
+def test_quantize_rows_of_empty_and_batched_inputs():
+    q, scale = fp8.quantize_rows(jnp.zeros((0, 300), jnp.float32))
+    assert q.shape == (0, 300) and scale.shape == (0, 3)
+    x = jax.random.normal(jax.random.key(1), (3, 5, 260), jnp.bfloat16)
+    q, scale = jax.vmap(fp8.quantize_rows)(x)
+    want = [fp8.quantize(row, fp8.ACTIVATION_BLOCK) for row in x]
+    np.testing.assert_array_equal(bits(q), np.stack([bits(w[0]) for w in want]))
+    np.testing.assert_array_equal(np.asarray(scale), np.stack([np.asarray(w[1]) for w in want]))
+
+
+@pytest.mark.parametrize("x, block, error, message", [
+    (jnp.ones((4,), jnp.float32), 128, ValueError, "x must have rank 2"),
+    (jnp.ones((4, 4), jnp.int32), 128, TypeError, "x must be"),
+    (jnp.ones((4, 4), jnp.float32), 0, ValueError, "block must be a positive int, got 0"),
+    (jnp.ones((4, 4), jnp.float32), 2.5, ValueError, "block must be a positive int, got 2.5"),
+])
+def test_quantize_rows_refuses_bad_input(x, block, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        fp8.quantize_rows(x, block)
+
+
+def test_the_blockwise_recipe_quantises_its_rows_on_the_engine():
+    lhs = jax.random.normal(jax.random.key(2), (12, 256), jnp.float32)
+    rhs = jax.random.normal(jax.random.key(3), (2, 256, 8), jnp.float32)
+    loss = lambda a, b: fp8.fp8_grouped_matmul(a, b, int32([5, 7])).sum()
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    text = step.lower(lhs, rhs).compile().as_text()
+    # The forward's lhs and the output gradient (the weight gradient's row blocks stay JAX's).
+    assert text.count('custom_call_target="nodrop_quantize_fp8"') == 2

@@ -1,6 +1,7 @@
 // Scalar conversions between the engine's storage dtypes and float32 (CPU engine only).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -34,6 +35,28 @@ inline uint16_t float_to_f16(float value) {
   uint16_t bits;
   std::memcpy(&bits, &half, sizeof(bits));
   return bits;
+}
+
+// float32 to E4M3 (float8_e4m3fn: 4 exponent bits, bias 7, 3 mantissa bits, no infinities,
+// largest finite 448), rounded to nearest even. Inputs past +-448 round to NaN, as a
+// conversion does: callers saturate first. NaN keeps its sign.
+inline uint8_t float_to_e4m3(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  const uint32_t magnitude = bits & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return sign | 0x7f;  // NaN
+  if (magnitude > 0x43e80000u) return sign | 0x7f;  // past 464, which ties to 448 (even)
+  if (magnitude < 0x3c800000u) {  // below 2^-6, E4M3's smallest normal: steps of 2^-9
+    float abs_value;
+    std::memcpy(&abs_value, &magnitude, sizeof(abs_value));
+    // Exact: a power-of-two scaling; nearbyint rounds half to even in the default mode.
+    return sign | static_cast<uint8_t>(std::nearbyint(abs_value * 512.0f));
+  }
+  // Round the 23 mantissa bits to 3, to nearest even (a carry moves into the exponent), then
+  // rebias the exponent from 127 to 7.
+  const uint32_t rounded = magnitude + 0x7ffffu + ((magnitude >> 20) & 1u);
+  return sign | static_cast<uint8_t>((rounded >> 20) - ((127 - 7) << 3));
 }
 
 // Element i of a buffer of `dtype`, as float.

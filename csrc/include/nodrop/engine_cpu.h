@@ -68,5 +68,12 @@ Status topk_router_grad(const float* logits, const int32_t* ids, const float* gr
                         const RouterConfig& config, float* grad_logits,
                         ParallelRunner* runner = nullptr);
 
+// FP8 (E4M3) quantisation in blocks of 1 x block along each row (nodrop.ops.fp8's recipe):
+// x [M, C] -> q [M, C] E4M3 bytes (float8_e4m3fn) and scale [M, ceil(C / block)] float32.
+// A block's scale is amax(|x|) * float32(1 / 448): 1 where that is 0, NaN where the block holds
+// a NaN or an inf. q = x * (1 / scale) in float32, saturated to +-448, rounded to nearest even.
+Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t block, uint8_t* q,
+                    float* scale, ParallelRunner* runner = nullptr);
+
 }  // namespace cpu
 }  // namespace nodrop

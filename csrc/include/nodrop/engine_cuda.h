@@ -142,4 +142,11 @@ Status topk_router(const float* logits, const float* expert_bias, const RouterCo
 Status topk_router_grad(const float* logits, const int32_t* ids, const float* grad_weights,
                         const RouterConfig& config, float* grad_logits, cudaStream_t stream);
 
+// ---- FP8 (fp8.cu) ------------------------------------------------------------------------------
+
+// x [M, C] -> q [M, C] E4M3 bytes, scale [M, ceil(C / block)] float32: bitwise the CPU's
+// quantize_fp8 (the same float32 operations; E4M3 rounding to nearest even). One warp a block.
+Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t block, uint8_t* q,
+                    float* scale, cudaStream_t stream);
+
 }  // namespace nodrop::cuda

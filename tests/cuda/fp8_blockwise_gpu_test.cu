@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -190,6 +191,17 @@ struct Buffers {
   }
 };
 
+// Random sizes in [0, max_size], the last one filling up to M when it can.
+Sizes random_sizes(int64_t M, int64_t G, int32_t max_size, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> size(0, max_size);
+  Sizes sizes(G);
+  int64_t total = 0;
+  for (int64_t g = 0; g + 1 < G; ++g) total += sizes[g] = size(rng);
+  sizes[G - 1] = static_cast<int32_t>(std::max<int64_t>(0, M - total));
+  return sizes;
+}
+
 struct Case {
   std::string name;
   int64_t M, K, N;
@@ -197,6 +209,38 @@ struct Case {
 };
 
 std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
+
+// Captured once into a CUDA graph, the call replays with new group sizes written on the device.
+// First in this file on purpose, as in grouped_matmul_gpu_test.cu: the process's first FP8 call
+// happens inside the capture, so its one-time host work (function attributes, the occupancy
+// query) must be capture-safe.
+TEST(CudaFp8BlockwiseGraph, ReplaysWithNewGroupSizesOnTheDevice) {
+  const Inputs in(/*M=*/300, /*K=*/256, /*N=*/256, /*G=*/3, /*seed=*/11);
+  const Buffers buffers(in);
+  buffers.set_sizes({100, 100, 100});
+  cudaStream_t stream;
+  CUDA_CHECK(cudaStreamCreate(&stream));
+  cudaGraph_t graph;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  const Status status = buffers.run(in, stream);
+  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  ASSERT_TRUE(status.ok()) << status.message();
+  cudaGraphExec_t exec;
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (const Sizes& sizes : {Sizes{100, 100, 100}, Sizes{0, 1, 130}, Sizes{299, 0, 1}}) {
+    buffers.set_sizes(sizes);
+    buffers.out.poison();
+    CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    EXPECT_EQ(compare(buffers.out.download(), reference(in, sizes), naive_offsets(sizes, in.M),
+                      in.N),
+              "")
+        << "sizes " << sizes[0] << ", " << sizes[1] << ", " << sizes[2];
+  }
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  CUDA_CHECK(cudaStreamDestroy(stream));
+}
 
 class CudaFp8BlockwiseTest : public testing::TestWithParam<Case> {};
 
@@ -238,40 +282,15 @@ INSTANTIATE_TEST_SUITE_P(
         // Invalid sizes: a negative one counts as zero, the total past M is clamped.
         Case{"clamped", 300, 256, 128, {-5, 200, 250, 7}},
         // Every group empty: the whole output is zero.
-        Case{"all_empty", 64, 256, 128, {0, 0, 0}}),
+        Case{"all_empty", 64, 256, 128, {0, 0, 0}},
+        // Sizes at int32's bounds: the first group takes every row.
+        Case{"int32_extremes", 256, 128, 128, {INT32_MAX, 5, -INT32_MAX, INT32_MIN}},
+        // More groups than the setup kernel's 256 threads, many of them empty or tiny.
+        Case{"many_groups", 2000, 128, 128, random_sizes(2000, 300, 12, 5)},
+        // No rows, and K = 0 (nothing to contract: the owned rows are zero too).
+        Case{"no_rows", 0, 256, 128, {0, 0, 0, 0}},
+        Case{"k_zero", 96, 0, 128, {32, 32, 32}}),
     [](const testing::TestParamInfo<Case>& info) { return info.param.name; });
-
-// Captured once into a CUDA graph, the call replays with new group sizes written on the device.
-TEST(CudaFp8BlockwiseGraph, ReplaysWithNewGroupSizesOnTheDevice) {
-  const Inputs in(/*M=*/300, /*K=*/256, /*N=*/256, /*G=*/3, /*seed=*/11);
-  const Buffers buffers(in);
-  buffers.set_sizes({100, 100, 100});
-  cudaStream_t stream;
-  CUDA_CHECK(cudaStreamCreate(&stream));
-  // Warm up outside the capture: the first call queries the device's occupancy.
-  ASSERT_TRUE(buffers.run(in, stream).ok());
-  CUDA_CHECK(cudaStreamSynchronize(stream));
-  cudaGraph_t graph;
-  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  const Status status = buffers.run(in, stream);
-  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  ASSERT_TRUE(status.ok()) << status.message();
-  cudaGraphExec_t exec;
-  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (const Sizes& sizes : {Sizes{100, 100, 100}, Sizes{0, 1, 130}, Sizes{299, 0, 1}}) {
-    buffers.set_sizes(sizes);
-    buffers.out.poison();
-    CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    CUDA_CHECK(cudaStreamSynchronize(stream));
-    EXPECT_EQ(compare(buffers.out.download(), reference(in, sizes), naive_offsets(sizes, in.M),
-                      in.N),
-              "")
-        << "sizes " << sizes[0] << ", " << sizes[1] << ", " << sizes[2];
-  }
-  CUDA_CHECK(cudaGraphExecDestroy(exec));
-  CUDA_CHECK(cudaGraphDestroy(graph));
-  CUDA_CHECK(cudaStreamDestroy(stream));
-}
 
 TEST(CudaFp8BlockwiseArguments, ErrorsNameTheArgument) {
   const Inputs in(/*M=*/16, /*K=*/128, /*N=*/128, /*G=*/1, /*seed=*/3);

@@ -95,6 +95,32 @@ Status grouped_matmul_contract(const void* lhs, const void* rhs, DType in_dtype,
                                size_t workspace_bytes, cudaStream_t stream,
                                GemmSchedule schedule = {});
 
+// ---- FP8 blockwise-scaled grouped matmul (grouped_matmul/fp8_blockwise*.cu) ----------------------
+//   The DeepSeek-V3 recipe, ragged rows (forward) only for now. Inputs are float8_e4m3 with
+//   float32 scales of 1x128 blocks (lhs, along K) and 128x128 blocks (rhs); the output is
+//   bfloat16; products accumulate in float32, each 128-deep k block scaled as it is added.
+//   KB = ceil(K / 128), NB = ceil(N / 128):
+//     lhs        [M, K]        E4M3, row-major (K contiguous)
+//     lhs_scales [M, KB]       float32, row-major: lhs_scales[m, kb] scales lhs[m, 128kb : 128kb+128]
+//     rhs        [G, N, K]     E4M3, row-major: each expert's weight transposed (K contiguous;
+//                              Hopper's FP8 wgmma needs both operands K-major)
+//     rhs_scales [G, NB, KB]   float32, row-major: rhs_scales[g, nb, kb] scales the block
+//                              rhs[g, 128nb : 128nb+128, 128kb : 128kb+128]
+//     out        [M, N]        bfloat16, row-major
+//   out[rows_g] = sum_kb (lhs[rows_g, kb-block] @ rhs[g][:, kb-block]^T) * lhs_scales[rows_g, kb]
+//                 * rhs_scales[g, n / 128, kb]; rows past the last group are zero.
+//   K must be a multiple of 16 and N of 8; lhs, rhs and out 16-byte aligned, scales 4-byte
+//   aligned; anything else is an error Status. Same device-only, graph-safe, deterministic rules
+//   as grouped_matmul (one kernel configuration: cooperative 128x128x128, cluster 1x1).
+
+// Device workspace bytes that one grouped_matmul_fp8_blockwise call needs for G groups.
+size_t grouped_matmul_fp8_blockwise_workspace_bytes(int64_t G);
+
+Status grouped_matmul_fp8_blockwise(const void* lhs, const float* lhs_scales, const void* rhs,
+                                    const float* rhs_scales, const int32_t* group_sizes,
+                                    int64_t M, int64_t K, int64_t N, int64_t G, void* out,
+                                    void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
 // ---- routing and token permutation (permute.cu, router.cu) -------------------------------------
 //   - permute_rows zeroes the rows [n, T*k), n being the number of in-range row_map entries.
 //     For a row_map from sort_by_expert those are exactly the rows no slot maps to, as on the

@@ -1,0 +1,311 @@
+// GPU tests of nodrop::cuda::grouped_matmul_fp8_blockwise (ragged rows, E4M3 with 1x128 / 128x128
+// float32 scales, bfloat16 out) against a host reference computed from the dequantised inputs in
+// double. Needs a Hopper GPU, so it is run by hand, not by ctest (part of nodrop_cuda_tests):
+//   ./nodrop_cuda_tests --gtest_filter='CudaFp8*'
+//
+// Every call writes into an output poisoned with 0xFF bytes (NaN in bfloat16) and fenced by
+// poisoned guard bytes, so an unwritten element or a write out of bounds fails; every call runs
+// twice and must give the same bytes.
+#include <gtest/gtest.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "nodrop/engine_cuda.h"
+
+namespace {
+
+using nodrop::Status;
+using Sizes = std::vector<int32_t>;
+
+void check_cuda(cudaError_t error, const char* what) {
+  if (error != cudaSuccess) {
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(error));
+  }
+}
+#define CUDA_CHECK(expr) check_cuda((expr), #expr)
+
+constexpr int64_t kBlock = 128;  // scale block along K (lhs, rhs) and N (rhs)
+
+int64_t blocks_of(int64_t extent) { return (extent + kBlock - 1) / kBlock; }
+
+// A device allocation with `kGuard` poisoned bytes on each side of the usable part.
+class DeviceBuffer {
+ public:
+  static constexpr size_t kGuard = 256;
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+    CUDA_CHECK(cudaMalloc(&base_, bytes + 2 * kGuard));
+    CUDA_CHECK(cudaMemset(base_, 0xFF, bytes + 2 * kGuard));
+  }
+  ~DeviceBuffer() { cudaFree(base_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void* get() const { return static_cast<char*>(base_) + kGuard; }
+  size_t bytes() const { return bytes_; }
+  void poison() const { CUDA_CHECK(cudaMemset(get(), 0xFF, bytes_)); }
+  void upload(const void* host) const {
+    if (bytes_ > 0) CUDA_CHECK(cudaMemcpy(get(), host, bytes_, cudaMemcpyHostToDevice));
+  }
+  std::vector<uint8_t> download() const {
+    std::vector<uint8_t> host(bytes_);
+    if (bytes_ > 0) CUDA_CHECK(cudaMemcpy(host.data(), get(), bytes_, cudaMemcpyDeviceToHost));
+    return host;
+  }
+  bool guards_intact() const {
+    std::vector<uint8_t> host(bytes_ + 2 * kGuard);
+    CUDA_CHECK(cudaMemcpy(host.data(), base_, host.size(), cudaMemcpyDeviceToHost));
+    auto poisoned = [](auto begin, auto end) {
+      return std::all_of(begin, end, [](uint8_t b) { return b == 0xFF; });
+    };
+    return poisoned(host.begin(), host.begin() + kGuard) &&
+           poisoned(host.end() - kGuard, host.end());
+  }
+
+ private:
+  void* base_ = nullptr;
+  size_t bytes_;
+};
+
+// The clamping rule of engine.h, written out independently of the engine.
+std::vector<int64_t> naive_offsets(const Sizes& sizes, int64_t rows) {
+  std::vector<int64_t> offsets(sizes.size() + 1, 0);
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    offsets[g + 1] = std::min<int64_t>(rows, offsets[g] + std::max<int32_t>(0, sizes[g]));
+  }
+  return offsets;
+}
+
+// One problem's host inputs: E4M3 bytes and positive float32 scales in the layouts of
+// engine_cuda.h (lhs_scales [M, KB], rhs_scales [G, NB, KB], both row-major).
+struct Inputs {
+  int64_t M, K, N, G;
+  std::vector<__nv_fp8_e4m3> lhs, rhs;
+  std::vector<float> lhs_scales, rhs_scales;
+
+  Inputs(int64_t M, int64_t K, int64_t N, int64_t G, uint32_t seed)
+      : M(M), K(K), N(N), G(G), lhs(M * K), rhs(G * N * K),
+        lhs_scales(M * blocks_of(K)), rhs_scales(G * blocks_of(N) * blocks_of(K)) {
+    std::mt19937 rng(seed);
+    // Values over most of E4M3's normal range (max 448); scales over four octaves.
+    std::uniform_real_distribution<float> value(-8.f, 8.f);
+    std::uniform_real_distribution<float> log2_scale(-2.f, 2.f);
+    for (auto& x : lhs) x = __nv_fp8_e4m3(value(rng));
+    for (auto& x : rhs) x = __nv_fp8_e4m3(value(rng));
+    for (auto& s : lhs_scales) s = std::exp2(log2_scale(rng));
+    for (auto& s : rhs_scales) s = std::exp2(log2_scale(rng));
+  }
+  float a(int64_t m, int64_t k) const {
+    return float(lhs[m * K + k]) * lhs_scales[m * blocks_of(K) + k / kBlock];
+  }
+  float b(int64_t g, int64_t n, int64_t k) const {
+    return float(rhs[(g * N + n) * K + k]) *
+           rhs_scales[(g * blocks_of(N) + n / kBlock) * blocks_of(K) + k / kBlock];
+  }
+};
+
+// out [M, N] from the dequantised inputs, in double; rows in no group are zero.
+std::vector<float> reference(const Inputs& in, const Sizes& sizes) {
+  const std::vector<int64_t> offsets = naive_offsets(sizes, in.M);
+  std::vector<float> out(in.M * in.N, 0.f);
+  std::vector<float> row(in.K);
+  for (int64_t g = 0; g < in.G; ++g) {
+    for (int64_t m = offsets[g]; m < offsets[g + 1]; ++m) {
+      for (int64_t k = 0; k < in.K; ++k) row[k] = in.a(m, k);
+      for (int64_t n = 0; n < in.N; ++n) {
+        double acc = 0;
+        for (int64_t k = 0; k < in.K; ++k) acc += double(row[k]) * in.b(g, n, k);
+        out[m * in.N + n] = float(acc);
+      }
+    }
+  }
+  return out;
+}
+
+// Empty string when `got` (bfloat16 bytes) matches: within 1e-2 of the largest |reference| (bf16
+// rounding is 2^-9 relative; float32 accumulation of E4M3 products adds far less), and exactly
+// zero where the reference row is in no group.
+std::string compare(const std::vector<uint8_t>& got, const std::vector<float>& want,
+                    const std::vector<int64_t>& offsets, int64_t N) {
+  float max_abs = 0.f;
+  for (float v : want) max_abs = std::max(max_abs, std::fabs(v));
+  const float tolerance = 1e-2f * max_abs;
+  const auto* values = reinterpret_cast<const __nv_bfloat16*>(got.data());
+  const int64_t owned_rows = offsets.back();
+  int64_t bad = 0;
+  std::ostringstream first;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const float v = __bfloat162float(values[i]);
+    const bool owned = int64_t(i) / N < owned_rows;
+    const bool ok = owned ? !std::isnan(v) && std::fabs(v - want[i]) <= tolerance : v == 0.f;
+    if (!ok && bad++ < 5) {
+      first << "  [row " << int64_t(i) / N << ", col " << int64_t(i) % N << "] got " << v
+            << ", want " << want[i] << (owned ? " +- " + std::to_string(tolerance) : " exactly")
+            << "\n";
+    }
+  }
+  if (bad == 0) return "";
+  return std::to_string(bad) + " of " + std::to_string(want.size()) + " elements wrong:\n" +
+         first.str();
+}
+
+// Inputs, group sizes, output and workspace of one problem on the device.
+struct Buffers {
+  DeviceBuffer lhs, lhs_scales, rhs, rhs_scales, sizes, out, workspace;
+  explicit Buffers(const Inputs& in)
+      : lhs(in.lhs.size()),
+        lhs_scales(in.lhs_scales.size() * sizeof(float)),
+        rhs(in.rhs.size()),
+        rhs_scales(in.rhs_scales.size() * sizeof(float)),
+        sizes(std::max<int64_t>(in.G, 1) * sizeof(int32_t)),
+        out(in.M * in.N * sizeof(__nv_bfloat16)),
+        workspace(nodrop::cuda::grouped_matmul_fp8_blockwise_workspace_bytes(in.G)) {
+    lhs.upload(in.lhs.data());
+    lhs_scales.upload(in.lhs_scales.data());
+    rhs.upload(in.rhs.data());
+    rhs_scales.upload(in.rhs_scales.data());
+  }
+  void set_sizes(const Sizes& values) const {
+    if (!values.empty()) {
+      CUDA_CHECK(cudaMemcpy(sizes.get(), values.data(), values.size() * sizeof(int32_t),
+                            cudaMemcpyHostToDevice));
+    }
+  }
+  Status run(const Inputs& in, cudaStream_t stream) const {
+    return nodrop::cuda::grouped_matmul_fp8_blockwise(
+        lhs.get(), static_cast<const float*>(lhs_scales.get()), rhs.get(),
+        static_cast<const float*>(rhs_scales.get()), static_cast<const int32_t*>(sizes.get()),
+        in.M, in.K, in.N, in.G, out.get(), workspace.get(), workspace.bytes(), stream);
+  }
+};
+
+// Random sizes in [0, max_size], the last one filling up to M when it can.
+Sizes random_sizes(int64_t M, int64_t G, int32_t max_size, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> size(0, max_size);
+  Sizes sizes(G);
+  int64_t total = 0;
+  for (int64_t g = 0; g + 1 < G; ++g) total += sizes[g] = size(rng);
+  sizes[G - 1] = static_cast<int32_t>(std::max<int64_t>(0, M - total));
+  return sizes;
+}
+
+struct Case {
+  std::string name;
+  int64_t M, K, N;
+  Sizes sizes;
+};
+
+std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
+
+// Captured once into a CUDA graph, the call replays with new group sizes written on the device.
+// First in this file on purpose, as in grouped_matmul_gpu_test.cu: the process's first FP8 call
+// happens inside the capture, so its one-time host work (function attributes, the occupancy
+// query) must be capture-safe.
+TEST(CudaFp8BlockwiseGraph, ReplaysWithNewGroupSizesOnTheDevice) {
+  const Inputs in(/*M=*/300, /*K=*/256, /*N=*/256, /*G=*/3, /*seed=*/11);
+  const Buffers buffers(in);
+  buffers.set_sizes({100, 100, 100});
+  cudaStream_t stream;
+  CUDA_CHECK(cudaStreamCreate(&stream));
+  cudaGraph_t graph;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  const Status status = buffers.run(in, stream);
+  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  ASSERT_TRUE(status.ok()) << status.message();
+  cudaGraphExec_t exec;
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (const Sizes& sizes : {Sizes{100, 100, 100}, Sizes{0, 1, 130}, Sizes{299, 0, 1}}) {
+    buffers.set_sizes(sizes);
+    buffers.out.poison();
+    CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    EXPECT_EQ(compare(buffers.out.download(), reference(in, sizes), naive_offsets(sizes, in.M),
+                      in.N),
+              "")
+        << "sizes " << sizes[0] << ", " << sizes[1] << ", " << sizes[2];
+  }
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+class CudaFp8BlockwiseTest : public testing::TestWithParam<Case> {};
+
+TEST_P(CudaFp8BlockwiseTest, MatchesDequantisedReferenceDeterministically) {
+  const Case& c = GetParam();
+  const int64_t G = static_cast<int64_t>(c.sizes.size());
+  const Inputs in(c.M, c.K, c.N, G, /*seed=*/7);
+  const Buffers buffers(in);
+  buffers.set_sizes(c.sizes);
+  const std::vector<float> want = reference(in, c.sizes);
+  std::vector<uint8_t> first;
+  for (int run = 0; run < 2; ++run) {
+    buffers.out.poison();
+    const Status status = buffers.run(in, /*stream=*/nullptr);
+    ASSERT_TRUE(status.ok()) << status.message();
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint8_t> got = buffers.out.download();
+    EXPECT_EQ(compare(got, want, naive_offsets(c.sizes, c.M), c.N), "") << "run " << run;
+    EXPECT_TRUE(buffers.out.guards_intact()) << "a write outside out";
+    EXPECT_TRUE(buffers.workspace.guards_intact()) << "a write outside the workspace";
+    if (run == 0) {
+      first = got;
+    } else {
+      EXPECT_TRUE(got == first) << "two runs gave different bytes";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaFp8BlockwiseTest,
+    testing::Values(
+        // An empty group, a group of one row, 130 rows (one whole tile and two rows), 200, and
+        // 69 rows past every group that must come out zero.
+        Case{"mixed", 400, 512, 256, {0, 1, 130, 200, 0}},
+        // K and N not multiples of 128: partial scale blocks along both.
+        Case{"partial_blocks", 333, 272, 200, {130, 0, 1, 202}},
+        // All rows in one group, between empty ones.
+        Case{"one_group", 384, 384, 384, {0, 0, 384, 0}},
+        // Invalid sizes: a negative one counts as zero, the total past M is clamped.
+        Case{"clamped", 300, 256, 128, {-5, 200, 250, 7}},
+        // Every group empty: the whole output is zero.
+        Case{"all_empty", 64, 256, 128, {0, 0, 0}},
+        // Sizes at int32's bounds: the first group takes every row.
+        Case{"int32_extremes", 256, 128, 128, {INT32_MAX, 5, -INT32_MAX, INT32_MIN}},
+        // More groups than the setup kernel's 256 threads, many of them empty or tiny.
+        Case{"many_groups", 2000, 128, 128, random_sizes(2000, 300, 12, 5)},
+        // No rows, and K = 0 (nothing to contract: the owned rows are zero too).
+        Case{"no_rows", 0, 256, 128, {0, 0, 0, 0}},
+        Case{"k_zero", 96, 0, 128, {32, 32, 32}}),
+    [](const testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+TEST(CudaFp8BlockwiseArguments, ErrorsNameTheArgument) {
+  const Inputs in(/*M=*/16, /*K=*/128, /*N=*/128, /*G=*/1, /*seed=*/3);
+  const Buffers buffers(in);
+  auto call = [&](int64_t K, int64_t N, size_t workspace_bytes) {
+    return nodrop::cuda::grouped_matmul_fp8_blockwise(
+        buffers.lhs.get(), static_cast<const float*>(buffers.lhs_scales.get()), buffers.rhs.get(),
+        static_cast<const float*>(buffers.rhs_scales.get()),
+        static_cast<const int32_t*>(buffers.sizes.get()), in.M, K, N, in.G, buffers.out.get(),
+        buffers.workspace.get(), workspace_bytes, nullptr);
+  };
+  const size_t bytes = buffers.workspace.bytes();
+  EXPECT_NE(call(/*K=*/120, 128, bytes).message().find("K = 120"), std::string::npos);
+  EXPECT_NE(call(128, /*N=*/100, bytes).message().find("N = 100"), std::string::npos);
+  EXPECT_NE(call(128, 128, bytes - 1).message().find("workspace"), std::string::npos);
+}
+
+}  // namespace

@@ -4,7 +4,8 @@
 //
 //   nodrop_cuda_fp8_bench [--iters=50] [--warmup=5]
 //
-// Group sizes are equal shares moved about at random, as a router's counts are. Each timing is
+// Group sizes are equal shares moved about at random, as a router's counts are (DeepGEMM's
+// shapes: equal groups). Each timing is
 // the median of `iters` single calls timed with CUDA events after `warmup` calls. The scales are
 // all one and the E4M3 values finite: the timing does not depend on the values.
 #include <cuda_bf16.h>
@@ -41,18 +42,22 @@ void check(const nodrop::Status& status, const char* what) {
 struct Shape {
   const char* name;
   int64_t M, K, N, G;  // rows (tokens x top-k), hidden, expert width, experts
+  bool equal_groups;   // every group M / G rows, not a router's spread
 };
 
 // Forward GEMMs of grouped_matmul_bench.cu's shapes (K and N multiples of 128).
 const Shape kShapes[] = {
-    {"Mixtral-8x7B", 16384, 4096, 14336, 8},
-    {"Qwen3-30B-A3B", 131072, 2048, 768, 128},
-    {"DeepSeek-V3 EP8 rank", 8192, 7168, 2048, 32},
-    {"DeepSeek-V3 EP8 rank down", 8192, 2048, 7168, 32},
-    {"Mixtral-8x7B 2k tokens", 4096, 4096, 14336, 8},
-    {"Qwen3-30B-A3B 2k tokens", 16384, 2048, 768, 128},
-    {"Mixtral-8x7B layer gate+up", 16384, 4096, 28672, 8},
-    {"Mixtral-8x7B layer down", 16384, 14336, 4096, 8},
+    {"Mixtral-8x7B", 16384, 4096, 14336, 8, false},
+    {"Qwen3-30B-A3B", 131072, 2048, 768, 128, false},
+    {"DeepSeek-V3 EP8 rank", 8192, 7168, 2048, 32, false},
+    {"DeepSeek-V3 EP8 rank down", 8192, 2048, 7168, 32, false},
+    {"Mixtral-8x7B 2k tokens", 4096, 4096, 14336, 8, false},
+    {"Qwen3-30B-A3B 2k tokens", 16384, 2048, 768, 128, false},
+    {"Mixtral-8x7B layer gate+up", 16384, 4096, 28672, 8, false},
+    {"Mixtral-8x7B layer down", 16384, 14336, 4096, 8, false},
+    // DeepGEMM's published grouped (contiguous layout) shapes: 4 groups of 8192 rows.
+    {"DeepGEMM 4x8192 N4096 K7168", 32768, 7168, 4096, 4, true},
+    {"DeepGEMM 4x8192 N7168 K2048", 32768, 2048, 7168, 4, true},
 };
 
 // Equal shares moved about at random (grouped_matmul_bench.cu's router-like sizes).
@@ -163,7 +168,8 @@ int main(int argc, char** argv) {
     fill_bf16<<<1024, 256, 0, stream>>>(lhs16, s.M * s.K, 3);
     fill_bf16<<<1024, 256, 0, stream>>>(rhs16, s.G * s.N * s.K, 4);
     CHECK(cudaGetLastError());
-    const Sizes host_sizes = router_like_sizes(s.M, s.G);
+    const Sizes host_sizes =
+        s.equal_groups ? Sizes(s.G, static_cast<int32_t>(s.M / s.G)) : router_like_sizes(s.M, s.G);
     CHECK(cudaMemcpyAsync(sizes, host_sizes.data(), s.G * sizeof(int32_t),
                           cudaMemcpyHostToDevice, stream));
     const double bf16_ms = median_ms(iters, warmup, stream, [&] {

@@ -14,6 +14,7 @@ import jax
 
 import nodrop
 from nodrop import _deps, _ffi, _gpu, demo
+from nodrop.ops.fp8 import RECIPES as FP8_RECIPES
 from nodrop.parallel import distributed
 
 
@@ -126,7 +127,8 @@ def compare(args: argparse.Namespace) -> int:
         if args.seeds is not None and "seed" in vars(args):  # a --config file's seed yields
             raise config.ConfigError("give --seed or --seeds, not both")
         comparison.run(overrides, out, capacity_factors=args.capacity_factors,
-                       with_ragged_dot=args.with_ragged_dot, seeds=args.seeds,
+                       with_ragged_dot=args.with_ragged_dot, fp8_recipes=args.fp8_recipes,
+                       seeds=args.seeds,
                        progress=False if getattr(args, "no_progress", False) else None)
         print(f"nodrop compare: wrote {out}/compare.md, compare.png, compare.json")
         print((Path(out) / "compare.md").read_text())
@@ -234,17 +236,23 @@ def build_parser() -> argparse.ArgumentParser:
     compare_parser = commands.add_parser(
         "compare", help="train the same model dropless and with capacity factors; table + plot",
         description="Train one model and seed dropless and with token-dropping capacity "
-                    "factors (and optionally jax.lax.ragged_dot); write compare.md and "
-                    "compare.png into --out.")
+                    "factors (and optionally jax.lax.ragged_dot, or dropless on FP8 recipes); "
+                    "write compare.md and compare.png into --out.")
     train_config.add_arguments(compare_parser, resume=False)
-    compare_parser.add_argument("--capacity-factors", type=float, nargs="+",
+    compare_parser.add_argument("--capacity-factors", type=float, nargs="*",
                                 default=[1.0, 1.25], metavar="CF",
-                                help="capacity factors to compare with (default 1.0 1.25)")
+                                help="capacity factors to compare with (default 1.0 1.25; the "
+                                     "flag alone: none)")
     compare_parser.add_argument("--seeds", type=int, nargs="+", metavar="N",
                                 help="train every variant with each of these seeds and report "
                                      "the spread (default: --seed)")
     compare_parser.add_argument("--with-ragged-dot", action="store_true",
                                 help="also train dropless on jax.lax.ragged_dot")
+    compare_parser.add_argument("--fp8-recipes", nargs="+", choices=FP8_RECIPES, default=(),
+                                metavar="RECIPE",
+                                help="also train dropless with the experts' matmuls on each of "
+                                     f"these FP8 recipes ({', '.join(FP8_RECIPES)}), the same "
+                                     "batches and initial weights as the bf16 run")
     compare_parser.set_defaults(run=compare)
     export_parser = commands.add_parser(
         "export", help="a run's trained weights as safetensors, with config.json and tokenizer",

@@ -1,11 +1,12 @@
 """`nodrop compare`: one model trained dropless and with capacity factors (token dropping),
-optionally with jax.lax.ragged_dot as the dropless matmul, for one seed or several; a markdown
+optionally with jax.lax.ragged_dot as the dropless matmul or dropless on FP8 recipes, for one
+seed or several; a markdown
 table with the spread across seeds, and plots of the whole validation curves against steps and
 against training time, with the dropped fraction over time.
 
 Every run is a full `nodrop train` run in `<out>/<variant>/seed-<seed>/`. The runs of one seed
 read the same batches from the same initial weights: they differ only in how the MoE layers
-dispatch tokens. So a difference is judged seed by seed (paired), against the seed-to-seed spread.
+dispatch tokens (or, with FP8 recipes, in the precision of the experts' matmuls). So a difference is judged seed by seed (paired), against the seed-to-seed spread.
 """
 
 from __future__ import annotations
@@ -28,9 +29,13 @@ ONE_SEED_CAVEAT = ("one seed: a difference between the variants may be seed nois
                    "runs it often is); give --seeds 0 1 2 for the spread")
 
 
-def variants(capacity_factors, with_ragged_dot: bool) -> list[tuple[str, str, dict]]:
+def variants(capacity_factors, with_ragged_dot: bool,
+             fp8_recipes=()) -> list[tuple[str, str, dict]]:
     """(name, sub-folder, model overrides) of each run, dropless first."""
     out = [("dropless (nodrop)", "dropless", {"capacity_factor": None, "moe_matmul": "nodrop"})]
+    out += [(f"dropless (nodrop, FP8 {recipe})", f"dropless-fp8-{recipe}",
+             {"capacity_factor": None, "moe_matmul": "nodrop", "fp8": recipe})
+            for recipe in fp8_recipes]
     if with_ragged_dot:
         out.append(("dropless (jax.lax.ragged_dot)", "dropless-ragged-dot",
                     {"capacity_factor": None, "moe_matmul": "ragged_dot"}))
@@ -41,7 +46,7 @@ def variants(capacity_factors, with_ragged_dot: bool) -> list[tuple[str, str, di
 
 def run(overrides: dict, out: str | os.PathLike, *,
         capacity_factors=DEFAULT_CAPACITY_FACTORS, with_ragged_dot: bool = False,
-        seeds=None, progress: bool | None = None, echo=print) -> dict[str, dict[int, trainer.Summary]]:
+        fp8_recipes=(), seeds=None, progress: bool | None = None, echo=print) -> dict[str, dict[int, trainer.Summary]]:
     """Trains every variant for every seed (default: the `seed` of `overrides`, else 0) into
     `out`/<variant>/seed-<seed>/ and writes compare.md, compare.json and compare.png there.
     Returns {variant name: {seed: Summary}}. Every configuration is validated before the first
@@ -56,7 +61,7 @@ def run(overrides: dict, out: str | os.PathLike, *,
     if "eval_every" not in base:
         base["eval_every"] = max(1, build(base)[0].steps // DEFAULT_EVALUATIONS)
     runs = []
-    for name, folder, model in variants(capacity_factors, with_ragged_dot):
+    for name, folder, model in variants(capacity_factors, with_ragged_dot, fp8_recipes):
         for seed in seeds:
             fields = {**base, "seed": seed, "model_overrides": {
                 **base.get("model_overrides", {}), **model}}
@@ -135,6 +140,16 @@ def val_loss_at_time(records: list[dict], seconds: float) -> float | None:
     return float(np.interp(seconds, times, losses))
 
 
+def run_mfu(records: list[dict], summary: trainer.Summary) -> float | None:
+    """The run's model FLOPs utilisation over all its steps, against the device's bf16 peak
+    (FP8 runs too): its timing records' FLOPs per token over the peak, times the Summary's
+    tokens/s. None where the trainer knows no peak for the device (the CPU)."""
+    timing = next((r for r in records if r.get("kind") == "timing" and r.get("mfu")), None)
+    if timing is None:
+        return None
+    return timing["mfu"] / timing["tokens_per_s"] * summary.tokens_per_s
+
+
 def statistics(results, records) -> dict[str, dict]:
     """Per variant: final validation loss (mean and half-range over seeds), the validation
     loss at equal training time (the time the quickest variant took for all its steps), and,
@@ -146,11 +161,13 @@ def statistics(results, records) -> dict[str, dict]:
     for name in names:
         finals = np.asarray([results[name][seed].val_loss for seed in seeds])
         at_time = [val_loss_at_time(records[name][seed], equal_time) for seed in seeds]
+        mfu = [run_mfu(records[name][seed], results[name][seed]) for seed in seeds]
         stats[name] = {
             "val_loss_mean": float(finals.mean()),
             "val_loss_half_range": float((finals.max() - finals.min()) / 2),
             "equal_time_s": equal_time,
             "val_loss_at_equal_time": at_time,
+            "mfu": None if None in mfu else _mean(mfu),
         }
     reference = names[0]
     for name in names[1:]:
@@ -188,11 +205,14 @@ def table(results, stats, title: str) -> str:
     names = list(results)
     seeds = list(results[names[0]])
     equal_time = stats[names[0]]["equal_time_s"]
+    with_mfu = all(stats[name]["mfu"] is not None for name in names)
     lines = [f"# nodrop compare: {title}", "",
              "| run | final val loss | per seed | val loss at "
              f"{equal_time:.0f} s | vs {names[0]} | final train loss | tokens/s | "
-             "dropped fraction | training time (s) | compile (s) | wall time (s) |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             + ("MFU (bf16 peak) | " if with_mfu else "")
+             + "dropped fraction | training time (s) | compile (s) | wall time (s) |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | " + ("---: | " if with_mfu else "")
+             + "---: | ---: | ---: | ---: |"]
     for name in names:
         runs, s = [results[name][seed] for seed in seeds], stats[name]
         spread = f" ± {s['val_loss_half_range']:.4f}" if len(seeds) > 1 else ""
@@ -204,6 +224,7 @@ def table(results, stats, title: str) -> str:
                  f"{_mean(diffs):+.4f}" if diffs else "—",
                  f"{_mean([r.train_loss for r in runs]):.4f}",
                  f"{_mean([r.tokens_per_s for r in runs]):,.0f}",
+                 *([f"{s['mfu']:.1%}"] if with_mfu else []),
                  f"{_mean([r.dropped_fraction for r in runs]):.2%}",
                  f"{_mean([r.train_time_s for r in runs]):.1f}",
                  f"{_mean([r.compile_s for r in runs]):.1f}",
@@ -225,7 +246,10 @@ def table(results, stats, title: str) -> str:
               f"split's token frequencies): {unigram:.4f} nats. Dropped fraction: the share of "
               "(token, expert) slots that reached no expert, averaged over layers and steps. "
               "Tokens/s and training time count the steps only (no compile, evaluation or "
-              "checkpoints), over all of a run's steps; compile and wall time are those of the "
+              "checkpoints), over all of a run's steps"
+              + ("; MFU counts the model's FLOPs against the device's bf16 peak, for FP8 runs "
+                 "too" if with_mfu else "")
+              + "; compile and wall time are those of the "
               "process that finished the run (of its last part, for a run resumed after a "
               "stop). Curves: compare.png.", ""]
     return "\n".join(lines)

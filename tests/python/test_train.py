@@ -1003,6 +1003,43 @@ def test_compare_dropless_capacity_and_ragged_dot(tmp_path, capsys, text_file, m
     assert capacity["val_loss"] != dropless["val_loss"]
 
 
+def test_compare_bf16_against_fp8_recipes_without_capacity_factors(tmp_path, capsys, text_file):
+    """--fp8-recipes adds a dropless run per recipe on the same batches and weights; the bare
+    --capacity-factors flag leaves out token dropping."""
+    out = tmp_path / "compare"
+    flags = train_flags(text_file, steps=4, **{"eval-every": 2, "checkpoint-every": 0})
+    code, stdout, err = run_cli(capsys, "compare", *flags, "--fp8-recipes", "blockwise",
+                                "tensorwise", "--capacity-factors", "--out", str(out))
+    assert code == 0, err
+    table = (out / "compare.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row.split("|")[1].strip() for row in rows[1:]] == [
+        "dropless (nodrop)", "dropless (nodrop, FP8 blockwise)", "dropless (nodrop, FP8 tensorwise)"]
+    assert "MFU" not in rows[0]  # the CPU has no known peak
+    results = json.loads((out / "compare.json").read_text())
+    bf16, blockwise, tensorwise = (results[name]["seeds"]["0"] for name in (
+        "dropless (nodrop)", "dropless (nodrop, FP8 blockwise)",
+        "dropless (nodrop, FP8 tensorwise)"))
+    for run in (blockwise, tensorwise):
+        assert json.loads((Path(run["run_dir"]) / "config.json").read_text())["model"]["fp8"] in (
+            "blockwise", "tensorwise")
+        # The same training, rounded differently: close, not equal.
+        assert run["val_loss"] != bf16["val_loss"]
+        assert run["val_loss"] == pytest.approx(bf16["val_loss"], rel=0.05)
+    assert json.loads((Path(bf16["run_dir"]) / "config.json").read_text())["model"]["fp8"] == "off"
+
+
+def test_compare_mfu_is_the_timing_records_flops_at_the_runs_tokens_per_s():
+    summary = trainer.Summary(run_dir="r", steps=4, train_loss=1.0, val_loss=1.0,
+                              unigram_loss=2.0, tokens_per_s=150.0, train_time_s=1.0,
+                              compile_s=1.0, wall_s=2.0, dropped_fraction=0.0, num_params=1,
+                              num_active_params=1)
+    timing = [{"kind": "train", "step": 1}, {"kind": "timing", "step": 2, "tokens_per_s": 100.0,
+                                             "mfu": 0.2}]
+    assert compare.run_mfu(timing, summary) == pytest.approx(0.3)
+    assert compare.run_mfu([{"kind": "timing", "step": 2, "tokens_per_s": 100.0}], summary) is None
+
+
 def test_compare_on_token_ids_gives_every_run_the_datas_vocabulary(tmp_path, capsys):
     """Taken once, recorded in every run's settings: a comparison started again finds its
     finished runs its own."""

@@ -60,8 +60,12 @@ def run(overrides: dict, out: str | os.PathLike, *,
     base = dict(overrides)
     if "eval_every" not in base:
         base["eval_every"] = max(1, build(base)[0].steps // DEFAULT_EVALUATIONS)
+    chosen = variants(capacity_factors, with_ragged_dot, fp8_recipes)
+    if len(chosen) == 1:
+        raise ConfigError("nothing to compare dropless with: give capacity factors, "
+                          "--fp8-recipes or --with-ragged-dot")
     runs = []
-    for name, folder, model in variants(capacity_factors, with_ragged_dot, fp8_recipes):
+    for name, folder, model in chosen:
         for seed in seeds:
             fields = {**base, "seed": seed, "model_overrides": {
                 **base.get("model_overrides", {}), **model}}

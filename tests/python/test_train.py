@@ -1027,6 +1027,9 @@ def test_compare_bf16_against_fp8_recipes_without_capacity_factors(tmp_path, cap
         assert run["val_loss"] != bf16["val_loss"]
         assert run["val_loss"] == pytest.approx(bf16["val_loss"], rel=0.05)
     assert json.loads((Path(bf16["run_dir"]) / "config.json").read_text())["model"]["fp8"] == "off"
+    code, _, err = run_cli(capsys, "compare", *flags, "--capacity-factors", "--out",
+                           str(tmp_path / "alone"))
+    assert code != 0 and "nothing to compare dropless with" in err
 
 
 def test_compare_mfu_is_the_timing_records_flops_at_the_runs_tokens_per_s():

@@ -18,10 +18,11 @@
 //     (N a multiple of 256, every benchmarked shape).
 //   - cluster 2x1: a pair of row tiles shares its B (weight) tile, the operand that every row
 //     tile of a group reads again; costs an empty tile for each group with an odd row-tile count.
-//   - pingpong 64x128x128: two consumer warpgroups on two tiles, one's epilogue (and scale
-//     promotion) hidden behind the other's wgmmas, and tiles of 64 rows halve the rows run
-//     empty at the end of each ragged group (many small groups: Qwen3); costs 1.5x the operand
-//     bytes per flop of a 128x128 tile.
+//   - pingpong 64x128x128: two consumer warpgroups on two tiles, taking turns at the mainloop,
+//     so one's epilogue runs under the other's wgmmas (the scale promotion does not: it is
+//     inside the mainloop); tiles of 64 rows halve the rows run empty at the end of each
+//     ragged group (many small groups: Qwen3). Costs 1.5x the operand bytes per flop of a
+//     128x128 tile.
 #pragma once
 
 #include <string>

@@ -1,13 +1,16 @@
 // Benchmark of the FP8 blockwise-scaled grouped matmul (forward, ragged rows) against the bf16
-// grouped matmul of the same shapes (rhs transposed too, its automatic tile), printed as a
-// markdown table.
+// grouped matmul of the same shapes (rhs transposed too, its automatic tile), printed as
+// markdown tables.
 //
-//   nodrop_cuda_fp8_bench [--iters=50] [--warmup=5]
+//   nodrop_cuda_fp8_bench [--iters=50] [--warmup=5] [--configs=auto|all] [--shapes=ID,...]
 //
-// Group sizes are equal shares moved about at random, as a router's counts are (DeepGEMM's
-// shapes: equal groups). Each timing is
-// the median of `iters` single calls timed with CUDA events after `warmup` calls. The scales are
-// all one and the E4M3 values finite: the timing does not depend on the values.
+// --configs=auto (the default) times the automatic schedule; --configs=all times every kernel of
+// fp8_tiles.def (along M, swizzle 1), then the fastest of them with three other tile orders, and
+// ends with the best per shape. --shapes keeps the shapes of those ids (the first column of
+// kShapes). Group sizes are equal shares moved about at random, as a router's counts are
+// (DeepGEMM's shapes: equal groups). Each timing is the median of `iters` single calls timed
+// with CUDA events after `warmup` calls. The scales are all one and the E4M3 values finite: the
+// timing does not depend on the values.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -19,6 +22,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "nodrop/engine_cuda.h"
@@ -40,6 +44,7 @@ void check(const nodrop::Status& status, const char* what) {
 #define CHECK(expr) check((expr), #expr)
 
 struct Shape {
+  const char* id;    // for --shapes
   const char* name;
   int64_t M, K, N, G;  // rows (tokens x top-k), hidden, expert width, experts
   bool equal_groups;   // every group M / G rows, not a router's spread
@@ -47,17 +52,17 @@ struct Shape {
 
 // Forward GEMMs of grouped_matmul_bench.cu's shapes (K and N multiples of 128).
 const Shape kShapes[] = {
-    {"Mixtral-8x7B", 16384, 4096, 14336, 8, false},
-    {"Qwen3-30B-A3B", 131072, 2048, 768, 128, false},
-    {"DeepSeek-V3 EP8 rank", 8192, 7168, 2048, 32, false},
-    {"DeepSeek-V3 EP8 rank down", 8192, 2048, 7168, 32, false},
-    {"Mixtral-8x7B 2k tokens", 4096, 4096, 14336, 8, false},
-    {"Qwen3-30B-A3B 2k tokens", 16384, 2048, 768, 128, false},
-    {"Mixtral-8x7B layer gate+up", 16384, 4096, 28672, 8, false},
-    {"Mixtral-8x7B layer down", 16384, 14336, 4096, 8, false},
+    {"mixtral", "Mixtral-8x7B", 16384, 4096, 14336, 8, false},
+    {"qwen3", "Qwen3-30B-A3B", 131072, 2048, 768, 128, false},
+    {"dsv3", "DeepSeek-V3 EP8 rank", 8192, 7168, 2048, 32, false},
+    {"dsv3-down", "DeepSeek-V3 EP8 rank down", 8192, 2048, 7168, 32, false},
+    {"mixtral-2k", "Mixtral-8x7B 2k tokens", 4096, 4096, 14336, 8, false},
+    {"qwen3-2k", "Qwen3-30B-A3B 2k tokens", 16384, 2048, 768, 128, false},
+    {"mixtral-gate-up", "Mixtral-8x7B layer gate+up", 16384, 4096, 28672, 8, false},
+    {"mixtral-down", "Mixtral-8x7B layer down", 16384, 14336, 4096, 8, false},
     // DeepGEMM's published grouped (contiguous layout) shapes: 4 groups of 8192 rows.
-    {"DeepGEMM 4x8192 N4096 K7168", 32768, 7168, 4096, 4, true},
-    {"DeepGEMM 4x8192 N7168 K2048", 32768, 2048, 7168, 4, true},
+    {"deepgemm-n4096", "DeepGEMM 4x8192 N4096 K7168", 32768, 7168, 4096, 4, true},
+    {"deepgemm-n7168", "DeepGEMM 4x8192 N7168 K2048", 32768, 2048, 7168, 4, true},
 };
 
 // Equal shares moved about at random (grouped_matmul_bench.cu's router-like sizes).
@@ -129,38 +134,31 @@ double median_ms(int iters, int warmup, cudaStream_t stream, Run run) {
   return ms[ms.size() / 2];
 }
 
-}  // namespace
+// Device buffers of one shape: both precisions' operands, the group sizes and the workspaces.
+struct Problem {
+  const Shape& s;
+  uint8_t *lhs8, *rhs8;
+  float *lhs_scales, *rhs_scales;
+  __nv_bfloat16 *lhs16, *rhs16;
+  void* out;
+  int32_t* sizes;
+  size_t ws8_bytes, ws16_bytes;
+  void *ws8, *ws16;
 
-int main(int argc, char** argv) {
-  int iters = 50, warmup = 5;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strncmp(argv[i], "--iters=", 8) == 0) {
-      iters = std::max(1, std::atoi(argv[i] + 8));
-    } else if (std::strncmp(argv[i], "--warmup=", 9) == 0) {
-      warmup = std::max(0, std::atoi(argv[i] + 9));
-    } else {
-      std::fprintf(stderr, "usage: %s [--iters=N] [--warmup=N]\n", argv[0]);
-      return 2;
-    }
-  }
-  cudaStream_t stream;
-  CHECK(cudaStreamCreate(&stream));
-  std::printf("| shape | M | K | N | G | bf16 ms | bf16 TFLOP/s | fp8 ms | fp8 TFLOP/s | speedup |\n");
-  std::printf("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
-  for (const Shape& s : kShapes) {
+  Problem(const Shape& shape, cudaStream_t stream) : s(shape) {
     const int64_t KB = (s.K + 127) / 128, NB = (s.N + 127) / 128;
-    auto* lhs8 = static_cast<uint8_t*>(device_alloc(s.M * s.K));
-    auto* rhs8 = static_cast<uint8_t*>(device_alloc(s.G * s.N * s.K));
-    auto* lhs_scales = static_cast<float*>(device_alloc(s.M * KB * sizeof(float)));
-    auto* rhs_scales = static_cast<float*>(device_alloc(s.G * NB * KB * sizeof(float)));
-    auto* lhs16 = static_cast<__nv_bfloat16*>(device_alloc(s.M * s.K * 2));
-    auto* rhs16 = static_cast<__nv_bfloat16*>(device_alloc(s.G * s.N * s.K * 2));
-    void* out = device_alloc(s.M * s.N * 2);
-    auto* sizes = static_cast<int32_t*>(device_alloc(s.G * sizeof(int32_t)));
-    const size_t ws8_bytes = nodrop::cuda::grouped_matmul_fp8_blockwise_workspace_bytes(s.G);
-    const size_t ws16_bytes = nodrop::cuda::grouped_matmul_workspace_bytes(s.G);
-    void* ws8 = device_alloc(ws8_bytes);
-    void* ws16 = device_alloc(ws16_bytes);
+    lhs8 = static_cast<uint8_t*>(device_alloc(s.M * s.K));
+    rhs8 = static_cast<uint8_t*>(device_alloc(s.G * s.N * s.K));
+    lhs_scales = static_cast<float*>(device_alloc(s.M * KB * sizeof(float)));
+    rhs_scales = static_cast<float*>(device_alloc(s.G * NB * KB * sizeof(float)));
+    lhs16 = static_cast<__nv_bfloat16*>(device_alloc(s.M * s.K * 2));
+    rhs16 = static_cast<__nv_bfloat16*>(device_alloc(s.G * s.N * s.K * 2));
+    out = device_alloc(s.M * s.N * 2);
+    sizes = static_cast<int32_t*>(device_alloc(s.G * sizeof(int32_t)));
+    ws8_bytes = nodrop::cuda::grouped_matmul_fp8_blockwise_workspace_bytes(s.G);
+    ws16_bytes = nodrop::cuda::grouped_matmul_workspace_bytes(s.G);
+    ws8 = device_alloc(ws8_bytes);
+    ws16 = device_alloc(ws16_bytes);
     fill_e4m3<<<1024, 256, 0, stream>>>(lhs8, s.M * s.K, 1);
     fill_e4m3<<<1024, 256, 0, stream>>>(rhs8, s.G * s.N * s.K, 2);
     fill_ones<<<256, 256, 0, stream>>>(lhs_scales, s.M * KB);
@@ -172,27 +170,140 @@ int main(int argc, char** argv) {
         s.equal_groups ? Sizes(s.G, static_cast<int32_t>(s.M / s.G)) : router_like_sizes(s.M, s.G);
     CHECK(cudaMemcpyAsync(sizes, host_sizes.data(), s.G * sizeof(int32_t),
                           cudaMemcpyHostToDevice, stream));
-    const double bf16_ms = median_ms(iters, warmup, stream, [&] {
-      CHECK(nodrop::cuda::grouped_matmul(lhs16, rhs16, nodrop::DType::kBFloat16, sizes, s.M, s.K,
-                                         s.N, s.G, /*transpose_rhs=*/true, out,
-                                         nodrop::DType::kBFloat16, ws16, ws16_bytes, stream));
-    });
-    const double fp8_ms = median_ms(iters, warmup, stream, [&] {
-      CHECK(nodrop::cuda::grouped_matmul_fp8_blockwise(lhs8, lhs_scales, rhs8, rhs_scales, sizes,
-                                                       s.M, s.K, s.N, s.G, out, ws8, ws8_bytes,
-                                                       stream));
-    });
-    const double tflop = 2.0 * s.M * s.N * s.K * 1e-12;
-    std::printf("| %s | %lld | %lld | %lld | %lld | %.3f | %.0f | %.3f | %.0f | %.2fx |\n", s.name,
-                static_cast<long long>(s.M), static_cast<long long>(s.K),
-                static_cast<long long>(s.N), static_cast<long long>(s.G), bf16_ms,
-                tflop / (bf16_ms * 1e-3), fp8_ms, tflop / (fp8_ms * 1e-3), bf16_ms / fp8_ms);
-    std::fflush(stdout);
+    CHECK(cudaStreamSynchronize(stream));  // host_sizes goes out of scope
+  }
+  ~Problem() {
     for (void* p : {static_cast<void*>(lhs8), static_cast<void*>(rhs8),
                     static_cast<void*>(lhs_scales), static_cast<void*>(rhs_scales),
                     static_cast<void*>(lhs16), static_cast<void*>(rhs16), out,
                     static_cast<void*>(sizes), ws8, ws16}) {
       CHECK(cudaFree(p));
+    }
+  }
+  Problem(const Problem&) = delete;
+  Problem& operator=(const Problem&) = delete;
+
+  void run_bf16(cudaStream_t stream) const {
+    CHECK(nodrop::cuda::grouped_matmul(lhs16, rhs16, nodrop::DType::kBFloat16, sizes, s.M, s.K,
+                                       s.N, s.G, /*transpose_rhs=*/true, out,
+                                       nodrop::DType::kBFloat16, ws16, ws16_bytes, stream));
+  }
+  void run_fp8(const nodrop::cuda::Fp8GemmSchedule& schedule, cudaStream_t stream) const {
+    CHECK(nodrop::cuda::grouped_matmul_fp8_blockwise(lhs8, lhs_scales, rhs8, rhs_scales, sizes,
+                                                     s.M, s.K, s.N, s.G, out, ws8, ws8_bytes,
+                                                     stream, schedule));
+  }
+};
+
+std::string schedule_name(const nodrop::cuda::Fp8GemmSchedule& schedule) {
+  return std::string(nodrop::cuda::fp8_gemm_tile_name(schedule.tile)) + ", " +
+         nodrop::cuda::gemm_raster_name(schedule.raster) + ", swizzle " +
+         std::to_string(schedule.swizzle);
+}
+
+bool selected(const Shape& s, const std::string& ids) {
+  if (ids.empty()) return true;
+  const std::string list = "," + ids + ",";
+  return list.find("," + std::string(s.id) + ",") != std::string::npos;
+}
+
+struct Best {
+  const Shape* shape;
+  double bf16_tflops, default_tflops, best_tflops;
+  std::string best_name;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using nodrop::cuda::Fp8GemmSchedule;
+  using nodrop::cuda::GemmRaster;
+  int iters = 50, warmup = 5;
+  bool all_configs = false;
+  std::string shape_ids;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--iters=", 8) == 0) {
+      iters = std::max(1, std::atoi(argv[i] + 8));
+    } else if (std::strncmp(argv[i], "--warmup=", 9) == 0) {
+      warmup = std::max(0, std::atoi(argv[i] + 9));
+    } else if (std::strcmp(argv[i], "--configs=all") == 0) {
+      all_configs = true;
+    } else if (std::strcmp(argv[i], "--configs=auto") == 0) {
+      all_configs = false;
+    } else if (std::strncmp(argv[i], "--shapes=", 9) == 0) {
+      shape_ids = argv[i] + 9;
+    } else {
+      std::fprintf(stderr,
+                   "usage: %s [--iters=N] [--warmup=N] [--configs=auto|all] [--shapes=ID,...]\n"
+                   "shape ids:",
+                   argv[0]);
+      for (const Shape& s : kShapes) std::fprintf(stderr, " %s", s.id);
+      std::fprintf(stderr, "\n");
+      return 2;
+    }
+  }
+  cudaStream_t stream;
+  CHECK(cudaStreamCreate(&stream));
+  std::vector<Best> bests;
+  std::printf("| shape | M | K | N | G | kernel | ms | TFLOP/s | vs bf16 |\n");
+  std::printf("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |\n");
+  for (const Shape& s : kShapes) {
+    if (!selected(s, shape_ids)) continue;
+    const Problem problem(s, stream);
+    const double tflop = 2.0 * s.M * s.N * s.K * 1e-12;
+    double bf16_ms = 0;
+    auto row = [&](const std::string& kernel, double ms) {
+      std::printf("| %s | %lld | %lld | %lld | %lld | %s | %.3f | %.0f | %.2fx |\n", s.id,
+                  static_cast<long long>(s.M), static_cast<long long>(s.K),
+                  static_cast<long long>(s.N), static_cast<long long>(s.G), kernel.c_str(), ms,
+                  tflop / (ms * 1e-3), bf16_ms / ms);
+      std::fflush(stdout);
+    };
+    bf16_ms = median_ms(iters, warmup, stream, [&] { problem.run_bf16(stream); });
+    row("bf16 auto", bf16_ms);
+    auto time_fp8 = [&](const Fp8GemmSchedule& schedule, const std::string& label) {
+      const double ms = median_ms(iters, warmup, stream, [&] { problem.run_fp8(schedule, stream); });
+      row(label, ms);
+      return ms;
+    };
+    const Fp8GemmSchedule automatic = nodrop::cuda::grouped_matmul_fp8_schedule(s.M, s.K, s.N, s.G);
+    if (!all_configs) {
+      time_fp8(Fp8GemmSchedule{}, "fp8 auto: " + schedule_name(automatic));
+      continue;
+    }
+    // Every kernel in the same order, then the fastest in other orders.
+    Fp8GemmSchedule best_schedule;
+    double best_ms = 0, default_ms = 0;
+    auto consider = [&](const Fp8GemmSchedule& schedule) {
+      const double ms = time_fp8(schedule, schedule_name(schedule));
+      if (best_ms == 0 || ms < best_ms) {
+        best_ms = ms;
+        best_schedule = schedule;
+      }
+      return ms;
+    };
+    for (nodrop::cuda::Fp8GemmTile tile : nodrop::cuda::kFp8GemmTiles) {
+      const double ms = consider(Fp8GemmSchedule(tile, GemmRaster::kAlongM, 1));
+      if (tile == automatic.tile) default_ms = ms;
+    }
+    const nodrop::cuda::Fp8GemmTile fastest = best_schedule.tile;
+    const std::pair<GemmRaster, int> other_orders[] = {
+        {GemmRaster::kAlongM, 4}, {GemmRaster::kAlongN, 1}, {GemmRaster::kAlongN, 4}};
+    for (const auto& [raster, swizzle] : other_orders) {
+      consider(Fp8GemmSchedule(fastest, raster, swizzle));
+    }
+    bests.push_back({&s, tflop / (bf16_ms * 1e-3), tflop / (default_ms * 1e-3),
+                     tflop / (best_ms * 1e-3), schedule_name(best_schedule)});
+  }
+  if (!bests.empty()) {
+    std::printf("\nBest FP8 schedule per shape (TFLOP/s; default: the automatic tile along M, "
+                "swizzle 1):\n\n");
+    std::printf("| shape | bf16 | fp8 default | fp8 best | best / default | best schedule |\n");
+    std::printf("| --- | ---: | ---: | ---: | ---: | --- |\n");
+    for (const Best& b : bests) {
+      std::printf("| %s | %.0f | %.0f | %.0f | %.2fx | %s |\n", b.shape->id, b.bf16_tflops,
+                  b.default_tflops, b.best_tflops, b.best_tflops / b.default_tflops,
+                  b.best_name.c_str());
     }
   }
   CHECK(cudaStreamDestroy(stream));

@@ -1,7 +1,8 @@
-// The grouped GEMM's tile rule (csrc/engine/cuda/grouped_matmul/tile_rule.cc): host code, so these
-// run in ctest without a GPU.
+// The grouped GEMM's tile rules (csrc/engine/cuda/grouped_matmul/tile_rule.cc, fp8_tile_rule.cc):
+// host code, so these run in ctest without a GPU.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cstdint>
 #include <set>
 #include <string>
@@ -106,6 +107,34 @@ TEST(TileRule, AutoRasterWalksAlongNOnlyForLargeWeightGradientA) {
   EXPECT_EQ(grouped_matmul_raster(32768, 14336, 4096, 8, false, 2, l2), GemmRaster::kAlongM);
   // No groups: no division by zero, and the default order.
   EXPECT_EQ(grouped_matmul_raster(0, 14336, 4096, 0, true, 2, l2), GemmRaster::kAlongM);
+}
+
+// Every tile of fp8_tiles.def has a distinct name and id, and kAuto is none of them.
+TEST(Fp8TileList, NamesAndIdsAreDistinct) {
+  using nodrop::cuda::Fp8GemmTile;
+  std::set<std::string> names, ids;
+  for (Fp8GemmTile tile : nodrop::cuda::kFp8GemmTiles) {
+    EXPECT_NE(tile, Fp8GemmTile::kAuto);
+    names.insert(nodrop::cuda::fp8_gemm_tile_name(tile));
+    ids.insert(nodrop::cuda::fp8_gemm_tile_id(tile));
+  }
+  EXPECT_EQ(names.size(), std::size(nodrop::cuda::kFp8GemmTiles));
+  EXPECT_EQ(ids.size(), std::size(nodrop::cuda::kFp8GemmTiles));
+  EXPECT_STREQ(nodrop::cuda::fp8_gemm_tile_id(Fp8GemmTile::kPingpong64x128x128Cluster1x1),
+               "pingpong_64x128x128_1x1");
+}
+
+// Until the candidates are measured, every shape keeps the first kernel's schedule.
+TEST(Fp8TileRule, AutoIsTheFirstKernelAlongMUnswizzled) {
+  using nodrop::cuda::Fp8GemmSchedule;
+  for (const auto& [M, K, N, G] : {std::array<int64_t, 4>{16384, 4096, 14336, 8},
+                                   {131072, 2048, 768, 128}, {32768, 7168, 4096, 4},
+                                   {0, 128, 128, 0}}) {
+    const Fp8GemmSchedule schedule = nodrop::cuda::grouped_matmul_fp8_schedule(M, K, N, G);
+    EXPECT_EQ(schedule.tile, nodrop::cuda::Fp8GemmTile::kCooperative128x128x128Cluster1x1);
+    EXPECT_EQ(schedule.raster, GemmRaster::kAlongM);
+    EXPECT_EQ(schedule.swizzle, 1);
+  }
 }
 
 }  // namespace

@@ -1,7 +1,10 @@
 // GPU tests of nodrop::cuda::grouped_matmul_fp8_blockwise (ragged rows, E4M3 with 1x128 / 128x128
 // float32 scales, bfloat16 out) against a host reference computed from the dequantised inputs in
 // double. Needs a Hopper GPU, so it is run by hand, not by ctest (part of nodrop_cuda_tests):
-//   ./nodrop_cuda_tests --gtest_filter='CudaFp8*'
+//   ./nodrop_cuda_tests --gtest_filter='CudaFp8*:*/CudaFp8*'
+// Every kernel of fp8_tiles.def runs every case; the cases of one shape, each kernel once, fit a
+// sanitizer run:
+//   compute-sanitizer ./nodrop_cuda_tests --gtest_filter='*/CudaFp8BlockwiseTest.*/mixed_*'
 //
 // Every call writes into an output poisoned with 0xFF bytes (NaN in bfloat16) and fenced by
 // poisoned guard bytes, so an unwritten element or a write out of bounds fails; every call runs
@@ -17,10 +20,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <random>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "nodrop/engine_cuda.h"
@@ -183,11 +188,12 @@ struct Buffers {
                             cudaMemcpyHostToDevice));
     }
   }
-  Status run(const Inputs& in, cudaStream_t stream) const {
+  Status run(const Inputs& in, cudaStream_t stream,
+             const nodrop::cuda::Fp8GemmSchedule& schedule = {}) const {
     return nodrop::cuda::grouped_matmul_fp8_blockwise(
         lhs.get(), static_cast<const float*>(lhs_scales.get()), rhs.get(),
         static_cast<const float*>(rhs_scales.get()), static_cast<const int32_t*>(sizes.get()),
-        in.M, in.K, in.N, in.G, out.get(), workspace.get(), workspace.bytes(), stream);
+        in.M, in.K, in.N, in.G, out.get(), workspace.get(), workspace.bytes(), stream, schedule);
   }
 };
 
@@ -242,10 +248,31 @@ TEST(CudaFp8BlockwiseGraph, ReplaysWithNewGroupSizesOnTheDevice) {
   CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
-class CudaFp8BlockwiseTest : public testing::TestWithParam<Case> {};
+using nodrop::cuda::Fp8GemmSchedule;
+using nodrop::cuda::Fp8GemmTile;
+using nodrop::cuda::GemmRaster;
+
+// Every kernel in its automatic tile order, and two kernels in the other orders.
+std::vector<Fp8GemmSchedule> schedules() {
+  std::vector<Fp8GemmSchedule> all(std::begin(nodrop::cuda::kFp8GemmTiles),
+                                   std::end(nodrop::cuda::kFp8GemmTiles));
+  all.emplace_back(Fp8GemmTile::kCooperative128x128x128Cluster1x2, GemmRaster::kAlongN, 2);
+  all.emplace_back(Fp8GemmTile::kPingpong64x128x128Cluster1x1, GemmRaster::kAlongN, 8);
+  return all;
+}
+
+// "cooperative_128x128x128_1x2_along_n_swizzle_2" for test names.
+std::string schedule_id(const Fp8GemmSchedule& schedule) {
+  std::string id = nodrop::cuda::fp8_gemm_tile_id(schedule.tile);
+  if (schedule.raster == GemmRaster::kAlongN) id += "_along_n";
+  if (schedule.swizzle != 0) id += "_swizzle_" + std::to_string(schedule.swizzle);
+  return id;
+}
+
+class CudaFp8BlockwiseTest : public testing::TestWithParam<std::tuple<Case, Fp8GemmSchedule>> {};
 
 TEST_P(CudaFp8BlockwiseTest, MatchesDequantisedReferenceDeterministically) {
-  const Case& c = GetParam();
+  const auto& [c, schedule] = GetParam();
   const int64_t G = static_cast<int64_t>(c.sizes.size());
   const Inputs in(c.M, c.K, c.N, G, /*seed=*/7);
   const Buffers buffers(in);
@@ -254,7 +281,7 @@ TEST_P(CudaFp8BlockwiseTest, MatchesDequantisedReferenceDeterministically) {
   std::vector<uint8_t> first;
   for (int run = 0; run < 2; ++run) {
     buffers.out.poison();
-    const Status status = buffers.run(in, /*stream=*/nullptr);
+    const Status status = buffers.run(in, /*stream=*/nullptr, schedule);
     ASSERT_TRUE(status.ok()) << status.message();
     CUDA_CHECK(cudaDeviceSynchronize());
     const std::vector<uint8_t> got = buffers.out.download();
@@ -271,14 +298,17 @@ TEST_P(CudaFp8BlockwiseTest, MatchesDequantisedReferenceDeterministically) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaFp8BlockwiseTest,
-    testing::Values(
+    testing::Combine(testing::Values(
         // An empty group, a group of one row, 130 rows (one whole tile and two rows), 200, and
         // 69 rows past every group that must come out zero.
         Case{"mixed", 400, 512, 256, {0, 1, 130, 200, 0}},
         // K and N not multiples of 128: partial scale blocks along both.
         Case{"partial_blocks", 333, 272, 200, {130, 0, 1, 202}},
-        // All rows in one group, between empty ones.
+        // All rows in one group, between empty ones; three row and three column tiles, so a
+        // 2-CTA cluster has a tile past the group either way.
         Case{"one_group", 384, 384, 384, {0, 0, 384, 0}},
+        // More k tiles (16) than pipeline stages, and several tiles for each CTA.
+        Case{"long_k", 600, 2048, 384, {300, 0, 117, 183}},
         // Invalid sizes: a negative one counts as zero, the total past M is clamped.
         Case{"clamped", 300, 256, 128, {-5, 200, 250, 7}},
         // Every group empty: the whole output is zero.
@@ -290,22 +320,37 @@ INSTANTIATE_TEST_SUITE_P(
         // No rows, and K = 0 (nothing to contract: the owned rows are zero too).
         Case{"no_rows", 0, 256, 128, {0, 0, 0, 0}},
         Case{"k_zero", 96, 0, 128, {32, 32, 32}}),
-    [](const testing::TestParamInfo<Case>& info) { return info.param.name; });
+                     testing::ValuesIn(schedules())),
+    [](const testing::TestParamInfo<std::tuple<Case, Fp8GemmSchedule>>& info) {
+      return std::get<0>(info.param).name + "_" + schedule_id(std::get<1>(info.param));
+    });
 
 TEST(CudaFp8BlockwiseArguments, ErrorsNameTheArgument) {
   const Inputs in(/*M=*/16, /*K=*/128, /*N=*/128, /*G=*/1, /*seed=*/3);
   const Buffers buffers(in);
-  auto call = [&](int64_t K, int64_t N, size_t workspace_bytes) {
+  auto call = [&](int64_t K, int64_t N, size_t workspace_bytes,
+                  const Fp8GemmSchedule& schedule = {}) {
     return nodrop::cuda::grouped_matmul_fp8_blockwise(
         buffers.lhs.get(), static_cast<const float*>(buffers.lhs_scales.get()), buffers.rhs.get(),
         static_cast<const float*>(buffers.rhs_scales.get()),
         static_cast<const int32_t*>(buffers.sizes.get()), in.M, K, N, in.G, buffers.out.get(),
-        buffers.workspace.get(), workspace_bytes, nullptr);
+        buffers.workspace.get(), workspace_bytes, nullptr, schedule);
   };
   const size_t bytes = buffers.workspace.bytes();
   EXPECT_NE(call(/*K=*/120, 128, bytes).message().find("K = 120"), std::string::npos);
   EXPECT_NE(call(128, /*N=*/100, bytes).message().find("N = 100"), std::string::npos);
   EXPECT_NE(call(128, 128, bytes - 1).message().find("workspace"), std::string::npos);
+  EXPECT_NE(call(128, 128, bytes, static_cast<Fp8GemmTile>(99)).message().find("schedule.tile"),
+            std::string::npos);
+  EXPECT_NE(call(128, 128, bytes, Fp8GemmSchedule(Fp8GemmTile::kAuto, GemmRaster::kAuto, 3))
+                .message()
+                .find("schedule.swizzle = 3"),
+            std::string::npos);
+  EXPECT_NE(call(128, 128, bytes,
+                 Fp8GemmSchedule(Fp8GemmTile::kAuto, static_cast<GemmRaster>(7), 1))
+                .message()
+                .find("schedule.raster = 7"),
+            std::string::npos);
 }
 
 }  // namespace

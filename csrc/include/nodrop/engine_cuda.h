@@ -111,7 +111,43 @@ Status grouped_matmul_contract(const void* lhs, const void* rhs, DType in_dtype,
 //                 * rhs_scales[g, n / 128, kb]; rows past the last group are zero.
 //   K must be a multiple of 16 and N of 8; lhs, rhs and out 16-byte aligned, scales 4-byte
 //   aligned; anything else is an error Status. Same device-only, graph-safe, deterministic rules
-//   as grouped_matmul (one kernel configuration: cooperative 128x128x128, cluster 1x1).
+//   as grouped_matmul.
+
+// The CUTLASS kernel a call runs, one per line of grouped_matmul/fp8_tiles.def (which says what
+// the fields mean and which shapes are legal). kAuto picks from the static shapes
+// (grouped_matmul_fp8_schedule); the others exist so that tests and benchmarks can pin one.
+enum class Fp8GemmTile : int32_t {
+  kAuto = 0,
+#define NODROP_FP8_GEMM_TILE(name, ...) name,
+#include "engine/cuda/grouped_matmul/fp8_tiles.def"
+#undef NODROP_FP8_GEMM_TILE
+};
+inline constexpr Fp8GemmTile kFp8GemmTiles[] = {
+#define NODROP_FP8_GEMM_TILE(name, ...) Fp8GemmTile::name,
+#include "engine/cuda/grouped_matmul/fp8_tiles.def"
+#undef NODROP_FP8_GEMM_TILE
+};
+
+// "cooperative 128x128x128, cluster 1x2" for printing, "cooperative_128x128x128_1x2" for file
+// and test names.
+const char* fp8_gemm_tile_name(Fp8GemmTile tile);
+const char* fp8_gemm_tile_id(Fp8GemmTile tile);
+
+// The kernel and tile order of one FP8 call: raster as GemmRaster says, `swizzle` 1, 2, 4 or 8
+// tiles wide, or 0 for the automatic choice. Implicit from an Fp8GemmTile.
+struct Fp8GemmSchedule {
+  Fp8GemmSchedule(Fp8GemmTile tile = Fp8GemmTile::kAuto, GemmRaster raster = GemmRaster::kAuto,
+                  int swizzle = 0)
+      : tile(tile), raster(raster), swizzle(swizzle) {}
+  Fp8GemmTile tile;
+  GemmRaster raster;
+  int swizzle;
+};
+
+// The schedule that a call's automatic fields resolve to (fp8_tile_rule.cc): for now the one
+// configuration measured so far, cooperative 128x128x128 with cluster 1x1, walking along M,
+// swizzle 1, for every shape.
+Fp8GemmSchedule grouped_matmul_fp8_schedule(int64_t M, int64_t K, int64_t N, int64_t G);
 
 // Device workspace bytes that one grouped_matmul_fp8_blockwise call needs for G groups.
 size_t grouped_matmul_fp8_blockwise_workspace_bytes(int64_t G);
@@ -119,7 +155,8 @@ size_t grouped_matmul_fp8_blockwise_workspace_bytes(int64_t G);
 Status grouped_matmul_fp8_blockwise(const void* lhs, const float* lhs_scales, const void* rhs,
                                     const float* rhs_scales, const int32_t* group_sizes,
                                     int64_t M, int64_t K, int64_t N, int64_t G, void* out,
-                                    void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                                    void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                                    Fp8GemmSchedule schedule = {});
 
 // ---- routing and token permutation (permute.cu, router.cu) -------------------------------------
 //   - permute_rows zeroes the rows [n, T*k), n being the number of in-range row_map entries.

@@ -1,11 +1,12 @@
 // CUDA FP8 blockwise-scaled grouped matmul, ragged rows (fp8_blockwise.cuh says what it computes
 // and the scale layouts): argument checks, workspace layout, the setup kernel that builds the
 // group table from the group sizes on the device, and the two launches of a call (setup kernel,
-// then the CUTLASS kernel of fp8_blockwise_gemm.cu), all on the caller's stream.
+// then the CUTLASS kernel of the call's tile, fp8_blockwise_gemm.cuh), all on the caller's stream.
 #include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <initializer_list>
+#include <iterator>
 #include <string>
 #include <utility>
 
@@ -178,7 +179,8 @@ WorkspaceLayout workspace_layout(int64_t G) {
   return layout;
 }
 
-Fp8GroupTable make_table(void* workspace, int64_t G, int device, int sm_count) {
+Fp8GroupTable make_table(void* workspace, int64_t G, int device, int sm_count,
+                         const Fp8GemmSchedule& schedule) {
   const WorkspaceLayout layout = workspace_layout(G);
   char* base =
       reinterpret_cast<char*>(round_up(reinterpret_cast<uintptr_t>(workspace), kAlignment));
@@ -200,7 +202,31 @@ Fp8GroupTable make_table(void* workspace, int64_t G, int device, int sm_count) {
   table.gemm_workspace_bytes = kGemmWorkspaceBytes;
   table.device = device;
   table.sm_count = sm_count < kMaxSmCount ? sm_count : kMaxSmCount;
+  table.raster = schedule.raster;
+  table.swizzle = schedule.swizzle;
   return table;
+}
+
+// The schedule of one call with its automatic fields resolved (grouped_matmul_fp8_schedule).
+Fp8GemmSchedule resolve_schedule(Fp8GemmSchedule schedule, int64_t M, int64_t K, int64_t N,
+                                 int64_t G) {
+  const Fp8GemmSchedule automatic = grouped_matmul_fp8_schedule(M, K, N, G);
+  if (schedule.tile == Fp8GemmTile::kAuto) schedule.tile = automatic.tile;
+  if (schedule.raster == GemmRaster::kAuto) schedule.raster = automatic.raster;
+  if (schedule.swizzle == 0) schedule.swizzle = automatic.swizzle;
+  return schedule;
+}
+
+Status run_tile(Fp8GemmTile tile, const Fp8GroupTable& table, cudaStream_t stream) {
+  switch (tile) {
+#define NODROP_FP8_GEMM_TILE(name, ...) \
+  case Fp8GemmTile::name: return detail::run_fp8_blockwise_gemm<Fp8GemmTile::name>(table, stream);
+#include "engine/cuda/grouped_matmul/fp8_tiles.def"
+#undef NODROP_FP8_GEMM_TILE
+    case Fp8GemmTile::kAuto: break;  // resolved by the caller
+  }
+  return Status::Error("grouped_matmul_fp8_blockwise: no kernel for tile " +
+                       std::to_string(static_cast<int32_t>(tile)));
 }
 
 // Elements of a [dims...] tensor, or -1 past 2^60, so that byte counts cannot overflow either.
@@ -229,6 +255,23 @@ Status cuda_status(const char* fn, const char* step, cudaError_t error) {
   return fail(fn, std::string(step) + ": " + cudaGetErrorString(error));
 }
 
+Status check_schedule(const char* fn, const Fp8GemmSchedule& schedule) {
+  const auto tile = static_cast<int32_t>(schedule.tile);
+  if (tile < 0 || tile > static_cast<int32_t>(std::size(kFp8GemmTiles))) {
+    return fail(fn, "schedule.tile = " + std::to_string(tile) + " is not an Fp8GemmTile");
+  }
+  const auto raster = static_cast<int32_t>(schedule.raster);
+  if (raster < 0 || raster > static_cast<int32_t>(GemmRaster::kAlongN)) {
+    return fail(fn, "schedule.raster = " + std::to_string(raster) + " is not a GemmRaster");
+  }
+  const int swizzle = schedule.swizzle;
+  if (swizzle != 0 && swizzle != 1 && swizzle != 2 && swizzle != 4 && swizzle != 8) {
+    return fail(fn, "schedule.swizzle = " + std::to_string(swizzle) +
+                        " must be 1, 2, 4 or 8 (0: automatic)");
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 size_t grouped_matmul_fp8_blockwise_workspace_bytes(int64_t G) {
@@ -239,8 +282,9 @@ Status grouped_matmul_fp8_blockwise(const void* lhs, const float* lhs_scales, co
                                     const float* rhs_scales, const int32_t* group_sizes,
                                     int64_t M, int64_t K, int64_t N, int64_t G, void* out,
                                     void* workspace, size_t workspace_bytes,
-                                    cudaStream_t stream) {
+                                    cudaStream_t stream, Fp8GemmSchedule schedule) {
   constexpr const char* fn = "grouped_matmul_fp8_blockwise";
+  if (Status status = check_schedule(fn, schedule); !status.ok()) return status;
   const std::pair<const char*, int64_t> dims[] = {{"M", M}, {"K", K}, {"N", N}, {"G", G}};
   for (const auto& [name, value] : dims) {
     if (value < 0 || value > INT32_MAX) {  // CUTLASS's problem shapes are int
@@ -291,13 +335,14 @@ Status grouped_matmul_fp8_blockwise(const void* lhs, const float* lhs_scales, co
         cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
   }
   if (!status.ok()) return status;
-  const Fp8GroupTable table = make_table(workspace, G, device, sm_count);
+  schedule = resolve_schedule(schedule, M, K, N, G);
+  const Fp8GroupTable table = make_table(workspace, G, device, sm_count, schedule);
   const detail::Fp8Operands ops{lhs, lhs_scales, rhs, rhs_scales, out};
   status = cuda_status(
       fn, "setup kernel",
       detail::launch_prepare_fp8_blockwise(group_sizes, M, K, N, ops, table, stream));
   if (!status.ok()) return status;
-  return detail::run_fp8_blockwise_gemm(table, stream);
+  return run_tile(schedule.tile, table, stream);
 }
 
 }  // namespace nodrop::cuda

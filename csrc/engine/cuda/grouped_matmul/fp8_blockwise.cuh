@@ -32,6 +32,7 @@
 
 #include "engine/cuda/grouped_matmul/group_table.cuh"
 #include "nodrop/engine.h"
+#include "nodrop/engine_cuda.h"
 
 namespace nodrop::cuda::detail {
 
@@ -65,6 +66,8 @@ struct Fp8GroupTable {
   size_t gemm_workspace_bytes = 0;
   int device = 0;
   int sm_count = 0;
+  GemmRaster raster = GemmRaster::kAlongM;  // resolved: never kAuto
+  int swizzle = 1;                          // resolved: 1, 2, 4 or 8
 };
 
 // The operands of one call (device pointers).
@@ -83,8 +86,10 @@ cudaError_t launch_prepare_fp8_blockwise(const int32_t* group_sizes, int64_t M, 
                                          int64_t N, const Fp8Operands& ops,
                                          const Fp8GroupTable& table, cudaStream_t stream);
 
-// Runs the CUTLASS kernel over the table on `stream`; groups without rows get no tiles. Defined
-// in fp8_blockwise_gemm.cu, the only translation unit that instantiates it.
+// Runs the CUTLASS kernel of tile T over the table on `stream`; groups without rows get no
+// tiles. Defined in fp8_blockwise_gemm.cuh, instantiated once per tile in its own generated
+// file (generate_instantiations.py).
+template <Fp8GemmTile T>
 Status run_fp8_blockwise_gemm(const Fp8GroupTable& table, cudaStream_t stream);
 
 }  // namespace nodrop::cuda::detail

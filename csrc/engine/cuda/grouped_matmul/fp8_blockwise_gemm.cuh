@@ -1,0 +1,171 @@
+// The CUTLASS kernels of the FP8 blockwise-scaled grouped GEMM (fp8_blockwise.cuh): CUTLASS's
+// example 68 (hopper_fp8_warp_specialized_grouped_gemm_with_blockwise_scaling) with the problem
+// shapes, pointers and scale layouts on the device only, as the bf16 path (cutlass_gemm.cuh).
+// One configuration per line of fp8_tiles.def; include this header only from the generated
+// instantiation files (generate_instantiations.py).
+//
+// What all configurations share:
+//   - Depth 128 = the scale block along K: one A scale per row and one B scale per 128 columns
+//     for each k tile, the finest promotion interval the mainloop allows (4 wgmmas of depth 32).
+//   - 128 columns = the B scale block along N: one B scale per tile, so no per-column select.
+//   - A consumer warpgroup owns 64x128 of the tile: the mainloop holds two float32 accumulators
+//     (wgmma's and the scaled sum), 128 registers of the 232 a consumer thread gets.
+// The candidates, none of them measured yet (nodrop_cuda_fp8_bench --configs=all measures them):
+//   - cooperative 128x128x128, cluster 1x1: the first kernel and the default. Two consumer
+//     warpgroups on one tile; no cluster, so no group's tiles are rounded up to whole clusters.
+//   - cluster 1x2: example 68's choice. A pair of column tiles shares its A tile through TMA
+//     multicast, halving A's L2 reads; nothing runs empty when a group's column tiles pair up
+//     (N a multiple of 256, every benchmarked shape).
+//   - cluster 2x1: a pair of row tiles shares its B (weight) tile, the operand that every row
+//     tile of a group reads again; costs an empty tile for each group with an odd row-tile count.
+//   - pingpong 64x128x128: two consumer warpgroups on two tiles, taking turns at the mainloop,
+//     so one's epilogue runs under the other's wgmmas (the scale promotion does not: it is
+//     inside the mainloop); tiles of 64 rows halve the rows run empty at the end of each
+//     ragged group (many small groups: Qwen3). Costs 1.5x the operand bytes per flop of a
+//     128x128 tile.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/operations.hpp>
+#include <cutlass/float8.h>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+
+#include "engine/cuda/grouped_matmul/cutlass_gemm.cuh"  // max_active_clusters
+#include "engine/cuda/grouped_matmul/fp8_blockwise.cuh"
+
+namespace nodrop::cuda::detail {
+
+template <int TileM, int TileN, int TileK, bool Pingpong, int ClusterM, int ClusterN>
+struct Fp8TileSpec {
+  using Shape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
+  using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
+  using MainloopSchedule = std::conditional_t<
+      Pingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>;
+  using EpilogueSchedule =
+      std::conditional_t<Pingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+  // One consumer warpgroup's share of the tile (see above).
+  static_assert((Pingpong ? TileM : TileM / 2) * TileN <= 64 * 128,
+                "a consumer warpgroup's accumulators would spill");
+};
+
+template <Fp8GemmTile T>
+struct Fp8TileConfig;
+#define NODROP_FP8_GEMM_TILE(name, schedule, m, n, k, cluster_m, cluster_n)                       \
+  template <>                                                                                   \
+  struct Fp8TileConfig<Fp8GemmTile::name>                                                       \
+      : Fp8TileSpec<m, n, k, std::string_view(#schedule) == "pingpong", cluster_m, cluster_n> { \
+  };
+#include "engine/cuda/grouped_matmul/fp8_tiles.def"
+#undef NODROP_FP8_GEMM_TILE
+
+template <Fp8GemmTile T>
+struct Fp8BlockwiseGemm {
+  using ElementA = cutlass::float_e4m3_t;
+  using ElementB = cutlass::float_e4m3_t;
+  using ElementD = cutlass::bfloat16_t;
+  using ElementAccumulator = float;
+  using LayoutA = cutlass::layout::RowMajor;     // lhs_g [M_g, K]: K-major
+  using LayoutB = cutlass::layout::ColumnMajor;  // rhs[g] [N, K] as B (K x N): K-major
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlignmentIn = 16;  // TMA moves 16-byte units: 16 E4M3 elements
+  static constexpr int kAlignmentOut = 16 / sizeof(ElementD);
+  using Tile = Fp8TileConfig<T>;
+  using ProblemShape = cutlass::gemm::GroupProblemShape<GroupShape>;
+
+  // D = acc: no C operand (void), alpha 1 and beta 0 by default.
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Tile::Shape,
+      typename Tile::Cluster, cutlass::epilogue::collective::EpilogueTileAuto,
+      ElementAccumulator, ElementAccumulator, void, LayoutD*, kAlignmentOut, ElementD, LayoutD*,
+      kAlignmentOut, typename Tile::EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, ElementAccumulator>>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA,
+      cute::tuple<LayoutA*, Fp8LayoutSFA*>, kAlignmentIn, ElementB,
+      cute::tuple<LayoutB*, Fp8LayoutSFB*>, kAlignmentIn, ElementAccumulator,
+      typename Tile::Shape, typename Tile::Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Tile::MainloopSchedule>::CollectiveOp;
+
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  // The setup kernel writes these types; CUTLASS must read the same.
+  static_assert(std::is_same_v<typename Kernel::InternalStrideA, StrideKMajor>);
+  static_assert(std::is_same_v<typename Kernel::InternalStrideB, StrideKMajor>);
+  static_assert(std::is_same_v<typename Kernel::InternalStrideD, StrideKMajor>);
+  static_assert(std::is_same_v<typename CollectiveMainloop::InternalLayoutSFA, Fp8LayoutSFA>);
+  static_assert(std::is_same_v<typename CollectiveMainloop::InternalLayoutSFB, Fp8LayoutSFB>);
+  // The scale granularity the mainloop reads from the layout types: 1x128 (A), 128x128 (B).
+  static_assert(CollectiveMainloop::ScaleGranularityM == 1);
+  static_assert(CollectiveMainloop::ScaleGranularityN == kFp8ScaleBlock);
+  static_assert(CollectiveMainloop::ScaleGranularityK == kFp8ScaleBlock);
+};
+
+template <Fp8GemmTile T>
+Status run_fp8_blockwise_gemm(const Fp8GroupTable& table, cudaStream_t stream) {
+  using Config = Fp8BlockwiseGemm<T>;
+  using Gemm = typename Config::Gemm;
+  using Kernel = typename Config::Kernel;
+
+  typename Gemm::Arguments args;
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {table.num_groups, table.shapes, /*host_problem_shapes=*/nullptr};
+  args.mainloop.ptr_A = reinterpret_cast<const typename Config::ElementA**>(table.ptr_a);
+  args.mainloop.dA = table.stride_a;
+  args.mainloop.ptr_B = reinterpret_cast<const typename Config::ElementB**>(table.ptr_b);
+  args.mainloop.dB = table.stride_b;
+  args.mainloop.ptr_SFA = table.ptr_sfa;
+  args.mainloop.layout_SFA = table.layout_sfa;
+  args.mainloop.ptr_SFB = table.ptr_sfb;
+  args.mainloop.layout_SFB = table.layout_sfb;
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = nullptr;
+  args.epilogue.ptr_D = reinterpret_cast<typename Config::ElementD**>(table.ptr_d);
+  args.epilogue.dD = table.stride_d;
+  args.hw_info.device_id = table.device;
+  args.hw_info.sm_count = table.sm_count;
+  args.hw_info.max_active_clusters =
+      max_active_clusters<Kernel, typename Config::Tile::Cluster>(table.device);
+  using RasterOrder = decltype(args.scheduler.raster_order);
+  args.scheduler.raster_order =
+      table.raster == GemmRaster::kAlongN ? RasterOrder::AlongN : RasterOrder::AlongM;
+  args.scheduler.max_swizzle_size = table.swizzle;
+
+  auto fail = [](const char* step, cutlass::Status status) {
+    return Status::Error(std::string("FP8 blockwise grouped GEMM (") + fp8_gemm_tile_name(T) +
+                         "): CUTLASS " + step + " failed: " +
+                         cutlass::cutlassGetStatusString(status));
+  };
+  cutlass::Status status = Gemm::can_implement(args);
+  if (status != cutlass::Status::kSuccess) return fail("can_implement", status);
+  if (Gemm::get_workspace_size(args) > table.gemm_workspace_bytes) {
+    return Status::Error(std::string("FP8 blockwise grouped GEMM (") + fp8_gemm_tile_name(T) +
+                         "): CUTLASS needs " + std::to_string(Gemm::get_workspace_size(args)) +
+                         " workspace bytes, more than the " +
+                         std::to_string(table.gemm_workspace_bytes) + " reserved");
+  }
+  Gemm gemm;
+  status = gemm.initialize(args, table.gemm_workspace, stream);
+  if (status != cutlass::Status::kSuccess) return fail("initialize", status);
+  status = gemm.run(stream);
+  if (status != cutlass::Status::kSuccess) return fail("launch", status);
+  return Status::Ok();
+}
+
+}  // namespace nodrop::cuda::detail

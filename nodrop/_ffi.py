@@ -27,6 +27,7 @@ TARGETS = {
     "nodrop_topk_router": "NodropTopkRouter",
     "nodrop_topk_router_grad": "NodropTopkRouterGrad",
     "nodrop_quantize_fp8": "NodropQuantizeFp8",
+    "nodrop_grouped_matmul_fp8_blockwise": "NodropGroupedMatmulFp8Blockwise",
 }
 CPU_TARGETS = {target: symbol + "Cpu" for target, symbol in TARGETS.items()}
 CUDA_TARGETS = {target: symbol + "Cuda" for target, symbol in TARGETS.items()}
@@ -65,6 +66,8 @@ if _cuda_lib is not None:
     _register(_cuda_lib, CUDA_TARGETS, "CUDA")
     _cuda_lib.NodropGroupedMatmulWorkspaceBytes.restype = ctypes.c_int64
     _cuda_lib.NodropGroupedMatmulWorkspaceBytes.argtypes = [ctypes.c_int64]
+    _cuda_lib.NodropGroupedMatmulFp8BlockwiseWorkspaceBytes.restype = ctypes.c_int64
+    _cuda_lib.NodropGroupedMatmulFp8BlockwiseWorkspaceBytes.argtypes = [ctypes.c_int64]
     _cuda_lib.NodropSortByExpertWorkspaceBytes.restype = ctypes.c_int64
     _cuda_lib.NodropSortByExpertWorkspaceBytes.argtypes = [ctypes.c_int64] * 3
 
@@ -91,6 +94,10 @@ def backends() -> dict[str, bool]:
 
 def grouped_matmul_workspace_bytes(num_groups: int) -> int:
     return _cuda_lib.NodropGroupedMatmulWorkspaceBytes(num_groups)
+
+
+def grouped_matmul_fp8_blockwise_workspace_bytes(num_groups: int) -> int:
+    return _cuda_lib.NodropGroupedMatmulFp8BlockwiseWorkspaceBytes(num_groups)
 
 
 def sort_by_expert_workspace_bytes(num_tokens: int, k: int, num_experts: int) -> int:

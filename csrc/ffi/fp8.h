@@ -1,4 +1,5 @@
-// Decoding and validation of the FP8 quantisation handlers (fp8_cpu.cc, fp8_cuda.cc).
+// Decoding and validation of the FP8 handlers (fp8_cpu.cc, fp8_cuda.cc): the quantisation and
+// the blockwise-scaled grouped matmul.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +10,12 @@
 
 namespace nodrop::handlers {
 
+// XLA's FFI has no C++ type for FP8 elements: E4M3 operands are AnyBuffers checked here.
+inline ffi::Error require_e4m3(const char* name, const ffi::AnyBuffer& buffer) {
+  if (buffer.element_type() == ffi::DataType::F8E4M3FN) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(name) + " must be float8_e4m3fn");
+}
+
 // The engine's view of one call: x [M, C] in blocks of 1 x block.
 struct QuantizeCall {
   DType dtype;
@@ -16,7 +23,6 @@ struct QuantizeCall {
 };
 
 // x [M, C] (float) -> q [M, C] float8_e4m3fn, scale [M, ceil(C / block)] float32.
-// (XLA's FFI has no C++ type for FP8 elements: q is an AnyBuffer checked here.)
 inline ffi::ErrorOr<QuantizeCall> decode_quantize_fp8(const ffi::AnyBuffer& x,
                                                       const ffi::AnyBuffer& q,
                                                       const ffi::Buffer<ffi::F32>& scale,
@@ -28,9 +34,7 @@ inline ffi::ErrorOr<QuantizeCall> decode_quantize_fp8(const ffi::AnyBuffer& x,
     return ffi::Error::InvalidArgument("block must be at least 1, got " + std::to_string(block));
   }
   const int64_t M = x.dimensions()[0], C = x.dimensions()[1];
-  if (q.element_type() != ffi::DataType::F8E4M3FN) {
-    return ffi::Error::InvalidArgument("q must be float8_e4m3fn");
-  }
+  NODROP_RETURN_IF_ERROR(require_e4m3("q", q));
   NODROP_RETURN_IF_ERROR(require_rank("q", q, 2));
   NODROP_RETURN_IF_ERROR(require_dim("q", q, 0, M));
   NODROP_RETURN_IF_ERROR(require_dim("q", q, 1, C));
@@ -48,6 +52,55 @@ auto bind_quantize_fp8(Binding binding) {
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::Buffer<ffi::F32>>()
       .template Attr<int64_t>("block");
+}
+
+// The engine's view of one blockwise-scaled grouped matmul.
+struct Fp8GemmShape {
+  int64_t M, K, N, G;
+};
+
+// lhs [M, K] and rhs [G, N, K] float8_e4m3fn, lhs_scales [M, KB] and rhs_scales [G, NB, KB]
+// float32 (KB = ceil(K / 128), NB = ceil(N / 128)), group_sizes [G] -> out [M, N] bfloat16.
+inline ffi::ErrorOr<Fp8GemmShape> decode_grouped_matmul_fp8_blockwise(
+    const ffi::AnyBuffer& lhs, const ffi::Buffer<ffi::F32>& lhs_scales, const ffi::AnyBuffer& rhs,
+    const ffi::Buffer<ffi::F32>& rhs_scales, const ffi::Buffer<ffi::S32>& group_sizes,
+    const ffi::Buffer<ffi::BF16>& out) {
+  constexpr int64_t kBlock = 128;
+  NODROP_RETURN_IF_ERROR(require_e4m3("lhs", lhs));
+  NODROP_RETURN_IF_ERROR(require_e4m3("rhs", rhs));
+  NODROP_RETURN_IF_ERROR(require_rank("lhs", lhs, 2));
+  NODROP_RETURN_IF_ERROR(require_rank("rhs", rhs, 3));
+  NODROP_RETURN_IF_ERROR(require_rank("lhs_scales", lhs_scales, 2));
+  NODROP_RETURN_IF_ERROR(require_rank("rhs_scales", rhs_scales, 3));
+  NODROP_RETURN_IF_ERROR(require_rank("group_sizes", group_sizes, 1));
+  NODROP_RETURN_IF_ERROR(require_rank("out", out, 2));
+  Fp8GemmShape s{lhs.dimensions()[0], lhs.dimensions()[1], rhs.dimensions()[1],
+                 rhs.dimensions()[0]};
+  const int64_t KB = (s.K + kBlock - 1) / kBlock, NB = (s.N + kBlock - 1) / kBlock;
+  NODROP_RETURN_IF_ERROR(require_dim("rhs", rhs, 2, s.K));
+  NODROP_RETURN_IF_ERROR(require_dim("lhs_scales", lhs_scales, 0, s.M));
+  NODROP_RETURN_IF_ERROR(require_dim("lhs_scales", lhs_scales, 1, KB));
+  NODROP_RETURN_IF_ERROR(require_dim("rhs_scales", rhs_scales, 0, s.G));
+  NODROP_RETURN_IF_ERROR(require_dim("rhs_scales", rhs_scales, 1, NB));
+  NODROP_RETURN_IF_ERROR(require_dim("rhs_scales", rhs_scales, 2, KB));
+  NODROP_RETURN_IF_ERROR(require_dim("group_sizes", group_sizes, 0, s.G));
+  NODROP_RETURN_IF_ERROR(require_dim("out", out, 0, s.M));
+  NODROP_RETURN_IF_ERROR(require_dim("out", out, 1, s.N));
+  return s;
+}
+
+// lhs, lhs_scales, rhs, rhs_scales, group_sizes -> out; attribute checked. The CUDA handler
+// returns its workspace after these.
+template <typename Binding>
+auto bind_grouped_matmul_fp8_blockwise(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::BF16>>()
+      .template Attr<bool>("checked");
 }
 
 }  // namespace nodrop::handlers

@@ -1,4 +1,4 @@
-// The FP8 quantisation's CPU handler, on XLA's thread pool.
+// The FP8 handlers on the CPU engine, on XLA's thread pool.
 #include "ffi/fp8.h"
 #include "ffi/xla_thread_pool.h"
 #include "nodrop/engine_cpu.h"
@@ -18,7 +18,25 @@ ffi::Error QuantizeFp8(ffi::ThreadPool pool, ffi::AnyBuffer x,
                                         scale->typed_data(), &runner));
 }
 
+ffi::Error GroupedMatmulFp8Blockwise(ffi::ThreadPool pool, ffi::AnyBuffer lhs,
+                                     ffi::Buffer<ffi::F32> lhs_scales, ffi::AnyBuffer rhs,
+                                     ffi::Buffer<ffi::F32> rhs_scales,
+                                     ffi::Buffer<ffi::S32> group_sizes,
+                                     ffi::Result<ffi::Buffer<ffi::BF16>> out, bool checked) {
+  auto s = decode_grouped_matmul_fp8_blockwise(lhs, lhs_scales, rhs, rhs_scales, group_sizes,
+                                               *out);
+  if (!s) return s.error();
+  XlaThreadPoolRunner runner(pool);
+  return to_ffi_error(cpu::grouped_matmul_fp8_blockwise(
+      lhs.untyped_data(), lhs_scales.typed_data(), rhs.untyped_data(), rhs_scales.typed_data(),
+      group_sizes.typed_data(), s->M, s->K, s->N, s->G, out->untyped_data(), checked, &runner));
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NodropGroupedMatmulFp8BlockwiseCpu, GroupedMatmulFp8Blockwise,
+    bind_grouped_matmul_fp8_blockwise(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropQuantizeFp8Cpu, QuantizeFp8,
                               bind_quantize_fp8(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));

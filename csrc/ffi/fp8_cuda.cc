@@ -1,4 +1,6 @@
-// The FP8 quantisation's CUDA handler; CUDA-graph compatible.
+// The FP8 handlers on the CUDA engine; CUDA-graph compatible. The grouped matmul's group sizes
+// stay on the device and its workspace is an extra result sized by
+// NodropGroupedMatmulFp8BlockwiseWorkspaceBytes.
 #include "ffi/fp8.h"
 #include "nodrop/engine_cuda.h"
 
@@ -16,6 +18,22 @@ ffi::Error QuantizeFp8(cudaStream_t stream, ffi::AnyBuffer x,
                                          scale->typed_data(), stream));
 }
 
+// `checked` is accepted and ignored: the CUDA engine always clamps (checking needs a host read).
+ffi::Error GroupedMatmulFp8Blockwise(cudaStream_t stream, ffi::AnyBuffer lhs,
+                                     ffi::Buffer<ffi::F32> lhs_scales, ffi::AnyBuffer rhs,
+                                     ffi::Buffer<ffi::F32> rhs_scales,
+                                     ffi::Buffer<ffi::S32> group_sizes,
+                                     ffi::Result<ffi::Buffer<ffi::BF16>> out, bool /*checked*/,
+                                     ffi::Result<ffi::AnyBuffer> workspace) {
+  auto s = decode_grouped_matmul_fp8_blockwise(lhs, lhs_scales, rhs, rhs_scales, group_sizes,
+                                               *out);
+  if (!s) return s.error();
+  return to_ffi_error(cuda::grouped_matmul_fp8_blockwise(
+      lhs.untyped_data(), lhs_scales.typed_data(), rhs.untyped_data(), rhs_scales.typed_data(),
+      group_sizes.typed_data(), s->M, s->K, s->N, s->G, out->untyped_data(),
+      workspace->untyped_data(), workspace->size_bytes(), stream));
+}
+
 }  // namespace
 
 using Stream = ffi::PlatformStream<cudaStream_t>;
@@ -23,5 +41,16 @@ using Stream = ffi::PlatformStream<cudaStream_t>;
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropQuantizeFp8Cuda, QuantizeFp8,
                               bind_quantize_fp8(ffi::Ffi::Bind().Ctx<Stream>()),
                               {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NodropGroupedMatmulFp8BlockwiseCuda, GroupedMatmulFp8Blockwise,
+    bind_grouped_matmul_fp8_blockwise(ffi::Ffi::Bind().Ctx<Stream>())
+        .Ret<ffi::AnyBuffer>(),  // workspace
+    {ffi::Traits::kCmdBufferCompatible});
+
+// The workspace size, for the JAX op, which allocates it as an extra result of the custom call.
+extern "C" int64_t NodropGroupedMatmulFp8BlockwiseWorkspaceBytes(int64_t num_groups) {
+  return static_cast<int64_t>(nodrop::cuda::grouped_matmul_fp8_blockwise_workspace_bytes(num_groups));
+}
 
 }  // namespace nodrop::handlers

@@ -6,7 +6,8 @@ training runs do today (nodrop/moe/capacity.py), with the experts as one batched
 [E, C, H] buffers; it is kept as the baseline to compare against. With `ops="reference"` the
 same block runs on the pure-JAX references of nodrop's ops (nodrop/ops/reference.py): `nodrop
 demo` checks one against the other. With `fp8` set, the experts' matmuls run one of the FP8
-recipes of nodrop/ops/fp8.py, emulated (quantised and dequantised operands).
+recipes of nodrop/ops/fp8.py, emulated (quantised and dequantised operands), but for the
+blockwise forward on nodrop's FP8 kernel on the GPU.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ class MoEConfig:
       "off" (the default), "blockwise" (DeepSeek-V3's 1x128 / 128x128 scales) or "tensorwise"
       (one scale per tensor), as `nodrop.fp8_grouped_matmul`. Emulated: the operands are
       quantised and dequantised, then multiplied in float32 by the block's matmul (or, with
-      capacity_factor, its einsum). The router, the shared experts and everything outside the
+      capacity_factor, its einsum); on nodrop's ops on the GPU, in bfloat16, the blockwise
+      forward runs nodrop's FP8 kernel instead (the gradients stay emulated). The router, the shared experts and everything outside the
       block stay as they are.
     """
 
@@ -351,16 +353,19 @@ def _route(cfg: MoEConfig, flat, router, expert_bias):
 @jax.named_scope("experts")
 def _experts(cfg: MoEConfig, rows, group_sizes, gate_up, down):
     """The SwiGLU experts over rows grouped by expert (group_sizes [G] against G experts)."""
+    on_nodrop = cfg.ops == "nodrop" and cfg.matmul == "nodrop"
     matmul = _fp8_or(cfg, OPS[cfg.ops]["grouped_matmul"] if cfg.matmul == "nodrop"
-                     else jax.lax.ragged_dot)
+                     else jax.lax.ragged_dot, forward="auto" if on_nodrop else "emulated")
     return swiglu(lambda a, w: matmul(a, w, group_sizes), rows, gate_up, down)
 
 
-def _fp8_or(cfg: MoEConfig, matmul):
-    """The experts' grouped matmul (lhs, rhs, group_sizes) under cfg.fp8's recipe, or as it is."""
+def _fp8_or(cfg: MoEConfig, matmul, forward: str = "emulated"):
+    """The experts' grouped matmul (lhs, rhs, group_sizes) under cfg.fp8's recipe, or as it is.
+    forward: the recipe's `forward`; "auto" (nodrop's FP8 kernel on the GPU) only where the
+    block runs on nodrop's ops, so the reference and XLA baselines stay what they are."""
     if cfg.fp8 == "off":
         return matmul
-    return functools.partial(fp8_grouped_matmul, recipe=cfg.fp8, matmul=matmul)
+    return functools.partial(fp8_grouped_matmul, recipe=cfg.fp8, matmul=matmul, forward=forward)
 
 
 def _capacity_einsum(lhs, rhs, group_sizes):

@@ -10,9 +10,11 @@ E4M3 (`float8_e4m3fn`, largest finite value 448) operands with float32 scales, o
   ends with a shorter block. Each scale then multiplies one K-block's float32 partial sum.
 - "tensorwise": one scale per tensor (per expert for the weights), current scaling.
 
-Here the operands are quantised, dequantised to float32 and multiplied by an ordinary grouped
-matmul, so a CPU run (and a GPU run, until nodrop has FP8 kernels) computes what the FP8
-kernels will, up to float32 summation order; it is not faster than bf16.
+Emulated, the operands are quantised, dequantised to float32 and multiplied by an ordinary
+grouped matmul, which computes what FP8 kernels do up to float32 summation order; it is not
+faster than bf16. The blockwise forward also runs for real: `grouped_matmul_fp8_blockwise`, the
+engine's FP8 grouped matmul (CUTLASS on the GPU, a plain-loop reference on the CPU), which
+`fp8_grouped_matmul` uses on the GPU for bfloat16 (`forward`); the gradients stay emulated.
 """
 
 from __future__ import annotations
@@ -28,7 +30,13 @@ from jax.typing import ArrayLike, DTypeLike
 from nodrop import _ffi
 from nodrop._fields import is_int
 from nodrop.ops import _checks, _partition, _primitives
-from nodrop.ops.grouped_matmul import _clamped_ends, _group_sizes, grouped_matmul
+from nodrop.ops.grouped_matmul import (
+    _clamped_ends,
+    _group_sizes,
+    _pad_axis,
+    _shard_group_sizes,
+    grouped_matmul,
+)
 
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = float(jnp.finfo(E4M3).max)  # 448
@@ -37,6 +45,7 @@ ACTIVATION_BLOCK = (1, BLOCK)
 WEIGHT_BLOCK = (BLOCK, BLOCK)
 WGRAD_BLOCK = (BLOCK, 1)
 RECIPES = ("blockwise", "tensorwise")
+FORWARDS = ("auto", "kernel", "emulated")
 
 Block = tuple[int, int] | str
 
@@ -185,7 +194,8 @@ def _operand_blocks(recipe: str) -> tuple[Block, Block]:
 
 def fp8_grouped_matmul(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *,
                        recipe: str = "blockwise",
-                       matmul: Callable[..., jax.Array] = grouped_matmul) -> jax.Array:
+                       matmul: Callable[..., jax.Array] = grouped_matmul,
+                       forward: str = "auto") -> jax.Array:
     """The grouped matmul `matmul(lhs, rhs, group_sizes)` on FP8 operands, emulated.
 
     Args:
@@ -195,6 +205,15 @@ def fp8_grouped_matmul(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *
       matmul: the grouped matmul over the dequantised float32 operands, (lhs, rhs, group_sizes)
         -> [M, N]: `nodrop.grouped_matmul` (the default), `nodrop.ops.reference.grouped_matmul`
         or `jax.lax.ragged_dot`. Its own transposes compute the gradients.
+      forward: how the blockwise recipe's forward runs. "kernel": on FP8 operands, in
+        `grouped_matmul_fp8_blockwise` (lhs by `quantize_rows`, each expert's weight transposed
+        and quantised in 128 x 128 blocks), whose result is rounded to bfloat16; "emulated":
+        as below, on `matmul`; "auto" (the default): the kernel on the GPU for bfloat16 lhs,
+        else emulated (the CPU engine's kernel is a plain-loop reference, slower than the
+        emulation on oneDNN, and a float32 or float16 lhs would lose its precision to the
+        kernel's bfloat16 output). The two differ only in where float32 rounds (and the
+        kernel's bfloat16 output); the tensorwise recipe is always emulated. The backward is
+        the same either way.
 
     Forward: matmul(qdq(lhs, 1 x 128), qdq(rhs, 128 x 128 per expert)). Backward, with dout
     quantised too: dlhs = matmul(qdq(dout, 1 x 128), qdq(rhs)^T), and drhs[g] = qdq(lhs)^T @
@@ -212,22 +231,46 @@ def fp8_grouped_matmul(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *
     group_sizes = _group_sizes(group_sizes, rhs.shape[0], "rhs")
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
-    return _fp8_grouped_matmul(lhs, rhs, group_sizes, recipe, matmul)
+    if forward not in FORWARDS:
+        raise ValueError(f"forward must be one of {FORWARDS}, got {forward!r}")
+    return _fp8_grouped_matmul(lhs, rhs, group_sizes, recipe, matmul, forward)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fp8_grouped_matmul(lhs, rhs, group_sizes, recipe, matmul):
-    return _forward(lhs, rhs, group_sizes, recipe, matmul)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fp8_grouped_matmul(lhs, rhs, group_sizes, recipe, matmul, forward):
+    return _forward(lhs, rhs, group_sizes, recipe, matmul, forward)[0]
 
 
-def _forward(lhs, rhs, group_sizes, recipe, matmul):
+def _emulated_forward(lhs, rhs, group_sizes, recipe, matmul):
     rows_block, weights_block = _operand_blocks(recipe)
-    out = matmul(_qdq(_rows_in_groups(lhs, group_sizes), rows_block),
-                 _qdq(rhs, weights_block), group_sizes)
+    return matmul(_qdq(_rows_in_groups(lhs, group_sizes), rows_block),
+                  _qdq(rhs, weights_block), group_sizes)
+
+
+def _kernel_forward(lhs, rhs, group_sizes):
+    """The blockwise forward on the engine's FP8 kernel. Rows past the groups need no zeroing:
+    the kernel reads no row past the groups, and their scales scale nothing."""
+    rhs_q_t, rhs_scales = quantize(jnp.swapaxes(rhs, 1, 2), WEIGHT_BLOCK)
+    return grouped_matmul_fp8_blockwise(*quantize_rows(lhs), rhs_q_t, rhs_scales, group_sizes)
+
+
+def _forward(lhs, rhs, group_sizes, recipe, matmul, forward):
+    if recipe != "blockwise" or forward == "emulated":
+        out = _emulated_forward(lhs, rhs, group_sizes, recipe, matmul)
+    elif forward == "kernel":
+        out = _kernel_forward(lhs, rhs, group_sizes)
+    elif lhs.dtype == jnp.bfloat16:  # "auto": the kernel where it runs on the GPU
+        out = _ffi.on_platform(
+            lhs, rhs, group_sizes,
+            cpu=lambda *args: _emulated_forward(*args, recipe, matmul).astype(lhs.dtype),
+            cuda=lambda *args: _kernel_forward(*args).astype(lhs.dtype))
+    else:
+        out = _emulated_forward(lhs, rhs, group_sizes, recipe, matmul)
     return out.astype(lhs.dtype), (lhs, rhs, group_sizes)
 
 
-def _backward(recipe, matmul, residuals, dout):
+def _backward(recipe, matmul, forward, residuals, dout):
+    del forward
     lhs, rhs, group_sizes = residuals
     rows_block, weights_block = _operand_blocks(recipe)
     dout = _rows_in_groups(dout, group_sizes)
@@ -287,3 +330,96 @@ _quantize_p = _primitives.define(
         _primitives.result_aval((x,), x.shape, E4M3),
         _primitives.result_aval((x,), (x.shape[0], -(-x.shape[1] // block)), jnp.float32)),
     lower=_quantize_lowering, multiple_results=True)
+
+
+# --- the engine's blockwise-scaled grouped matmul ------------------------------------------------
+
+
+def grouped_matmul_fp8_blockwise(lhs_q: ArrayLike, lhs_scales: ArrayLike, rhs_q_t: ArrayLike,
+                                 rhs_scales: ArrayLike, group_sizes: ArrayLike) -> jax.Array:
+    """The blockwise recipe's forward on FP8 operands, in one engine call: out [M, N] bfloat16.
+
+    Args:
+      lhs_q: [M, K] float8_e4m3fn and lhs_scales [M, ceil(K/128)] float32, as `quantize_rows`
+        (or `quantize(lhs, ACTIVATION_BLOCK)`) gives them.
+      rhs_q_t: [G, N, K] float8_e4m3fn, each expert's weight transposed, and rhs_scales
+        [G, ceil(N/128), ceil(K/128)] float32, as `quantize(swapaxes(rhs, 1, 2), WEIGHT_BLOCK)`.
+      group_sizes: [G] integers, as `nodrop.grouped_matmul`'s (rows past the groups are zero).
+    Group g's rows are sum over k blocks kb of (lhs_q[rows_g, kb] @ rhs_q_t[g, :, kb].T) *
+    lhs_scales[rows_g, kb] * rhs_scales[g, n // 128, kb], each block's product accumulated in
+    float32 and scaled as it is added; the result is rounded to bfloat16. Rows partition locally
+    under sharding, the rest is gathered. Not differentiable: `fp8_grouped_matmul` is the
+    differentiable recipe that calls it.
+    """
+    lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes = map(
+        _checks.as_array, (lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes))
+    _checks.require_rank("lhs_q", lhs_q, 2, "[M, K]")
+    _checks.require_rank("rhs_q_t", rhs_q_t, 3, "[G, N, K]")
+    for name, q in (("lhs_q", lhs_q), ("rhs_q_t", rhs_q_t)):
+        if q.dtype != E4M3:
+            raise TypeError(f"{name} must be float8_e4m3fn, got {jnp.dtype(q.dtype).name}")
+    (num_rows, depth), (num_groups, num_cols, _) = lhs_q.shape, rhs_q_t.shape
+    _checks.require_dim("rhs_q_t", rhs_q_t, 2, depth, "columns along axis 2 (K, lhs_q's columns)")
+    k_blocks, n_blocks = -(-depth // BLOCK), -(-num_cols // BLOCK)
+    for name, scales, shape in (("lhs_scales", lhs_scales, (num_rows, k_blocks)),
+                                ("rhs_scales", rhs_scales, (num_groups, n_blocks, k_blocks))):
+        if jnp.dtype(scales.dtype) != jnp.float32 or scales.shape != shape:
+            raise ValueError(
+                f"{name} must be float32 of shape {shape} (one scale per block of {BLOCK}), got "
+                f"{jnp.dtype(scales.dtype).name} of shape {tuple(scales.shape)}")
+    group_sizes = _group_sizes(group_sizes, num_groups, "rhs_q_t")
+    return _blockwise_p.bind(*_ffi.match_vma(lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes),
+                             checked=_checks.checks_enabled())
+
+
+def _engine_blockwise(lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes, *, platform,
+                      checked):
+    """One engine call, K and N zero-padded to the kernels' 16 and 8 (TMA's 16-byte rows of
+    E4M3 and of bfloat16). Padding never starts a new 128 block, so the scales stay as they
+    are, and zeros add nothing."""
+    depth, num_cols = lhs_q.shape[1], rhs_q_t.shape[1]
+    padded_k, padded_n = -(-depth // 16) * 16, -(-num_cols // 8) * 8
+    lhs_q = _pad_axis(lhs_q, 1, padded_k)
+    rhs_q_t = _pad_axis(_pad_axis(rhs_q_t, 2, padded_k), 1, padded_n)
+    workspace = None
+    if platform == "cuda":
+        workspace = functools.partial(_ffi.grouped_matmul_fp8_blockwise_workspace_bytes,
+                                      rhs_q_t.shape[0])
+    return _ffi.engine_call(
+        "nodrop_grouped_matmul_fp8_blockwise",
+        jax.ShapeDtypeStruct((lhs_q.shape[0], padded_n), jnp.bfloat16),
+        workspace_bytes=workspace, checked=_checks.attr_bool(checked))(
+        lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes)[:, :num_cols]
+
+
+def _blockwise_lowering(lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes, *, checked,
+                        partition):
+    def run(*args):
+        return _ffi.on_platform(
+            *args, cpu=functools.partial(_engine_blockwise, platform="cpu", checked=checked),
+            cuda=functools.partial(_engine_blockwise, platform="cuda", checked=checked))
+
+    if not partition:
+        return run(lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes)
+
+    def local(axes_of, lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes):
+        if "m" in axes_of:  # this shard's rows, and the part of each group among them
+            group_sizes = _shard_group_sizes(group_sizes, lhs_q.shape[0], axes_of["m"])
+        return run(lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes)
+
+    # Rows split: local with the shard's group sizes (not in checked mode, which must see the
+    # global sizes); everything else gathered.
+    return _partition.partitioned(
+        run, "m k, m b, g n k, g c b, g -> m n",
+        (("m", "k"), ("m", "b"), ("g", "n", "k"), ("g", "c", "b"), ("g",)), (("m", "n"),),
+        local, () if checked else ("m",),
+        need_replication_factors=("k", "b", "g", "n", "c"))(
+        lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes)
+
+
+_blockwise_p = _primitives.define(
+    "nodrop_grouped_matmul_fp8_blockwise",
+    abstract_eval=lambda lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes, *, checked: (
+        _primitives.result_aval((lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes),
+                                (lhs_q.shape[0], rhs_q_t.shape[1]), jnp.bfloat16)),
+    lower=_blockwise_lowering)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from nodrop.ops import fp8
+
 _RENORM_EPS = 1e-20  # guards a zero sum of selected scores (sigmoid scores can underflow)
 
 
@@ -120,3 +122,13 @@ def unpermute(rows, row_map, weights):
     out = jnp.einsum("tkh,tk->th", picked, weights.astype(acc),
                      precision=jax.lax.Precision.HIGHEST)
     return out.astype(rows.dtype)
+
+
+def grouped_matmul_fp8_blockwise(lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes):
+    """The FP8 blockwise grouped matmul: the dequantised operands' grouped matmul in float32,
+    as bfloat16 (lhs in 1 x 128 blocks along K, each expert's transposed weight [N, K] in
+    128 x 128 blocks)."""
+    lhs = fp8.dequantize(lhs_q, lhs_scales, fp8.ACTIVATION_BLOCK)
+    rhs_t = fp8.dequantize(rhs_q_t, rhs_scales, fp8.WEIGHT_BLOCK)
+    return grouped_matmul(lhs, rhs_t, group_sizes, transpose_rhs=True,
+                          out_dtype=jnp.float32).astype(jnp.bfloat16)

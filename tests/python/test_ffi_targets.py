@@ -172,6 +172,24 @@ def check_quantize_fp8():
     np.testing.assert_allclose(back, x, rtol=2 ** -4)
 
 
+def check_grouped_matmul_fp8_blockwise():
+    # K = 144 (two k blocks, the second 16 deep), N = 8, groups of 2 and 1 rows of 4.
+    rng = np.random.default_rng(7)
+    lhs = rng.choice([-2.0, -0.5, 0.0, 1.0, 1.5], (4, 144)).astype(np.float32)
+    rhs_t = rng.choice([-1.0, 0.25, 0.0, 3.0], (2, 8, 144)).astype(np.float32)
+    lhs_scales = np.asarray([[1.0, 2.0], [0.5, 1.0], [4.0, 0.25], [1.0, 1.0]], np.float32)
+    rhs_scales = np.asarray([[[2.0, 0.5]], [[1.0, 8.0]]], np.float32)
+    out = ffi("nodrop_grouped_matmul_fp8_blockwise", jax.ShapeDtypeStruct((4, 8), jnp.bfloat16),
+              jnp.asarray(lhs, jnp.float8_e4m3fn), jnp.asarray(lhs_scales),
+              jnp.asarray(rhs_t, jnp.float8_e4m3fn), jnp.asarray(rhs_scales), int32([2, 1]),
+              checked=np.bool_(False))
+    lhs_dq = lhs * np.repeat(lhs_scales, 128, axis=1)[:, :144]
+    rhs_dq = np.swapaxes(rhs_t * np.repeat(rhs_scales, 128, axis=2)[:, :, :144], 1, 2)
+    want = numpy_grouped_matmul(lhs_dq.astype(np.float64), rhs_dq.astype(np.float64), [2, 1])
+    np.testing.assert_allclose(as_f64(out), want, rtol=2 ** -8)
+    assert not np.any(as_f64(out)[3])
+
+
 CHECKS = {
     "nodrop_grouped_matmul": check_grouped_matmul,
     "nodrop_grouped_matmul_contract": check_grouped_matmul_contract,
@@ -182,6 +200,7 @@ CHECKS = {
     "nodrop_topk_router": check_topk_router,
     "nodrop_topk_router_grad": check_topk_router_grad,
     "nodrop_quantize_fp8": check_quantize_fp8,
+    "nodrop_grouped_matmul_fp8_blockwise": check_grouped_matmul_fp8_blockwise,
 }
 
 
@@ -212,8 +231,8 @@ def test_ops_and_their_gradients_lower_to_every_registered_target():
 
     grad_fn = jax.jit(jax.grad(loss, argnums=(0, 1)))
     lowered = grad_fn.lower(x, params).as_text()
-    # Every target but the FP8 recipes' quantisation (test_fp8.py lowers that one).
+    # Every target but the FP8 recipes' (test_fp8.py lowers those).
     assert set(re.findall(r"custom_call @(nodrop_\w+)", lowered)) == set(_ffi.CPU_TARGETS) - {
-        "nodrop_quantize_fp8"}
+        "nodrop_quantize_fp8", "nodrop_grouped_matmul_fp8_blockwise"}
     grads = jax.block_until_ready(grad_fn(x, params))
     assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))

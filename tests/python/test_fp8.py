@@ -464,3 +464,135 @@ def test_the_blockwise_recipe_quantises_its_rows_on_the_engine():
     text = step.lower(lhs, rhs).compile().as_text()
     # The forward's lhs and the output gradient (the weight gradient's row blocks stay JAX's).
     assert text.count('custom_call_target="nodrop_quantize_fp8"') == 2
+
+
+# --- the engine's blockwise-scaled grouped matmul ----------------------------------------------
+
+# K and N off the kernels' multiples of 16 and 8 (padded around the call), and invalid sizes.
+FP8_GEMM_CASES = {**CASES, "k_and_n_padded_for_the_kernels": (50, 100, 13, [20, 25]),
+                  "negative_and_overlong_sizes": (50, 144, 24, [-3, 40, 100])}
+
+
+def fp8_operands(m, k, n, groups, seed=0):
+    """lhs [M, K] and rhs [G, K, N] in bfloat16, and their FP8 forms for the kernel."""
+    lhs = jax.random.normal(jax.random.key(seed), (m, k), jnp.bfloat16)
+    rhs = jax.random.normal(jax.random.key(seed + 1), (groups, k, n), jnp.bfloat16)
+    return lhs, rhs, (*fp8.quantize_rows(lhs), *fp8.quantize(jnp.swapaxes(rhs, 1, 2),
+                                                             fp8.WEIGHT_BLOCK))
+
+
+def assert_bf16_close(got, want, what=""):
+    """Within one bfloat16 rounding (and float32 summation order) of want, elementwise."""
+    got, want = as_f64(got), as_f64(want)
+    bound = 2.0 ** -7 * np.abs(want) + 2.0 ** -16 * np.max(np.abs(want), initial=0)
+    assert np.all(np.abs(got - want) <= bound), (what, np.max(np.abs(got - want) - bound))
+
+
+@pytest.mark.parametrize("case", FP8_GEMM_CASES)
+def test_grouped_matmul_fp8_blockwise_matches_the_reference(case):
+    m, k, n, sizes = FP8_GEMM_CASES[case]
+    _, _, operands = fp8_operands(m, k, n, len(sizes))
+    got = nodrop.grouped_matmul_fp8_blockwise(*operands, int32(sizes))
+    want = reference.grouped_matmul_fp8_blockwise(*operands, int32(sizes))
+    assert got.dtype == jnp.bfloat16 and got.shape == (m, n)
+    assert_bf16_close(got, want)
+    used = min(m, sum(max(s, 0) for s in sizes))
+    assert not np.any(as_f64(got)[used:]), "rows past the groups"
+    jitted = jax.jit(nodrop.grouped_matmul_fp8_blockwise)(*operands, int32(sizes))
+    np.testing.assert_array_equal(as_f64(jitted), as_f64(got))
+
+
+@pytest.mark.parametrize("case", FP8_GEMM_CASES)
+def test_the_kernel_forward_is_the_emulated_one_and_gradients_are_unchanged(case):
+    m, k, n, sizes = FP8_GEMM_CASES[case]
+    lhs, rhs, _ = fp8_operands(m, k, n, len(sizes), seed=3)
+    dout = jax.random.normal(jax.random.key(9), (m, n), jnp.bfloat16)
+    results = {}
+    for forward in ("kernel", "emulated"):
+        f = lambda a, b: fp8.fp8_grouped_matmul(a, b, int32(sizes), forward=forward)  # noqa: E731
+        out, vjp = jax.vjp(f, lhs, rhs)
+        results[forward] = out, vjp(dout)
+    (kernel, kernel_grads), (emulated, emulated_grads) = results["kernel"], results["emulated"]
+    assert kernel.dtype == emulated.dtype == jnp.bfloat16
+    assert_bf16_close(kernel, emulated)
+    for got, want in zip(kernel_grads, emulated_grads):
+        np.testing.assert_array_equal(as_f64(got), as_f64(want))
+
+
+def test_the_kernel_forward_under_jit_remat_and_scan():
+    m, k, n, sizes = CASES["unaligned_groups_and_rows_past_them"]
+    lhs, rhs, _ = fp8_operands(m, k, n, len(sizes), seed=5)
+    sizes = int32(sizes)
+
+    def loss(lhs, rhs):
+        out = fp8.fp8_grouped_matmul(lhs, rhs, sizes, forward="kernel")
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    eager = jax.value_and_grad(loss, (0, 1))(lhs, rhs)
+    for name, fn in [("jit", jax.jit(jax.value_and_grad(loss, (0, 1)))),
+                     ("remat", jax.jit(jax.value_and_grad(jax.checkpoint(loss), (0, 1))))]:
+        for got, want in zip(jax.tree.leaves(fn(lhs, rhs)), jax.tree.leaves(eager)):
+            np.testing.assert_array_equal(as_f64(got), as_f64(want), err_msg=name)
+
+    def scanned(lhs, rhs):  # the same layer twice
+        def body(total, weights):
+            return total + loss(lhs, weights), None
+        return jax.lax.scan(body, jnp.float32(0), jnp.stack([rhs, rhs]))[0]
+
+    value, (dlhs, drhs) = jax.jit(jax.value_and_grad(scanned, (0, 1)))(lhs, rhs)
+    assert float(value) == 2 * float(eager[0])
+    assert_close(dlhs, 2 * as_f64(eager[1][0]), 1e-2, "scan dlhs")
+    assert_close(drhs, 2 * as_f64(eager[1][1]), 1e-2, "scan drhs")
+
+
+@pytest.mark.parametrize("forward, dtype, kernel_calls", [
+    ("kernel", jnp.bfloat16, 1), ("kernel", jnp.float32, 1), ("emulated", jnp.bfloat16, 0),
+    # "auto" takes the kernel on the GPU only: the CPU engine's is a plain-loop reference.
+    ("auto", jnp.bfloat16, 0), ("auto", jnp.float32, 0)])
+def test_which_forward_runs_on_the_cpu(forward, dtype, kernel_calls):
+    lhs, rhs = jnp.ones((8, 128), dtype), jnp.ones((2, 128, 8), dtype)
+    f = jax.jit(lambda a, b: fp8.fp8_grouped_matmul(a, b, int32([3, 5]), forward=forward))
+    text = f.lower(lhs, rhs).as_text()
+    assert text.count("custom_call @nodrop_grouped_matmul_fp8_blockwise") == kernel_calls
+
+
+def test_checked_mode_refuses_invalid_group_sizes_in_the_fp8_kernel():
+    _, _, operands = fp8_operands(20, 128, 8, 2)
+    with nodrop.checks(), pytest.raises(jax.errors.JaxRuntimeError, match="group_sizes"):
+        jax.block_until_ready(nodrop.grouped_matmul_fp8_blockwise(*operands, int32([10, 100])))
+
+
+def _fp8_gemm_args(**changes):
+    _, _, (lhs_q, lhs_scales, rhs_q_t, rhs_scales) = fp8_operands(6, 200, 16, 2)
+    args = dict(lhs_q=lhs_q, lhs_scales=lhs_scales, rhs_q_t=rhs_q_t, rhs_scales=rhs_scales,
+                group_sizes=int32([2, 4]))
+    return {**args, **{name: change(args[name]) for name, change in changes.items()}}
+
+
+@pytest.mark.parametrize("changes, error, message", [
+    (dict(lhs_q=lambda x: x[0]), ValueError, "lhs_q must have rank 2 ([M, K]), got shape (200,)"),
+    (dict(rhs_q_t=lambda x: x[0]), ValueError, "rhs_q_t must have rank 3 ([G, N, K])"),
+    (dict(lhs_q=lambda x: x.astype(jnp.bfloat16)), TypeError,
+     "lhs_q must be float8_e4m3fn, got bfloat16"),
+    (dict(rhs_q_t=lambda x: x.astype(jnp.float32)), TypeError,
+     "rhs_q_t must be float8_e4m3fn, got float32"),
+    (dict(rhs_q_t=lambda x: x[:, :, :128]), ValueError,
+     "rhs_q_t has 128 columns along axis 2 (K, lhs_q's columns) but expected 200"),
+    (dict(lhs_scales=lambda s: s[:, :1]), ValueError,
+     "lhs_scales must be float32 of shape (6, 2) (one scale per block of 128), got float32 of "
+     "shape (6, 1)"),
+    (dict(rhs_scales=lambda s: s.astype(jnp.bfloat16)), ValueError,
+     "rhs_scales must be float32 of shape (2, 1, 2)"),
+    (dict(group_sizes=lambda g: g[:1]), ValueError,
+     "group_sizes has 1 groups but rhs_q_t has 2"),
+])
+def test_grouped_matmul_fp8_blockwise_refuses_bad_input(changes, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        nodrop.grouped_matmul_fp8_blockwise(**_fp8_gemm_args(**changes))
+
+
+def test_bad_forward_is_refused():
+    with pytest.raises(ValueError, match=re.escape("forward must be one of ('auto', 'kernel', "
+                                                   "'emulated'), got 'fast'")):
+        fp8.fp8_grouped_matmul(jnp.ones((4, 8), jnp.float32), jnp.ones((1, 8, 8), jnp.float32),
+                               int32([4]), forward="fast")

@@ -59,6 +59,16 @@ inline uint8_t float_to_e4m3(float value) {
   return sign | static_cast<uint8_t>((rounded >> 20) - ((127 - 7) << 3));
 }
 
+// E4M3 (float8_e4m3fn) to float32, exactly: codes 0x7f and 0xff are NaN, there are no
+// infinities.
+inline float e4m3_to_float(uint8_t code) {
+  const int exponent = (code >> 3) & 15, mantissa = code & 7;
+  if ((code & 0x7f) == 0x7f) return std::nanf("");
+  const float magnitude = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -9)
+                                        : std::ldexp(static_cast<float>(8 + mantissa), exponent - 10);
+  return code & 0x80 ? -magnitude : magnitude;
+}
+
 // Element i of a buffer of `dtype`, as float.
 inline float load(const void* data, DType dtype, int64_t i) {
   switch (dtype) {

@@ -75,5 +75,19 @@ Status topk_router_grad(const float* logits, const int32_t* ids, const float* gr
 Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t block, uint8_t* q,
                     float* scale, ParallelRunner* runner = nullptr);
 
+// FP8 blockwise-scaled grouped matmul (the DeepSeek-V3 recipe's forward), the CUDA engine's
+// grouped_matmul_fp8_blockwise on the CPU: the same layouts, rules and errors. KB = ceil(K/128),
+// NB = ceil(N/128):
+//   lhs [M, K] E4M3 bytes, lhs_scales [M, KB] float32 (1 x 128 blocks along K),
+//   rhs [G, N, K] E4M3 bytes (each expert's weight transposed), rhs_scales [G, NB, KB] float32
+//   (128 x 128 blocks), out [M, N] bfloat16.
+// out[m, n] (m in group g) = sum over kb of (the float32 dot of lhs[m] and rhs[g, n] over k block
+// kb) * (lhs_scales[m, kb] * rhs_scales[g, n / 128, kb]), added in float32 in kb order; rows past
+// the groups are zero. K must be a multiple of 16 and N of 8, as on the GPU.
+Status grouped_matmul_fp8_blockwise(const void* lhs, const float* lhs_scales, const void* rhs,
+                                    const float* rhs_scales, const int32_t* group_sizes,
+                                    int64_t M, int64_t K, int64_t N, int64_t G, void* out,
+                                    bool checked, ParallelRunner* runner = nullptr);
+
 }  // namespace cpu
 }  // namespace nodrop

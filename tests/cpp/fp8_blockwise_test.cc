@@ -1,0 +1,175 @@
+// Tests of the CPU grouped_matmul_fp8_blockwise against a float64 dequantise-then-matmul
+// reference: uneven, empty and invalid groups, K and N that are not multiples of 128, threads,
+// and the argument errors the GPU engine gives too.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "nodrop/engine_cpu.h"
+#include "test_util.h"
+
+namespace {
+
+using nodrop_test::bf16_to_float;
+using nodrop_test::mentions;
+using nodrop_test::ThreadRunner;
+
+constexpr int64_t kBlock = 128;
+
+double e4m3_value(uint8_t code) {  // independent of the engine's decoder
+  const int exponent = (code >> 3) & 15, mantissa = code & 7;
+  const double sign = code & 0x80 ? -1.0 : 1.0;
+  if (exponent == 0) return sign * std::ldexp(mantissa / 8.0, -6);
+  return sign * std::ldexp(1.0 + mantissa / 8.0, exponent - 7);
+}
+
+struct Problem {
+  int64_t M, K, N;
+  std::vector<int32_t> sizes;
+  int64_t G() const { return static_cast<int64_t>(sizes.size()); }
+  int64_t KB() const { return (K + kBlock - 1) / kBlock; }
+  int64_t NB() const { return (N + kBlock - 1) / kBlock; }
+};
+
+struct Operands {
+  std::vector<uint8_t> lhs, rhs;
+  std::vector<float> lhs_scales, rhs_scales;
+};
+
+// Finite E4M3 codes (any but 0x7f and 0xff) and positive scales over a few binades.
+Operands random_operands(const Problem& p, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> code(0, 255);
+  std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
+  std::uniform_int_distribution<int> exponent(-12, -4);
+  auto codes = [&](int64_t n) {
+    std::vector<uint8_t> out(n);
+    for (auto& c : out) c = static_cast<uint8_t>(code(rng));
+    for (auto& c : out) if ((c & 0x7f) == 0x7f) c ^= 1;  // no NaN codes
+    return out;
+  };
+  auto scales = [&](int64_t n) {
+    std::vector<float> out(n);
+    for (auto& s : out) s = std::ldexp(mantissa(rng), exponent(rng));
+    return out;
+  };
+  return {codes(p.M * p.K), codes(p.G() * p.N * p.K), scales(p.M * p.KB()),
+          scales(p.G() * p.NB() * p.KB())};
+}
+
+std::vector<uint16_t> run(const Problem& p, const Operands& o, nodrop::ParallelRunner* runner,
+                          bool checked = false, nodrop::Status* status = nullptr) {
+  std::vector<uint16_t> out(p.M * p.N, 0xffff);  // NaN: every element must be written
+  const auto s = nodrop::cpu::grouped_matmul_fp8_blockwise(
+      o.lhs.data(), o.lhs_scales.data(), o.rhs.data(), o.rhs_scales.data(), p.sizes.data(), p.M,
+      p.K, p.N, p.G(), out.data(), checked, runner);
+  if (status) *status = s;
+  else EXPECT_TRUE(s.ok()) << s.message();
+  return out;
+}
+
+// Each group's rows against the dequantised operands, in float64; rows past the (clamped)
+// groups zero. The tolerance is bfloat16's rounding plus float32 summation error.
+void expect_matches_reference(const Problem& p, const Operands& o,
+                              const std::vector<uint16_t>& out) {
+  int64_t begin = 0;
+  std::vector<int64_t> group_of_row(p.M, -1);
+  for (int64_t g = 0; g < p.G(); ++g) {
+    const int64_t end = std::min<int64_t>(p.M, begin + std::max<int32_t>(p.sizes[g], 0));
+    for (int64_t m = begin; m < end; ++m) group_of_row[m] = g;
+    begin = end;
+  }
+  for (int64_t m = 0; m < p.M; ++m) {
+    for (int64_t n = 0; n < p.N; ++n) {
+      const float got = bf16_to_float(out[m * p.N + n]);
+      const int64_t g = group_of_row[m];
+      if (g < 0) {
+        ASSERT_EQ(got, 0.0f) << "row " << m << " past the groups";
+        continue;
+      }
+      double want = 0.0, magnitude = 0.0;
+      for (int64_t k = 0; k < p.K; ++k) {
+        const double term = e4m3_value(o.lhs[m * p.K + k]) * o.lhs_scales[m * p.KB() + k / kBlock] *
+                            e4m3_value(o.rhs[(g * p.N + n) * p.K + k]) *
+                            o.rhs_scales[(g * p.NB() + n / kBlock) * p.KB() + k / kBlock];
+        want += term;
+        magnitude += std::fabs(term);
+      }
+      ASSERT_NEAR(got, want, std::fabs(want) / 256 + magnitude * 1e-6)
+          << "row " << m << ", column " << n << ", group " << g;
+    }
+  }
+}
+
+class Fp8Blockwise : public testing::TestWithParam<Problem> {};
+
+TEST_P(Fp8Blockwise, MatchesTheDequantisedReference) {
+  const Problem& p = GetParam();
+  const Operands o = random_operands(p, 7);
+  const auto serial = run(p, o, nullptr);
+  expect_matches_reference(p, o, serial);
+  ThreadRunner runner(3);
+  EXPECT_EQ(run(p, o, &runner), serial);  // threads change nothing
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, Fp8Blockwise,
+    testing::Values(
+        Problem{37, 272, 200, {5, 0, 20, 7}},       // uneven and empty groups, rows past them;
+                                                    // K and N past whole blocks
+        Problem{64, 128, 136, {0, 64, 0}},          // every row in one group
+        Problem{20, 16, 8, {-3, 10, 100}},          // negative and overlong sizes are clamped
+        Problem{300, 256, 256, {129, 1, 127, 43}},  // groups across row blocks
+        Problem{9, 0, 8, {4, 5}},                   // nothing to contract: zeros
+        Problem{0, 32, 8, {0, 0}},                  // no rows
+        Problem{6, 32, 8, {}}));                    // no groups: every row past them
+
+TEST(Fp8BlockwiseArgs, CheckedModeRefusesInvalidGroupSizes) {
+  const Problem p{20, 16, 8, {-3, 10, 100}};
+  const Operands o = random_operands(p, 1);
+  nodrop::Status status = nodrop::Status::Ok();
+  run(p, o, nullptr, /*checked=*/true, &status);
+  EXPECT_FALSE(status.ok());
+  EXPECT_TRUE(mentions(status, "group_sizes[0] = -3")) << status.message();
+  const Problem over{20, 16, 8, {10, 100}};
+  run(over, random_operands(over, 1), nullptr, true, &status);
+  EXPECT_TRUE(mentions(status, "group_sizes sum to 110")) << status.message();
+}
+
+TEST(Fp8BlockwiseArgs, RejectsWhatTheGpuRejects) {
+  const Problem p{4, 256, 16, {4}};
+  const Operands o = random_operands(p, 2);
+  std::vector<uint16_t> out(p.M * p.N);
+  auto call = [&](int64_t M, int64_t K, int64_t N, const void* lhs) {
+    return nodrop::cpu::grouped_matmul_fp8_blockwise(lhs, o.lhs_scales.data(), o.rhs.data(),
+                                                     o.rhs_scales.data(), p.sizes.data(), M, K, N,
+                                                     1, out.data(), false);
+  };
+  auto status = call(4, 24, 16, o.lhs.data());
+  EXPECT_TRUE(mentions(status, "K = 24 must be a multiple of 16")) << status.message();
+  status = call(4, 256, 12, o.lhs.data());
+  EXPECT_TRUE(mentions(status, "N = 12 must be a multiple of 8")) << status.message();
+  status = call(-1, 256, 16, o.lhs.data());
+  EXPECT_TRUE(mentions(status, "M = -1 is negative")) << status.message();
+  status = call(4, 256, 16, nullptr);
+  EXPECT_TRUE(mentions(status, "lhs is null")) << status.message();
+  EXPECT_TRUE(mentions(status, "grouped_matmul_fp8_blockwise")) << status.message();
+}
+
+TEST(Fp8BlockwiseNumerics, ScalesMultiplyEachKBlocksPartialSum) {
+  // K = 256: ones everywhere, with different scales per k block, so the result is
+  // 128 * (l0 * r0) + 128 * (l1 * r1) exactly.
+  const Problem p{1, 256, 8, {1}};
+  Operands o{std::vector<uint8_t>(256, 0x38), std::vector<uint8_t>(8 * 256, 0x38),  // 0x38 = 1.0
+             {0.5f, 2.0f}, {0.25f, 4.0f}};
+  const auto out = run(p, o, nullptr);
+  for (int64_t n = 0; n < 8; ++n) EXPECT_EQ(bf16_to_float(out[n]), 128 * 0.125f + 128 * 8.0f);
+  o.lhs_scales[1] = std::nanf("");  // a non-finite block stays visible in its row
+  EXPECT_TRUE(std::isnan(bf16_to_float(run(p, o, nullptr)[0])));
+}
+
+}  // namespace

@@ -300,6 +300,19 @@ def test_fp8_blockwise_grouped_matmul_matches_the_reference_on_the_gpu(kind):
         assert not np.any(np.asarray(got[used:], np.float32)), "rows past the groups"
 
 
+@pytest.mark.parametrize("block", [(1, 128), (128, 128), "tensor"])
+def test_fp8_round_trip_under_jit_is_the_eager_one_on_the_gpu(block):
+    """quantize then dequantize in one jit rounds to E4M3 as the two ops run apart do: XLA must
+    not drop the round trip."""
+    from nodrop.ops import fp8
+
+    x = jax.random.normal(jax.random.key(1), (8, 256, 384), jnp.bfloat16)
+    eager = fp8.dequantize(*fp8.quantize(x, block), block)
+    jitted = jax.jit(lambda x: fp8.dequantize(*fp8.quantize(x, block), block))(x)
+    assert rel_error(eager, x) > 1e-3  # E4M3 rounding shows
+    np.testing.assert_array_equal(np.asarray(jitted), np.asarray(eager))
+
+
 def test_fp8_blockwise_recipe_runs_the_kernel_forward_on_the_gpu():
     """fp8_grouped_matmul's "auto" forward runs the FP8 kernel on the GPU for bfloat16, within
     bfloat16 rounding of the emulated forward, with the emulated path's gradients."""

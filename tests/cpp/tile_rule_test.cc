@@ -124,16 +124,30 @@ TEST(Fp8TileList, NamesAndIdsAreDistinct) {
                "pingpong_64x128x128_1x1");
 }
 
-// Until the candidates are measured, every shape keeps the first kernel's schedule.
-TEST(Fp8TileRule, AutoIsTheFirstKernelAlongMUnswizzled) {
-  using nodrop::cuda::Fp8GemmSchedule;
-  for (const auto& [M, K, N, G] : {std::array<int64_t, 4>{16384, 4096, 14336, 8},
-                                   {131072, 2048, 768, 128}, {32768, 7168, 4096, 4},
-                                   {0, 128, 128, 0}}) {
-    const Fp8GemmSchedule schedule = nodrop::cuda::grouped_matmul_fp8_schedule(M, K, N, G);
-    EXPECT_EQ(schedule.tile, nodrop::cuda::Fp8GemmTile::kCooperative128x128x128Cluster1x1);
-    EXPECT_EQ(schedule.raster, GemmRaster::kAlongM);
-    EXPECT_EQ(schedule.swizzle, 1);
+// The measured rule (fp8_tile_rule.cc) on the benchmark's shapes.
+TEST(Fp8TileRule, PicksTheMeasuredScheduleByShape) {
+  using nodrop::cuda::Fp8GemmTile;
+  struct Case {
+    int64_t M, K, N, G;
+    Fp8GemmTile tile;
+    GemmRaster raster;
+    int swizzle;
+  };
+  const Fp8GemmTile pingpong = Fp8GemmTile::kPingpong64x128x128Cluster1x1;
+  const Fp8GemmTile one = Fp8GemmTile::kCooperative128x128x128Cluster1x1;
+  const Fp8GemmTile pair = Fp8GemmTile::kCooperative128x128x128Cluster1x2;
+  for (const Case& c : {
+           Case{16384, 2048, 768, 128, pingpong, GemmRaster::kAlongN, 4},   // 128 rows a group
+           Case{131072, 2048, 768, 128, pair, GemmRaster::kAlongM, 4},      // Qwen3
+           Case{16384, 4096, 14336, 8, pair, GemmRaster::kAlongM, 4},       // Mixtral
+           Case{8192, 7168, 2048, 32, one, GemmRaster::kAlongM, 1},         // K above 4096
+           Case{16384, 14336, 4096, 8, one, GemmRaster::kAlongM, 1},        // Mixtral down
+           Case{98304, 2048, 1408, 64, one, GemmRaster::kAlongM, 1},        // 11 column tiles
+           Case{0, 128, 128, 0, one, GemmRaster::kAlongM, 1}}) {            // no groups
+    const auto schedule = nodrop::cuda::grouped_matmul_fp8_schedule(c.M, c.K, c.N, c.G);
+    EXPECT_EQ(schedule.tile, c.tile) << c.M << "x" << c.K << "x" << c.N << ", G " << c.G;
+    EXPECT_EQ(schedule.raster, c.raster) << c.M << "x" << c.K << "x" << c.N;
+    EXPECT_EQ(schedule.swizzle, c.swizzle) << c.M << "x" << c.K << "x" << c.N;
   }
 }
 

@@ -144,9 +144,9 @@ struct Fp8GemmSchedule {
   int swizzle;
 };
 
-// The schedule that a call's automatic fields resolve to (fp8_tile_rule.cc): for now the one
-// configuration measured so far, cooperative 128x128x128 with cluster 1x1, walking along M,
-// swizzle 1, for every shape.
+// The schedule that a call's automatic fields resolve to (fp8_tile_rule.cc, chosen by
+// measurement): pingpong 64x128 for groups of at most 128 rows on average, cooperative 1x1 for
+// K above 4096 or an odd number of column tiles, else cooperative on a 1x2 cluster.
 Fp8GemmSchedule grouped_matmul_fp8_schedule(int64_t M, int64_t K, int64_t N, int64_t G);
 
 // Device workspace bytes that one grouped_matmul_fp8_blockwise call needs for G groups.

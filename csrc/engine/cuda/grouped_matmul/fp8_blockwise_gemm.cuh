@@ -10,14 +10,12 @@
 //   - 128 columns = the B scale block along N: one B scale per tile, so no per-column select.
 //   - A consumer warpgroup owns 64x128 of the tile: the mainloop holds two float32 accumulators
 //     (wgmma's and the scaled sum), 128 registers of the 232 a consumer thread gets.
-// The candidates, none of them measured yet (nodrop_cuda_fp8_bench --configs=all measures them):
-//   - cooperative 128x128x128, cluster 1x1: the first kernel and the default. Two consumer
-//     warpgroups on one tile; no cluster, so no group's tiles are rounded up to whole clusters.
+// The kernels (which shape gets which: fp8_tile_rule.cc, measured with nodrop_cuda_fp8_bench
+// --configs=all):
+//   - cooperative 128x128x128, cluster 1x1: two consumer warpgroups on one tile; no cluster, so
+//     no group's tiles are rounded up to whole clusters.
 //   - cluster 1x2: example 68's choice. A pair of column tiles shares its A tile through TMA
-//     multicast, halving A's L2 reads; nothing runs empty when a group's column tiles pair up
-//     (N a multiple of 256, every benchmarked shape).
-//   - cluster 2x1: a pair of row tiles shares its B (weight) tile, the operand that every row
-//     tile of a group reads again; costs an empty tile for each group with an odd row-tile count.
+//     multicast, halving A's L2 reads; nothing runs empty when a group's column tiles pair up.
 //   - pingpong 64x128x128: two consumer warpgroups on two tiles, taking turns at the mainloop,
 //     so one's epilogue runs under the other's wgmmas (the scale promotion does not: it is
 //     inside the mainloop); tiles of 64 rows halve the rows run empty at the end of each

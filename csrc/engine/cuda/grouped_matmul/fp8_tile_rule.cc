@@ -28,13 +28,28 @@ const char* fp8_gemm_tile_id(Fp8GemmTile tile) {
   return "unknown";
 }
 
-// The candidates of fp8_tiles.def are not measured yet: every shape keeps the configuration of
-// the first kernel until a benchmark of all of them (nodrop_cuda_fp8_bench --configs=all) says
-// which wins where. The shapes are the hook for that rule.
-Fp8GemmSchedule grouped_matmul_fp8_schedule(int64_t /*M*/, int64_t /*K*/, int64_t /*N*/,
-                                            int64_t /*G*/) {
-  return Fp8GemmSchedule(Fp8GemmTile::kCooperative128x128x128Cluster1x1, GemmRaster::kAlongM,
-                         /*swizzle=*/1);
+// Measured on an H200 (nodrop_cuda_fp8_bench --configs=all, one run,
+// bench/results/2026-12-02-h200-fp8-round/), against the cooperative 1x1 kernel along M:
+//   - groups of at most 128 rows on average: pingpong 64x128, along N, swizzle 4, 1.18x (Qwen3's
+//     2k tokens, 128 rows per group): its 64-row tiles halve the rows a group's last tile runs
+//     empty;
+//   - K above 4096: cooperative 1x1 along M; the 1x2 cluster lost 4% at K 7168 (DeepSeek-V3 EP8
+//     rank) and 9% at K 14336 (Mixtral's down projection);
+//   - otherwise cooperative on a 1x2 cluster, along M, swizzle 4, 1.01-1.15x (Mixtral, Qwen3,
+//     DeepSeek-V3's down projection, 2k tokens of Mixtral), where the column tiles pair up (an
+//     odd count would run an empty tile per row of tiles, as the bf16 rule avoids).
+Fp8GemmSchedule grouped_matmul_fp8_schedule(int64_t M, int64_t K, int64_t N, int64_t G) {
+  if (G > 0 && M <= 128 * G) {
+    return Fp8GemmSchedule(Fp8GemmTile::kPingpong64x128x128Cluster1x1, GemmRaster::kAlongN,
+                           /*swizzle=*/4);
+  }
+  const bool column_tiles_pair_up = (N + 127) / 128 % 2 == 0;
+  if (K > 4096 || !column_tiles_pair_up) {
+    return Fp8GemmSchedule(Fp8GemmTile::kCooperative128x128x128Cluster1x1, GemmRaster::kAlongM,
+                           /*swizzle=*/1);
+  }
+  return Fp8GemmSchedule(Fp8GemmTile::kCooperative128x128x128Cluster1x2, GemmRaster::kAlongM,
+                         /*swizzle=*/4);
 }
 
 }  // namespace nodrop::cuda

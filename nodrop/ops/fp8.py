@@ -12,9 +12,10 @@ E4M3 (`float8_e4m3fn`, largest finite value 448) operands with float32 scales, o
 
 Emulated, the operands are quantised, dequantised to float32 and multiplied by an ordinary
 grouped matmul, which computes what FP8 kernels do up to float32 summation order; it is not
-faster than bf16. The blockwise forward also runs for real: `grouped_matmul_fp8_blockwise`, the
-engine's FP8 grouped matmul (CUTLASS on the GPU, a plain-loop reference on the CPU), which
-`fp8_grouped_matmul` uses on the GPU for bfloat16 (`forward`); the gradients stay emulated.
+faster than bf16. The blockwise forward and input gradient also run for real:
+`grouped_matmul_fp8_blockwise`, the engine's FP8 grouped matmul (CUTLASS on the GPU, a
+plain-loop reference on the CPU), which `fp8_grouped_matmul` uses on the GPU for bfloat16
+(`forward`); the weight gradient stays emulated.
 """
 
 from __future__ import annotations
@@ -213,15 +214,16 @@ def fp8_grouped_matmul(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *
       matmul: the grouped matmul over the dequantised float32 operands, (lhs, rhs, group_sizes)
         -> [M, N]: `nodrop.grouped_matmul` (the default), `nodrop.ops.reference.grouped_matmul`
         or `jax.lax.ragged_dot`. Its own transposes compute the gradients.
-      forward: how the blockwise recipe's forward runs. "kernel": on FP8 operands, in
-        `grouped_matmul_fp8_blockwise` (lhs by `quantize_rows`, each expert's weight transposed
-        and quantised in 128 x 128 blocks), whose result is rounded to bfloat16; "emulated":
-        as below, on `matmul`; "auto" (the default): the kernel on the GPU for bfloat16 lhs,
-        else emulated (the CPU engine's kernel is a plain-loop reference, slower than the
-        emulation on oneDNN, and a float32 or float16 lhs would lose its precision to the
-        kernel's bfloat16 output). The two differ only in where float32 rounds (and the
-        kernel's bfloat16 output); the tensorwise recipe is always emulated. The backward is
-        the same either way.
+      forward: how the blockwise recipe's forward and input gradient run. "kernel": on FP8
+        operands, in `grouped_matmul_fp8_blockwise` (lhs, or the output gradient, by
+        `quantize_rows`; each expert's weight quantised in 128 x 128 blocks, transposed for the
+        forward: a block of rhs[g] is a block of rhs[g].T), whose result is rounded to
+        bfloat16; "emulated": as below, on `matmul`; "auto" (the default): the kernel on the
+        GPU for bfloat16 lhs, else emulated (the CPU engine's kernel is a plain-loop
+        reference, slower than the emulation on oneDNN, and a float32 or float16 lhs would
+        lose its precision to the kernel's bfloat16 output). The two differ only in where
+        float32 rounds (and the kernel's bfloat16 output); the tensorwise recipe is always
+        emulated, and so is the weight gradient.
 
     Forward: matmul(qdq(lhs, 1 x 128), qdq(rhs, 128 x 128 per expert)). Backward, with dout
     quantised too: dlhs = matmul(qdq(dout, 1 x 128), qdq(rhs)^T), and drhs[g] = qdq(lhs)^T @
@@ -262,32 +264,52 @@ def _kernel_forward(lhs, rhs, group_sizes):
     return grouped_matmul_fp8_blockwise(*quantize_rows(lhs), rhs_q_t, rhs_scales, group_sizes)
 
 
-def _forward(lhs, rhs, group_sizes, recipe, matmul, forward):
+def _kernel_dlhs(dout, rhs, group_sizes):
+    """The blockwise input gradient dout @ rhs[g].T on the same kernel: its "transposed weight"
+    [G, K, N] is rhs itself, whose 128 x 128 blocks (and scales) are those of the forward's."""
+    return grouped_matmul_fp8_blockwise(*quantize_rows(dout), *quantize(rhs, WEIGHT_BLOCK),
+                                        group_sizes)
+
+
+def _emulated_dlhs(dout, rhs, group_sizes, recipe, matmul):
+    """The matmul's own transpose (for nodrop's: the grouped matmul against rhs[g].T) on the
+    operands quantised along its contraction axis, N."""
+    rows_block, weights_block = _operand_blocks(recipe)
+    rhs_q = _qdq(rhs, weights_block)
+    dlhs, = jax.linear_transpose(lambda a: matmul(a, rhs_q, group_sizes),
+                                 jax.ShapeDtypeStruct((dout.shape[0], rhs.shape[1]),
+                                                      jnp.float32))(_qdq(dout, rows_block))
+    return dlhs
+
+
+def _kernel_or_emulated(kernel, emulated, rows, rhs, group_sizes, recipe, matmul, forward):
+    """kernel(rows, rhs, group_sizes) where `forward` puts the blockwise recipe on the engine's
+    kernel, else emulated(...) (see fp8_grouped_matmul's `forward`)."""
     if recipe != "blockwise" or forward == "emulated":
-        out = _emulated_forward(lhs, rhs, group_sizes, recipe, matmul)
-    elif forward == "kernel":
-        out = _kernel_forward(lhs, rhs, group_sizes)
-    elif lhs.dtype == jnp.bfloat16:  # "auto": the kernel where it runs on the GPU
-        out = _ffi.on_platform(
-            lhs, rhs, group_sizes,
-            cpu=lambda *args: _emulated_forward(*args, recipe, matmul).astype(lhs.dtype),
-            cuda=lambda *args: _kernel_forward(*args).astype(lhs.dtype))
-    else:
-        out = _emulated_forward(lhs, rhs, group_sizes, recipe, matmul)
+        return emulated(rows, rhs, group_sizes, recipe, matmul)
+    if forward == "kernel":
+        return kernel(rows, rhs, group_sizes)
+    if rows.dtype == jnp.bfloat16:  # "auto": the kernel where it runs on the GPU
+        return _ffi.on_platform(
+            rows, rhs, group_sizes,
+            cpu=lambda *args: emulated(*args, recipe, matmul).astype(rows.dtype),
+            cuda=lambda *args: kernel(*args).astype(rows.dtype))
+    return emulated(rows, rhs, group_sizes, recipe, matmul)
+
+
+def _forward(lhs, rhs, group_sizes, recipe, matmul, forward):
+    out = _kernel_or_emulated(_kernel_forward, _emulated_forward, lhs, rhs, group_sizes, recipe,
+                              matmul, forward)
     return out.astype(lhs.dtype), (lhs, rhs, group_sizes)
 
 
 def _backward(recipe, matmul, forward, residuals, dout):
-    del forward
     lhs, rhs, group_sizes = residuals
-    rows_block, weights_block = _operand_blocks(recipe)
-    dout = _rows_in_groups(dout, group_sizes)
-    rhs_q = _qdq(rhs, weights_block)
-    # The matmul's own transposes (for nodrop's: the grouped matmul against rhs[g].T, and the
-    # ragged contraction), on the operands quantised along each mode's contraction axis.
-    dlhs, = jax.linear_transpose(lambda a: matmul(a, rhs_q, group_sizes),
-                                 jax.ShapeDtypeStruct(lhs.shape, jnp.float32))(
-        _qdq(dout, rows_block))
+    dout = _rows_in_groups(dout.astype(lhs.dtype), group_sizes)
+    dlhs = _kernel_or_emulated(_kernel_dlhs, _emulated_dlhs, dout, rhs, group_sizes, recipe,
+                               matmul, forward)
+    # The weight gradient: the matmul's ragged contraction, on the operands quantised in
+    # blocks of rows within each group.
     lhs_q = _qdq_group_rows(_rows_in_groups(lhs, group_sizes), group_sizes, recipe)
     drhs, = jax.linear_transpose(lambda w: matmul(lhs_q, w, group_sizes),
                                  jax.ShapeDtypeStruct(rhs.shape, jnp.float32))(

@@ -503,7 +503,9 @@ def test_grouped_matmul_fp8_blockwise_matches_the_reference(case):
 
 
 @pytest.mark.parametrize("case", FP8_GEMM_CASES)
-def test_the_kernel_forward_is_the_emulated_one_and_gradients_are_unchanged(case):
+def test_the_kernel_forward_and_input_gradient_are_the_emulated_ones(case):
+    """Up to float32 summation order and the kernel's bfloat16 output; the weight gradient,
+    emulated either way, is the same bytes."""
     m, k, n, sizes = FP8_GEMM_CASES[case]
     lhs, rhs, _ = fp8_operands(m, k, n, len(sizes), seed=3)
     dout = jax.random.normal(jax.random.key(9), (m, n), jnp.bfloat16)
@@ -515,8 +517,23 @@ def test_the_kernel_forward_is_the_emulated_one_and_gradients_are_unchanged(case
     (kernel, kernel_grads), (emulated, emulated_grads) = results["kernel"], results["emulated"]
     assert kernel.dtype == emulated.dtype == jnp.bfloat16
     assert_bf16_close(kernel, emulated)
-    for got, want in zip(kernel_grads, emulated_grads):
-        np.testing.assert_array_equal(as_f64(got), as_f64(want))
+    assert kernel_grads[0].dtype == jnp.bfloat16
+    assert_bf16_close(kernel_grads[0], emulated_grads[0])
+    np.testing.assert_array_equal(as_f64(kernel_grads[1]), as_f64(emulated_grads[1]))
+    used = group_offsets(sizes, m)[-1]
+    assert not np.any(as_f64(kernel_grads[0])[used:]), "input gradient past the groups"
+
+
+def test_the_input_gradient_runs_on_the_kernel_and_the_weight_gradient_emulated():
+    """With forward="kernel": the FP8 kernel twice (forward, input gradient), nodrop's bf16
+    grouped matmul not at all, and its ragged contraction once (the emulated weight gradient)."""
+    lhs, rhs = jnp.ones((8, 128), jnp.bfloat16), jnp.ones((2, 128, 8), jnp.bfloat16)
+    loss = lambda a, b: jnp.sum(jnp.sin(fp8.fp8_grouped_matmul(  # noqa: E731
+        a, b, int32([3, 5]), forward="kernel").astype(jnp.float32)))
+    text = jax.jit(jax.grad(loss, (0, 1))).lower(lhs, rhs).as_text()
+    assert text.count("custom_call @nodrop_grouped_matmul_fp8_blockwise") == 2
+    assert text.count("custom_call @nodrop_grouped_matmul(") == 0
+    assert text.count("custom_call @nodrop_grouped_matmul_contract") == 1
 
 
 def test_the_kernel_forward_under_jit_remat_and_scan():

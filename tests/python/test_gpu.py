@@ -313,9 +313,10 @@ def test_fp8_round_trip_under_jit_is_the_eager_one_on_the_gpu(block):
     np.testing.assert_array_equal(np.asarray(jitted), np.asarray(eager))
 
 
-def test_fp8_blockwise_recipe_runs_the_kernel_forward_on_the_gpu():
-    """fp8_grouped_matmul's "auto" forward runs the FP8 kernel on the GPU for bfloat16, within
-    bfloat16 rounding of the emulated forward, with the emulated path's gradients."""
+def test_fp8_blockwise_recipe_runs_the_kernel_forward_and_input_gradient_on_the_gpu():
+    """fp8_grouped_matmul's "auto" mode runs the FP8 kernel on the GPU for bfloat16, forward and
+    input gradient (two calls), within bfloat16 rounding of the emulated ones; the weight
+    gradient is the emulated path's."""
     from nodrop.ops import fp8
 
     m, k, n, g = 777, 256, 384, 8
@@ -330,8 +331,10 @@ def test_fp8_blockwise_recipe_runs_the_kernel_forward_on_the_gpu():
 
         f = jax.jit(forward_and_grads)
         text = f.lower(lhs, rhs).as_text()
-        assert ("nodrop_grouped_matmul_fp8_blockwise" in text) == (forward == "auto")
+        calls = text.count("custom_call @nodrop_grouped_matmul_fp8_blockwise")
+        assert calls == (2 if forward == "auto" else 0), (forward, calls)
         results[forward] = f(lhs, rhs)
     assert rel_error(results["auto"][0], results["emulated"][0]) <= 2 ** -7
-    for got, want in zip(results["auto"][1], results["emulated"][1]):
-        assert rel_error(got, want) <= 1e-6  # the same backward (XLA may fuse it differently)
+    (dlhs, drhs), (dlhs_emulated, drhs_emulated) = results["auto"][1], results["emulated"][1]
+    assert rel_error(dlhs, dlhs_emulated) <= 2 ** -7
+    assert rel_error(drhs, drhs_emulated) <= 1e-6  # the same (XLA may fuse it differently)

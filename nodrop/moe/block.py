@@ -78,8 +78,9 @@ class MoEConfig:
       (one scale per tensor), as `nodrop.fp8_grouped_matmul`. Emulated: the operands are
       quantised and dequantised, then multiplied in float32 by the block's matmul (or, with
       capacity_factor, its einsum); on nodrop's ops on the GPU, in bfloat16, the blockwise
-      forward runs nodrop's FP8 kernel instead (the gradients stay emulated). The router, the shared experts and everything outside the
-      block stay as they are.
+      forward and input gradient run nodrop's FP8 kernel instead (the weight gradient stays
+      emulated). The router, the shared experts and everything outside the block stay as
+      they are.
     """
 
     num_experts: int

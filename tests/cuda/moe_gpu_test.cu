@@ -599,7 +599,11 @@ struct RouterCase {
   int64_t num_groups, topk_groups;
   bool renormalize;
   float scaling_factor;
-  bool bias;  // integers in {-1, 0, 1}: never within float32 rounding of a score difference
+  // A bias of 0.3 times {-1, 0, 1}: softmax selects by p * exp(bias), a logit shift, and the
+  // quantized logits are multiples of 1/16, so a bias difference of 0.3 or 0.6 never ties two
+  // scores exactly (an integer one did: CPU and GPU roundings broke such ties differently);
+  // sigmoid adds it to scores in (0, 1).
+  bool bias;
   Logits logits;
 
   RouterConfig config() const {
@@ -668,7 +672,7 @@ TEST_P(Router, ForwardMatchesCpu) {
   const Floats logits = make_logits(c, 20);
   Floats bias(c.E);
   std::mt19937 rng(21);
-  for (auto& b : bias) b = static_cast<float>(std::uniform_int_distribution<int>(-1, 1)(rng));
+  for (auto& b : bias) b = 0.3f * std::uniform_int_distribution<int>(-1, 1)(rng);
   const float* host_bias = c.bias ? bias.data() : nullptr;
 
   Floats want_weights(c.T * c.k);

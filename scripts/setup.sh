@@ -57,7 +57,7 @@ bash scripts/jax-plugin.sh .venv
 
 if command -v nvcc >/dev/null 2>&1; then
   say "building and installing nodrop (CPU and CUDA engines, FFI handlers, C++ tests); the CUDA"
-  say "engine's CUTLASS kernels take about 20 minutes on 2 cores the first time"
+  say "engine's CUTLASS kernels take about 35 minutes on 2 cores the first time"
 else
   say "building and installing nodrop (CPU engine, FFI handlers, C++ tests); no nvcc: no CUDA engine"
 fi

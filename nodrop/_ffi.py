@@ -28,6 +28,8 @@ TARGETS = {
     "nodrop_topk_router_grad": "NodropTopkRouterGrad",
     "nodrop_quantize_fp8": "NodropQuantizeFp8",
     "nodrop_grouped_matmul_fp8_blockwise": "NodropGroupedMatmulFp8Blockwise",
+    "nodrop_quantize_fp8_transposed": "NodropQuantizeFp8Transposed",
+    "nodrop_grouped_matmul_fp8_blockwise_contract": "NodropGroupedMatmulFp8BlockwiseContract",
 }
 CPU_TARGETS = {target: symbol + "Cpu" for target, symbol in TARGETS.items()}
 CUDA_TARGETS = {target: symbol + "Cuda" for target, symbol in TARGETS.items()}

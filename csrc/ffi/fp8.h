@@ -1,5 +1,5 @@
-// Decoding and validation of the FP8 handlers (fp8_cpu.cc, fp8_cuda.cc): the quantisation and
-// the blockwise-scaled grouped matmul.
+// Decoding and validation of the FP8 handlers (fp8_cpu.cc, fp8_cuda.cc): the quantisations and
+// the blockwise-scaled grouped matmuls (the forward and the weight gradient).
 #pragma once
 
 #include <cstdint>
@@ -54,6 +54,45 @@ auto bind_quantize_fp8(Binding binding) {
       .template Attr<int64_t>("block");
 }
 
+// The engine's view of one weight-gradient quantisation: x [M, C] in G groups of rows.
+struct QuantizeTransposedCall {
+  DType dtype;
+  int64_t M, C, G;
+};
+
+// x [M, C] (float), group_sizes [G] -> q_t [C, P] float8_e4m3fn, scale [PB, C] float32,
+// PB = fp8_contract_blocks(M, G), P = 128 * PB.
+inline ffi::ErrorOr<QuantizeTransposedCall> decode_quantize_fp8_transposed(
+    const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& group_sizes, const ffi::AnyBuffer& q_t,
+    const ffi::Buffer<ffi::F32>& scale) {
+  auto dtype = require_float("x", x);
+  if (!dtype) return dtype.error();
+  NODROP_RETURN_IF_ERROR(require_rank("x", x, 2));
+  NODROP_RETURN_IF_ERROR(require_rank("group_sizes", group_sizes, 1));
+  const int64_t M = x.dimensions()[0], C = x.dimensions()[1], G = group_sizes.dimensions()[0];
+  const int64_t PB = fp8_contract_blocks(M, G);
+  NODROP_RETURN_IF_ERROR(require_e4m3("q_t", q_t));
+  NODROP_RETURN_IF_ERROR(require_rank("q_t", q_t, 2));
+  NODROP_RETURN_IF_ERROR(require_dim("q_t", q_t, 0, C));
+  NODROP_RETURN_IF_ERROR(require_dim("q_t", q_t, 1, kFp8Block * PB));
+  NODROP_RETURN_IF_ERROR(require_rank("scale", scale, 2));
+  NODROP_RETURN_IF_ERROR(require_dim("scale", scale, 0, PB));
+  NODROP_RETURN_IF_ERROR(require_dim("scale", scale, 1, C));
+  return QuantizeTransposedCall{*dtype, M, C, G};
+}
+
+// The operands after the platform's context: x, group_sizes -> q_t, scale; the attribute
+// checked.
+template <typename Binding>
+auto bind_quantize_fp8_transposed(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Attr<bool>("checked");
+}
+
 // The engine's view of one blockwise-scaled grouped matmul.
 struct Fp8GemmShape {
   int64_t M, K, N, G;
@@ -100,6 +139,57 @@ auto bind_grouped_matmul_fp8_blockwise(Binding binding) {
       .template Arg<ffi::Buffer<ffi::F32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Ret<ffi::Buffer<ffi::BF16>>()
+      .template Attr<bool>("checked");
+}
+
+// lhs_t [K, P] and rhs_t [N, P] float8_e4m3fn, lhs_scales [PB, K] and rhs_scales [PB, N]
+// float32, group_sizes [G] -> out [G, K, N] bfloat16, where PB = fp8_contract_blocks(num_rows, G)
+// and P = 128 * PB: the operands quantize_fp8_transposed makes of [num_rows, K] and
+// [num_rows, N]. The shape's M is num_rows.
+inline ffi::ErrorOr<Fp8GemmShape> decode_grouped_matmul_fp8_blockwise_contract(
+    const ffi::AnyBuffer& lhs_t, const ffi::Buffer<ffi::F32>& lhs_scales,
+    const ffi::AnyBuffer& rhs_t, const ffi::Buffer<ffi::F32>& rhs_scales,
+    const ffi::Buffer<ffi::S32>& group_sizes, const ffi::Buffer<ffi::BF16>& out,
+    int64_t num_rows) {
+  if (num_rows < 0) {
+    return ffi::Error::InvalidArgument("num_rows must be at least 0, got " +
+                                       std::to_string(num_rows));
+  }
+  NODROP_RETURN_IF_ERROR(require_e4m3("lhs_t", lhs_t));
+  NODROP_RETURN_IF_ERROR(require_e4m3("rhs_t", rhs_t));
+  NODROP_RETURN_IF_ERROR(require_rank("lhs_t", lhs_t, 2));
+  NODROP_RETURN_IF_ERROR(require_rank("rhs_t", rhs_t, 2));
+  NODROP_RETURN_IF_ERROR(require_rank("lhs_scales", lhs_scales, 2));
+  NODROP_RETURN_IF_ERROR(require_rank("rhs_scales", rhs_scales, 2));
+  NODROP_RETURN_IF_ERROR(require_rank("group_sizes", group_sizes, 1));
+  NODROP_RETURN_IF_ERROR(require_rank("out", out, 3));
+  Fp8GemmShape s{num_rows, lhs_t.dimensions()[0], rhs_t.dimensions()[0],
+                 group_sizes.dimensions()[0]};
+  const int64_t PB = fp8_contract_blocks(s.M, s.G);
+  NODROP_RETURN_IF_ERROR(require_dim("lhs_t", lhs_t, 1, kFp8Block * PB));
+  NODROP_RETURN_IF_ERROR(require_dim("rhs_t", rhs_t, 1, kFp8Block * PB));
+  NODROP_RETURN_IF_ERROR(require_dim("lhs_scales", lhs_scales, 0, PB));
+  NODROP_RETURN_IF_ERROR(require_dim("lhs_scales", lhs_scales, 1, s.K));
+  NODROP_RETURN_IF_ERROR(require_dim("rhs_scales", rhs_scales, 0, PB));
+  NODROP_RETURN_IF_ERROR(require_dim("rhs_scales", rhs_scales, 1, s.N));
+  NODROP_RETURN_IF_ERROR(require_dim("out", out, 0, s.G));
+  NODROP_RETURN_IF_ERROR(require_dim("out", out, 1, s.K));
+  NODROP_RETURN_IF_ERROR(require_dim("out", out, 2, s.N));
+  return s;
+}
+
+// lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes -> out; attributes num_rows and checked.
+// The CUDA handler returns its workspace after these.
+template <typename Binding>
+auto bind_grouped_matmul_fp8_blockwise_contract(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::BF16>>()
+      .template Attr<int64_t>("num_rows")
       .template Attr<bool>("checked");
 }
 

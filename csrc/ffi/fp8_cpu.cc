@@ -32,13 +32,50 @@ ffi::Error GroupedMatmulFp8Blockwise(ffi::ThreadPool pool, ffi::AnyBuffer lhs,
       group_sizes.typed_data(), s->M, s->K, s->N, s->G, out->untyped_data(), checked, &runner));
 }
 
+ffi::Error QuantizeFp8Transposed(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                                 ffi::Buffer<ffi::S32> group_sizes,
+                                 ffi::Result<ffi::AnyBuffer> q_t,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> scale, bool checked) {
+  auto call = decode_quantize_fp8_transposed(x, group_sizes, *q_t, *scale);
+  if (!call) return call.error();
+  XlaThreadPoolRunner runner(pool);
+  return to_ffi_error(cpu::quantize_fp8_transposed(
+      x.untyped_data(), call->dtype, group_sizes.typed_data(), call->M, call->C, call->G,
+      static_cast<uint8_t*>(q_t->untyped_data()), scale->typed_data(), checked, &runner));
+}
+
+ffi::Error GroupedMatmulFp8BlockwiseContract(ffi::ThreadPool pool, ffi::AnyBuffer lhs_t,
+                                             ffi::Buffer<ffi::F32> lhs_scales,
+                                             ffi::AnyBuffer rhs_t,
+                                             ffi::Buffer<ffi::F32> rhs_scales,
+                                             ffi::Buffer<ffi::S32> group_sizes,
+                                             ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                                             int64_t num_rows, bool checked) {
+  auto s = decode_grouped_matmul_fp8_blockwise_contract(lhs_t, lhs_scales, rhs_t, rhs_scales,
+                                                        group_sizes, *out, num_rows);
+  if (!s) return s.error();
+  XlaThreadPoolRunner runner(pool);
+  return to_ffi_error(cpu::grouped_matmul_fp8_blockwise_contract(
+      lhs_t.untyped_data(), lhs_scales.typed_data(), rhs_t.untyped_data(),
+      rhs_scales.typed_data(), group_sizes.typed_data(), s->M, s->K, s->N, s->G,
+      out->untyped_data(), checked, &runner));
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     NodropGroupedMatmulFp8BlockwiseCpu, GroupedMatmulFp8Blockwise,
     bind_grouped_matmul_fp8_blockwise(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NodropGroupedMatmulFp8BlockwiseContractCpu, GroupedMatmulFp8BlockwiseContract,
+    bind_grouped_matmul_fp8_blockwise_contract(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropQuantizeFp8Cpu, QuantizeFp8,
                               bind_quantize_fp8(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NodropQuantizeFp8TransposedCpu, QuantizeFp8Transposed,
+    bind_quantize_fp8_transposed(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
 }  // namespace nodrop::handlers

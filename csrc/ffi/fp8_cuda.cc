@@ -1,5 +1,5 @@
-// The FP8 handlers on the CUDA engine; CUDA-graph compatible. The grouped matmul's group sizes
-// stay on the device and its workspace is an extra result sized by
+// The FP8 handlers on the CUDA engine; CUDA-graph compatible. Group sizes stay on the device;
+// both grouped matmuls' workspace is an extra result sized by
 // NodropGroupedMatmulFp8BlockwiseWorkspaceBytes.
 #include "ffi/fp8.h"
 #include "nodrop/engine_cuda.h"
@@ -18,7 +18,19 @@ ffi::Error QuantizeFp8(cudaStream_t stream, ffi::AnyBuffer x,
                                          scale->typed_data(), stream));
 }
 
-// `checked` is accepted and ignored: the CUDA engine always clamps (checking needs a host read).
+// `checked` is accepted and ignored here and below: the CUDA engine always clamps (checking needs
+// a host read).
+ffi::Error QuantizeFp8Transposed(cudaStream_t stream, ffi::AnyBuffer x,
+                                 ffi::Buffer<ffi::S32> group_sizes,
+                                 ffi::Result<ffi::AnyBuffer> q_t,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> scale, bool /*checked*/) {
+  auto call = decode_quantize_fp8_transposed(x, group_sizes, *q_t, *scale);
+  if (!call) return call.error();
+  return to_ffi_error(cuda::quantize_fp8_transposed(
+      x.untyped_data(), call->dtype, group_sizes.typed_data(), call->M, call->C, call->G,
+      static_cast<uint8_t*>(q_t->untyped_data()), scale->typed_data(), stream));
+}
+
 ffi::Error GroupedMatmulFp8Blockwise(cudaStream_t stream, ffi::AnyBuffer lhs,
                                      ffi::Buffer<ffi::F32> lhs_scales, ffi::AnyBuffer rhs,
                                      ffi::Buffer<ffi::F32> rhs_scales,
@@ -34,6 +46,23 @@ ffi::Error GroupedMatmulFp8Blockwise(cudaStream_t stream, ffi::AnyBuffer lhs,
       workspace->untyped_data(), workspace->size_bytes(), stream));
 }
 
+ffi::Error GroupedMatmulFp8BlockwiseContract(cudaStream_t stream, ffi::AnyBuffer lhs_t,
+                                             ffi::Buffer<ffi::F32> lhs_scales,
+                                             ffi::AnyBuffer rhs_t,
+                                             ffi::Buffer<ffi::F32> rhs_scales,
+                                             ffi::Buffer<ffi::S32> group_sizes,
+                                             ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                                             int64_t num_rows, bool /*checked*/,
+                                             ffi::Result<ffi::AnyBuffer> workspace) {
+  auto s = decode_grouped_matmul_fp8_blockwise_contract(lhs_t, lhs_scales, rhs_t, rhs_scales,
+                                                        group_sizes, *out, num_rows);
+  if (!s) return s.error();
+  return to_ffi_error(cuda::grouped_matmul_fp8_blockwise_contract(
+      lhs_t.untyped_data(), lhs_scales.typed_data(), rhs_t.untyped_data(),
+      rhs_scales.typed_data(), group_sizes.typed_data(), s->M, s->K, s->N, s->G,
+      out->untyped_data(), workspace->untyped_data(), workspace->size_bytes(), stream));
+}
+
 }  // namespace
 
 using Stream = ffi::PlatformStream<cudaStream_t>;
@@ -45,6 +74,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropQuantizeFp8Cuda, QuantizeFp8,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     NodropGroupedMatmulFp8BlockwiseCuda, GroupedMatmulFp8Blockwise,
     bind_grouped_matmul_fp8_blockwise(ffi::Ffi::Bind().Ctx<Stream>())
+        .Ret<ffi::AnyBuffer>(),  // workspace
+    {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropQuantizeFp8TransposedCuda, QuantizeFp8Transposed,
+                              bind_quantize_fp8_transposed(ffi::Ffi::Bind().Ctx<Stream>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NodropGroupedMatmulFp8BlockwiseContractCuda, GroupedMatmulFp8BlockwiseContract,
+    bind_grouped_matmul_fp8_blockwise_contract(ffi::Ffi::Bind().Ctx<Stream>())
         .Ret<ffi::AnyBuffer>(),  // workspace
     {ffi::Traits::kCmdBufferCompatible});
 

@@ -7,7 +7,7 @@ training runs do today (nodrop/moe/capacity.py), with the experts as one batched
 same block runs on the pure-JAX references of nodrop's ops (nodrop/ops/reference.py): `nodrop
 demo` checks one against the other. With `fp8` set, the experts' matmuls run one of the FP8
 recipes of nodrop/ops/fp8.py, emulated (quantised and dequantised operands), but for the
-blockwise forward on nodrop's FP8 kernel on the GPU.
+blockwise recipe on nodrop's FP8 kernels on the GPU.
 """
 
 from __future__ import annotations
@@ -78,9 +78,8 @@ class MoEConfig:
       (one scale per tensor), as `nodrop.fp8_grouped_matmul`. Emulated: the operands are
       quantised and dequantised, then multiplied in float32 by the block's matmul (or, with
       capacity_factor, its einsum); on nodrop's ops on the GPU, in bfloat16, the blockwise
-      forward and input gradient run nodrop's FP8 kernel instead (the weight gradient stays
-      emulated). The router, the shared experts and everything outside the block stay as
-      they are.
+      forward and both gradients run nodrop's FP8 kernels instead. The router, the shared
+      experts and everything outside the block stay as they are.
     """
 
     num_experts: int

@@ -12,10 +12,11 @@ E4M3 (`float8_e4m3fn`, largest finite value 448) operands with float32 scales, o
 
 Emulated, the operands are quantised, dequantised to float32 and multiplied by an ordinary
 grouped matmul, which computes what FP8 kernels do up to float32 summation order; it is not
-faster than bf16. The blockwise forward and input gradient also run for real:
-`grouped_matmul_fp8_blockwise`, the engine's FP8 grouped matmul (CUTLASS on the GPU, a
-plain-loop reference on the CPU), which `fp8_grouped_matmul` uses on the GPU for bfloat16
-(`forward`); the weight gradient stays emulated.
+faster than bf16. The blockwise recipe also runs for real, forward and both gradients, on the
+engine's FP8 grouped matmuls (CUTLASS on the GPU, plain-loop references on the CPU):
+`grouped_matmul_fp8_blockwise` (the forward, and the input gradient) on operands from
+`quantize_rows`, and `grouped_matmul_fp8_blockwise_contract` (the weight gradient) on operands
+from `quantize_transposed`; `fp8_grouped_matmul` uses them on the GPU for bfloat16 (`forward`).
 """
 
 from __future__ import annotations
@@ -205,7 +206,8 @@ def fp8_grouped_matmul(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *
                        recipe: str = "blockwise",
                        matmul: Callable[..., jax.Array] = grouped_matmul,
                        forward: str = "auto") -> jax.Array:
-    """The grouped matmul `matmul(lhs, rhs, group_sizes)` on FP8 operands, emulated.
+    """The grouped matmul `matmul(lhs, rhs, group_sizes)` on FP8 operands, emulated or (the
+    blockwise recipe, `forward`) on nodrop's FP8 kernels.
 
     Args:
       lhs: [M, K] float32, float16 or bfloat16; rhs: [G, K, N]; group_sizes: [G] integers
@@ -214,16 +216,18 @@ def fp8_grouped_matmul(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *
       matmul: the grouped matmul over the dequantised float32 operands, (lhs, rhs, group_sizes)
         -> [M, N]: `nodrop.grouped_matmul` (the default), `nodrop.ops.reference.grouped_matmul`
         or `jax.lax.ragged_dot`. Its own transposes compute the gradients.
-      forward: how the blockwise recipe's forward and input gradient run. "kernel": on FP8
-        operands, in `grouped_matmul_fp8_blockwise` (lhs, or the output gradient, by
-        `quantize_rows`; each expert's weight quantised in 128 x 128 blocks, transposed for the
-        forward: a block of rhs[g] is a block of rhs[g].T), whose result is rounded to
-        bfloat16; "emulated": as below, on `matmul`; "auto" (the default): the kernel on the
-        GPU for bfloat16 lhs, else emulated (the CPU engine's kernel is a plain-loop
-        reference, slower than the emulation on oneDNN, and a float32 or float16 lhs would
-        lose its precision to the kernel's bfloat16 output). The two differ only in where
-        float32 rounds (and the kernel's bfloat16 output); the tensorwise recipe is always
-        emulated, and so is the weight gradient.
+      forward: how the blockwise recipe's forward and both gradients run. "kernel": on FP8
+        operands, the forward and the input gradient in `grouped_matmul_fp8_blockwise` (lhs,
+        or the output gradient, by `quantize_rows`; each expert's weight quantised in
+        128 x 128 blocks, transposed for the forward: a block of rhs[g] is a block of
+        rhs[g].T), the weight gradient in `grouped_matmul_fp8_blockwise_contract` (lhs and the
+        output gradient by `quantize_transposed`), whose results are rounded to bfloat16;
+        "emulated": as below, on `matmul`; "auto" (the default): the kernels on the GPU for
+        bfloat16 lhs, else emulated (the CPU engine's kernels are plain-loop references,
+        slower than the emulation on oneDNN, and a float32 or float16 lhs would lose its
+        precision to the kernels' bfloat16 outputs). The two differ only in where float32
+        rounds (and the kernels' bfloat16 outputs); the tensorwise recipe is always
+        emulated.
 
     Forward: matmul(qdq(lhs, 1 x 128), qdq(rhs, 128 x 128 per expert)). Backward, with dout
     quantised too: dlhs = matmul(qdq(dout, 1 x 128), qdq(rhs)^T), and drhs[g] = qdq(lhs)^T @
@@ -282,39 +286,60 @@ def _emulated_dlhs(dout, rhs, group_sizes, recipe, matmul):
     return dlhs
 
 
-def _kernel_or_emulated(kernel, emulated, rows, rhs, group_sizes, recipe, matmul, forward):
-    """kernel(rows, rhs, group_sizes) where `forward` puts the blockwise recipe on the engine's
-    kernel, else emulated(...) (see fp8_grouped_matmul's `forward`)."""
+def _kernel_drhs(lhs, dout, group_sizes):
+    """The blockwise weight gradient on the engine's FP8 ragged contraction, both operands
+    quantised in blocks of 128 rows within each group. Rows past the groups need no zeroing:
+    the quantisation reads none of them."""
+    return grouped_matmul_fp8_blockwise_contract(
+        *quantize_transposed(lhs, group_sizes), *quantize_transposed(dout, group_sizes),
+        group_sizes, num_rows=lhs.shape[0])
+
+
+def _emulated_drhs(lhs, dout, group_sizes, recipe, matmul):
+    """The matmul's own transpose in its weights (for nodrop's: the ragged contraction) on the
+    operands quantised in blocks of rows within each group."""
+    lhs_q = _qdq_group_rows(_rows_in_groups(lhs, group_sizes), group_sizes, recipe)
+    shape = (group_sizes.shape[0], lhs.shape[1], dout.shape[1])
+    drhs, = jax.linear_transpose(lambda w: matmul(lhs_q, w, group_sizes),
+                                 jax.ShapeDtypeStruct(shape, jnp.float32))(
+        _qdq_group_rows(dout, group_sizes, recipe))
+    return drhs
+
+
+def _kernel_or_emulated(kernel, emulated, rows, other, group_sizes, recipe, matmul, forward,
+                        dtype):
+    """kernel(rows, other, group_sizes) where `forward` puts the blockwise recipe on the
+    engine's kernels, else emulated(..., recipe, matmul) (see fp8_grouped_matmul's `forward`);
+    the result in `dtype` either way."""
     if recipe != "blockwise" or forward == "emulated":
-        return emulated(rows, rhs, group_sizes, recipe, matmul)
-    if forward == "kernel":
-        return kernel(rows, rhs, group_sizes)
-    if rows.dtype == jnp.bfloat16:  # "auto": the kernel where it runs on the GPU
-        return _ffi.on_platform(
-            rows, rhs, group_sizes,
-            cpu=lambda *args: emulated(*args, recipe, matmul).astype(rows.dtype),
-            cuda=lambda *args: kernel(*args).astype(rows.dtype))
-    return emulated(rows, rhs, group_sizes, recipe, matmul)
+        out = emulated(rows, other, group_sizes, recipe, matmul)
+    elif forward == "kernel":
+        out = kernel(rows, other, group_sizes)
+    elif rows.dtype == jnp.bfloat16:  # "auto": the kernel where it runs on the GPU
+        out = _ffi.on_platform(
+            rows, other, group_sizes,
+            cpu=lambda *args: emulated(*args, recipe, matmul).astype(dtype),
+            cuda=lambda *args: kernel(*args).astype(dtype))
+    else:
+        out = emulated(rows, other, group_sizes, recipe, matmul)
+    return out.astype(dtype)
 
 
 def _forward(lhs, rhs, group_sizes, recipe, matmul, forward):
     out = _kernel_or_emulated(_kernel_forward, _emulated_forward, lhs, rhs, group_sizes, recipe,
-                              matmul, forward)
-    return out.astype(lhs.dtype), (lhs, rhs, group_sizes)
+                              matmul, forward, lhs.dtype)
+    return out, (lhs, rhs, group_sizes)
 
 
 def _backward(recipe, matmul, forward, residuals, dout):
     lhs, rhs, group_sizes = residuals
     dout = _rows_in_groups(dout.astype(lhs.dtype), group_sizes)
     dlhs = _kernel_or_emulated(_kernel_dlhs, _emulated_dlhs, dout, rhs, group_sizes, recipe,
-                               matmul, forward)
-    # The weight gradient: the matmul's ragged contraction, on the operands quantised in
-    # blocks of rows within each group.
-    lhs_q = _qdq_group_rows(_rows_in_groups(lhs, group_sizes), group_sizes, recipe)
-    drhs, = jax.linear_transpose(lambda w: matmul(lhs_q, w, group_sizes),
-                                 jax.ShapeDtypeStruct(rhs.shape, jnp.float32))(
-        _qdq_group_rows(dout, group_sizes, recipe))
-    return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None
+                               matmul, forward, lhs.dtype)
+    # The weight gradient, decided on lhs as the forward is.
+    drhs = _kernel_or_emulated(_kernel_drhs, _emulated_drhs, lhs, dout, group_sizes, recipe,
+                               matmul, forward, rhs.dtype)
+    return dlhs, drhs, None
 
 
 _fp8_grouped_matmul.defvjp(_forward, _backward)
@@ -453,3 +478,167 @@ _blockwise_p = _primitives.define(
         _primitives.result_aval((lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes),
                                 (lhs_q.shape[0], rhs_q_t.shape[1]), jnp.bfloat16)),
     lower=_blockwise_lowering)
+
+
+# --- the weight gradient on FP8 operands ---------------------------------------------------------
+
+
+def _contract_blocks(num_rows: int, num_groups: int) -> int:
+    """The blocks of 128 rows that quantize_transposed lays out for any group sizes (each group
+    adds at most one short block): the engine's fp8_contract_blocks."""
+    return -(-num_rows // BLOCK) + num_groups
+
+
+def quantize_transposed(x: ArrayLike, group_sizes: ArrayLike) -> tuple[jax.Array, jax.Array]:
+    """The blockwise weight gradient's operand in one engine call: x [M, C] (float32, float16 or
+    bfloat16) and group_sizes [G] -> (q_t float8_e4m3fn [C, P], scale float32 [PB, C]), with
+    PB = ceil(M / 128) + G blocks and P = 128 * PB.
+
+    Each group's rows (clamped as `nodrop.grouped_matmul` clamps them) are cut into blocks of
+    128 rows from its first row, the last one shorter where 128 does not divide the group;
+    the blocks are numbered over the groups in order. Row j of block b is column 128 * b + j
+    of q_t, quantised with scale[b] (one scale per column of x: WGRAD_BLOCK's, the emulation's
+    arithmetic bit for bit). The other columns of q_t are zero and the other scales one: rows
+    past the groups are read by nothing. `grouped_matmul_fp8_blockwise_contract` reads two of
+    these (Hopper's FP8 wgmma wants both operands contraction-major, hence the transpose).
+    Columns partition locally under sharding; the rows are gathered. Not differentiable.
+    """
+    x, group_sizes = jnp.asarray(x), _checks.as_array(group_sizes)
+    _checks.require_rank("x", x, 2, "[M, C]")
+    _checks.require_float("x", x)
+    _checks.require_rank("group_sizes", group_sizes, 1, "[G]")
+    group_sizes = _checks.as_int32("group_sizes", group_sizes)
+    return tuple(_quantize_transposed_p.bind(*_ffi.match_vma(x, group_sizes),
+                                             checked=_checks.checks_enabled()))
+
+
+def _quantize_transposed_lowering(x, group_sizes, *, checked, partition):
+    def run(x, group_sizes):
+        num_rows, cols = x.shape
+        blocks = _contract_blocks(num_rows, group_sizes.shape[0])
+        return _ffi.call(
+            "nodrop_quantize_fp8_transposed",
+            (jax.ShapeDtypeStruct((cols, BLOCK * blocks), E4M3),
+             jax.ShapeDtypeStruct((blocks, cols), jnp.float32)),
+            x, group_sizes, checked=_checks.attr_bool(checked))
+
+    if not partition:
+        return run(x, group_sizes)
+    # Each column is quantised on its own: split columns stay local; the rows, whose blocks
+    # follow the global group sizes, are gathered.
+    return _partition.partitioned(
+        run, "m c, g -> c p, b c", (("m", "c"), ("g",)), (("c", "p"), ("b", "c")),
+        lambda axes_of, *args: run(*args), ("c",),
+        need_replication_factors=("m", "g", "p", "b"))(x, group_sizes)
+
+
+_quantize_transposed_p = _primitives.define(
+    "nodrop_quantize_fp8_transposed",
+    abstract_eval=lambda x, group_sizes, *, checked: (
+        _primitives.result_aval(
+            (x, group_sizes),
+            (x.shape[1], BLOCK * _contract_blocks(x.shape[0], group_sizes.shape[0])), E4M3),
+        _primitives.result_aval(
+            (x, group_sizes), (_contract_blocks(x.shape[0], group_sizes.shape[0]), x.shape[1]),
+            jnp.float32)),
+    lower=_quantize_transposed_lowering, multiple_results=True)
+
+
+def grouped_matmul_fp8_blockwise_contract(lhs_t: ArrayLike, lhs_scales: ArrayLike,
+                                          rhs_t: ArrayLike, rhs_scales: ArrayLike,
+                                          group_sizes: ArrayLike, *, num_rows: int) -> jax.Array:
+    """The blockwise recipe's weight gradient (a ragged contraction) on FP8 operands, in one
+    engine call: out [G, K, N] bfloat16.
+
+    Args:
+      lhs_t: [K, P] float8_e4m3fn and lhs_scales [PB, K] float32, `quantize_transposed(lhs,
+        group_sizes)` of lhs [M, K].
+      rhs_t: [N, P] float8_e4m3fn and rhs_scales [PB, N] float32, `quantize_transposed` of
+        rhs [M, N] (the output gradient) with the same group sizes.
+      group_sizes: [G] integers, as `nodrop.grouped_matmul_contract`'s.
+      num_rows: M, the rows both were quantised from: PB = ceil(M / 128) + G, P = 128 * PB,
+        and the group sizes are clamped at M.
+    out[g] = sum over group g's blocks b, in order, of (lhs_t[:, block b] @ rhs_t[:, block
+    b].T) * lhs_scales[b][:, None] * rhs_scales[b][None, :], block b being the columns of its
+    rows; each block's product accumulated in float32 and scaled as it is added, the sum
+    rounded to bfloat16; an empty group gives zeros. K and N partition locally under sharding,
+    the rest is gathered. Not differentiable: `fp8_grouped_matmul` is the differentiable
+    recipe that calls it.
+    """
+    lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes = map(
+        _checks.as_array, (lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes))
+    if not is_int(num_rows) or num_rows < 0:
+        raise ValueError(f"num_rows must be a non-negative int (M), got {num_rows!r}")
+    _checks.require_rank("lhs_t", lhs_t, 2, "[K, P]")
+    _checks.require_rank("rhs_t", rhs_t, 2, "[N, P]")
+    for name, q in (("lhs_t", lhs_t), ("rhs_t", rhs_t)):
+        if q.dtype != E4M3:
+            raise TypeError(f"{name} must be float8_e4m3fn, got {jnp.dtype(q.dtype).name}")
+    _checks.require_rank("group_sizes", group_sizes, 1, "[G]")
+    num_groups = group_sizes.shape[0]
+    blocks = _contract_blocks(int(num_rows), num_groups)
+    why = (f"columns along axis 1 (P = 128 * (ceil(num_rows / 128) + G) for num_rows "
+           f"{num_rows} and G {num_groups})")
+    _checks.require_dim("lhs_t", lhs_t, 1, BLOCK * blocks, why)
+    _checks.require_dim("rhs_t", rhs_t, 1, BLOCK * blocks, why)
+    for name, scales, shape in (("lhs_scales", lhs_scales, (blocks, lhs_t.shape[0])),
+                                ("rhs_scales", rhs_scales, (blocks, rhs_t.shape[0]))):
+        if jnp.dtype(scales.dtype) != jnp.float32 or scales.shape != shape:
+            raise ValueError(
+                f"{name} must be float32 of shape {shape} (one scale per block of {BLOCK} rows "
+                f"and column), got {jnp.dtype(scales.dtype).name} of shape "
+                f"{tuple(scales.shape)}")
+    group_sizes = _checks.as_int32("group_sizes", group_sizes)
+    return _blockwise_contract_p.bind(
+        *_ffi.match_vma(lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes),
+        num_rows=int(num_rows), checked=_checks.checks_enabled())
+
+
+def _engine_blockwise_contract(lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes, *, platform,
+                               num_rows, checked):
+    """One engine call, N padded to the kernels' multiple of 8 (16-byte rows of the bfloat16
+    output): zero codes under scale 1 add nothing."""
+    num_cols = rhs_t.shape[0]
+    padded_n = -(-num_cols // 8) * 8
+    rhs_t = _pad_axis(rhs_t, 0, padded_n)
+    rhs_scales = jnp.pad(rhs_scales, ((0, 0), (0, padded_n - num_cols)), constant_values=1)
+    workspace = None
+    if platform == "cuda":
+        workspace = functools.partial(_ffi.grouped_matmul_fp8_blockwise_workspace_bytes,
+                                      group_sizes.shape[0])
+    return _ffi.engine_call(
+        "nodrop_grouped_matmul_fp8_blockwise_contract",
+        jax.ShapeDtypeStruct((group_sizes.shape[0], lhs_t.shape[0], padded_n), jnp.bfloat16),
+        workspace_bytes=workspace, num_rows=np.int64(num_rows),
+        checked=_checks.attr_bool(checked))(
+        lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes)[:, :, :num_cols]
+
+
+def _blockwise_contract_lowering(lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes, *,
+                                 num_rows, checked, partition):
+    def run(*args):
+        return _ffi.on_platform(
+            *args, cpu=functools.partial(_engine_blockwise_contract, platform="cpu",
+                                         num_rows=num_rows, checked=checked),
+            cuda=functools.partial(_engine_blockwise_contract, platform="cuda",
+                                   num_rows=num_rows, checked=checked))
+
+    if not partition:
+        return run(lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes)
+    # K and N split: local (each output element reads its own row of lhs_t and of rhs_t); the
+    # contraction (P, and the blocks of the scales) and the groups gathered.
+    return _partition.partitioned(
+        run, "k p, b k, n p, b n, g -> g k n",
+        (("k", "p"), ("b", "k"), ("n", "p"), ("b", "n"), ("g",)), (("g", "k", "n"),),
+        lambda axes_of, *args: run(*args), ("k", "n"),
+        need_replication_factors=("p", "b", "g"))(
+        lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes)
+
+
+_blockwise_contract_p = _primitives.define(
+    "nodrop_grouped_matmul_fp8_blockwise_contract",
+    abstract_eval=lambda lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes, *, num_rows,
+    checked: _primitives.result_aval(
+        (lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes),
+        (group_sizes.shape[0], lhs_t.shape[0], rhs_t.shape[0]), jnp.bfloat16),
+    lower=_blockwise_contract_lowering)

@@ -132,3 +132,23 @@ def grouped_matmul_fp8_blockwise(lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_s
     rhs_t = fp8.dequantize(rhs_q_t, rhs_scales, fp8.WEIGHT_BLOCK)
     return grouped_matmul(lhs, rhs_t, group_sizes, transpose_rhs=True,
                           out_dtype=jnp.float32).astype(jnp.bfloat16)
+
+
+def grouped_matmul_fp8_blockwise_contract(lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes, *,
+                                          num_rows):
+    """The FP8 weight gradient: out[g] = the dequantised operands' product over group g's
+    columns in float32, as bfloat16. Columns are rows transposed (lhs_t [K, P], rhs_t [N, P],
+    scales [P / 128, K] and [P / 128, N] over blocks of 128 columns); group g's are its rows'
+    count from column 128 * (the blocks of 128 rows of the groups before it)."""
+    lhs = fp8.dequantize(lhs_t.T, lhs_scales, fp8.WGRAD_BLOCK)  # [P, K]
+    rhs = fp8.dequantize(rhs_t.T, rhs_scales, fp8.WGRAD_BLOCK)  # [P, N]
+    sizes = _group_row_masks(group_sizes, num_rows).sum(axis=1)
+    blocks = -(-sizes // fp8.BLOCK)
+    first = fp8.BLOCK * (jnp.cumsum(blocks) - blocks)
+    columns = jnp.arange(lhs.shape[0])
+    masks = (columns >= first[:, None]) & (columns < (first + sizes)[:, None])
+    outs = [jnp.dot(jnp.where(m[:, None], lhs, 0).T, jnp.where(m[:, None], rhs, 0),
+                    precision=jax.lax.Precision.HIGHEST) for m in masks]
+    if not outs:
+        return jnp.zeros((0, lhs.shape[1], rhs.shape[1]), jnp.bfloat16)
+    return jnp.stack(outs).astype(jnp.bfloat16)

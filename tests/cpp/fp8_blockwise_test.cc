@@ -1,9 +1,11 @@
-// Tests of the CPU grouped_matmul_fp8_blockwise against a float64 dequantise-then-matmul
-// reference: uneven, empty and invalid groups, K and N that are not multiples of 128, threads,
-// and the argument errors the GPU engine gives too.
+// Tests of the CPU grouped_matmul_fp8_blockwise (the forward) and
+// grouped_matmul_fp8_blockwise_contract (the weight gradient) against float64
+// dequantise-then-matmul references: uneven, empty and invalid groups, K and N that are not
+// multiples of 128, threads, and the argument errors the GPU engine gives too.
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -15,6 +17,8 @@
 namespace {
 
 using nodrop_test::bf16_to_float;
+using nodrop_test::Fenced;
+using nodrop_test::Guarded;
 using nodrop_test::mentions;
 using nodrop_test::ThreadRunner;
 
@@ -41,24 +45,29 @@ struct Operands {
 };
 
 // Finite E4M3 codes (any but 0x7f and 0xff) and positive scales over a few binades.
-Operands random_operands(const Problem& p, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<int> code(0, 255);
-  std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
-  std::uniform_int_distribution<int> exponent(-12, -4);
-  auto codes = [&](int64_t n) {
+struct RandomFp8 {
+  explicit RandomFp8(uint32_t seed) : rng(seed) {}
+  std::vector<uint8_t> codes(int64_t n) {
+    std::uniform_int_distribution<int> code(0, 255);
     std::vector<uint8_t> out(n);
     for (auto& c : out) c = static_cast<uint8_t>(code(rng));
     for (auto& c : out) if ((c & 0x7f) == 0x7f) c ^= 1;  // no NaN codes
     return out;
-  };
-  auto scales = [&](int64_t n) {
+  }
+  std::vector<float> scales(int64_t n) {
+    std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
+    std::uniform_int_distribution<int> exponent(-12, -4);
     std::vector<float> out(n);
     for (auto& s : out) s = std::ldexp(mantissa(rng), exponent(rng));
     return out;
-  };
-  return {codes(p.M * p.K), codes(p.G() * p.N * p.K), scales(p.M * p.KB()),
-          scales(p.G() * p.NB() * p.KB())};
+  }
+  std::mt19937 rng;
+};
+
+Operands random_operands(const Problem& p, uint32_t seed) {
+  RandomFp8 random(seed);
+  return {random.codes(p.M * p.K), random.codes(p.G() * p.N * p.K),
+          random.scales(p.M * p.KB()), random.scales(p.G() * p.NB() * p.KB())};
 }
 
 std::vector<uint16_t> run(const Problem& p, const Operands& o, nodrop::ParallelRunner* runner,
@@ -170,6 +179,153 @@ TEST(Fp8BlockwiseNumerics, ScalesMultiplyEachKBlocksPartialSum) {
   for (int64_t n = 0; n < 8; ++n) EXPECT_EQ(bf16_to_float(out[n]), 128 * 0.125f + 128 * 8.0f);
   o.lhs_scales[1] = std::nanf("");  // a non-finite block stays visible in its row
   EXPECT_TRUE(std::isnan(bf16_to_float(run(p, o, nullptr)[0])));
+}
+
+// ---- grouped_matmul_fp8_blockwise_contract -------------------------------------------------
+
+struct ContractProblem {
+  int64_t M, K, N;
+  std::vector<int32_t> sizes;
+  int64_t G() const { return static_cast<int64_t>(sizes.size()); }
+  int64_t PB() const { return (M + kBlock - 1) / kBlock + G(); }
+  int64_t P() const { return kBlock * PB(); }
+};
+
+struct ContractOperands {
+  std::vector<uint8_t> lhs_t, rhs_t;  // [K, P], [N, P]
+  std::vector<float> lhs_scales, rhs_scales;  // [PB, K], [PB, N]
+};
+
+// Random codes and scales everywhere, the columns no group row owns included: the contraction
+// must read none of them.
+ContractOperands random_contract_operands(const ContractProblem& p, uint32_t seed) {
+  RandomFp8 random(seed);
+  return {random.codes(p.K * p.P()), random.codes(p.N * p.P()), random.scales(p.PB() * p.K),
+          random.scales(p.PB() * p.N)};
+}
+
+std::vector<uint16_t> run_contract(const ContractProblem& p, const ContractOperands& o,
+                                   nodrop::ParallelRunner* runner, bool checked = false,
+                                   nodrop::Status* status = nullptr) {
+  Guarded<uint16_t> out(p.G() * p.K * p.N, 0xffff);  // NaN: every element must be written
+  const Fenced lhs_t(o.lhs_t), lhs_scales(o.lhs_scales), rhs_t(o.rhs_t),
+      rhs_scales(o.rhs_scales), sizes(p.sizes);
+  const auto s = nodrop::cpu::grouped_matmul_fp8_blockwise_contract(
+      lhs_t.data(), lhs_scales.as<float>(), rhs_t.data(), rhs_scales.as<float>(),
+      sizes.as<int32_t>(), p.M, p.K, p.N, p.G(), out.data(), checked, runner);
+  if (status) *status = s;
+  else EXPECT_TRUE(s.ok()) << s.message();
+  EXPECT_TRUE(out.canaries_intact());
+  return out.vec();
+}
+
+// Group g's rows (clamped) are columns 128 * b + j of its blocks b, numbered on from the blocks
+// of the groups before it; out[g] sums their dequantised products in float64.
+void expect_contract_matches_reference(const ContractProblem& p, const ContractOperands& o,
+                                       const std::vector<uint16_t>& out) {
+  int64_t begin = 0, first_block = 0;
+  for (int64_t g = 0; g < p.G(); ++g) {
+    const int64_t end = std::min<int64_t>(p.M, begin + std::max<int32_t>(p.sizes[g], 0));
+    for (int64_t k = 0; k < p.K; ++k) {
+      for (int64_t n = 0; n < p.N; ++n) {
+        double want = 0.0, magnitude = 0.0;
+        for (int64_t row = 0; row < end - begin; ++row) {
+          const int64_t b = first_block + row / kBlock, column = kBlock * b + row % kBlock;
+          const double term = e4m3_value(o.lhs_t[k * p.P() + column]) * o.lhs_scales[b * p.K + k] *
+                              e4m3_value(o.rhs_t[n * p.P() + column]) * o.rhs_scales[b * p.N + n];
+          want += term;
+          magnitude += std::fabs(term);
+        }
+        const float got = bf16_to_float(out[(g * p.K + k) * p.N + n]);
+        ASSERT_NEAR(got, want, std::fabs(want) / 256 + magnitude * 1e-6)
+            << "group " << g << ", k " << k << ", n " << n;
+      }
+    }
+    first_block += (end - begin + kBlock - 1) / kBlock;
+    begin = end;
+  }
+}
+
+class Fp8BlockwiseContract : public testing::TestWithParam<ContractProblem> {};
+
+TEST_P(Fp8BlockwiseContract, MatchesTheDequantisedReference) {
+  const ContractProblem& p = GetParam();
+  const ContractOperands o = random_contract_operands(p, 5);
+  const auto serial = run_contract(p, o, nullptr);
+  ASSERT_NO_FATAL_FAILURE(expect_contract_matches_reference(p, o, serial));
+  ThreadRunner runner(3);
+  EXPECT_EQ(run_contract(p, o, &runner), serial);  // threads change nothing
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, Fp8BlockwiseContract,
+    testing::Values(
+        ContractProblem{300, 24, 16, {129, 1, 127, 43}},  // sizes off 128: short last blocks
+        ContractProblem{37, 20, 8, {5, 0, 20, 7}},        // an empty group, rows past them
+        ContractProblem{300, 10, 8, {0, 300, 0}},         // every row in one group
+        ContractProblem{20, 3, 8, {-3, 10, 100}},         // negative and overlong: clamped
+        ContractProblem{256, 8, 136, {128, 128}},         // whole blocks; N past 128
+        ContractProblem{9, 0, 8, {4, 5}},                 // K = 0: nothing to write
+        ContractProblem{40, 4, 0, {40}},                  // N = 0
+        ContractProblem{0, 5, 8, {0, 0}},                 // no rows: zeros
+        ContractProblem{6, 4, 8, {}}));                   // no groups
+
+TEST(Fp8BlockwiseContractNumerics, ScalesMultiplyEachBlocksPartialSumOverTheGroupsRows) {
+  // One group of 200 rows: block 0 (128 rows) and block 1 (72 rows, then 56 columns that are
+  // not the group's). Ones everywhere, so out = 128 * (l0 * r0) + 72 * (l1 * r1) exactly.
+  const ContractProblem p{200, 2, 8, {200}};
+  ContractOperands o{std::vector<uint8_t>(p.K * p.P(), 0x38),  // 0x38 = 1.0
+                     std::vector<uint8_t>(p.N * p.P(), 0x38), std::vector<float>(p.PB() * p.K),
+                     std::vector<float>(p.PB() * p.N, 1.0f)};
+  for (int64_t k = 0; k < p.K; ++k) {
+    o.lhs_scales[0 * p.K + k] = 0.5f;
+    o.lhs_scales[1 * p.K + k] = 2.0f;
+  }
+  for (int64_t n = 0; n < p.N; ++n) {
+    o.rhs_scales[0 * p.N + n] = 0.25f;
+    o.rhs_scales[1 * p.N + n] = 4.0f;
+  }
+  auto out = run_contract(p, o, nullptr);
+  for (uint16_t v : out) EXPECT_EQ(bf16_to_float(v), 128 * 0.125f + 72 * 8.0f);
+  o.lhs_scales[1 * p.K + 1] = std::nanf("");  // a non-finite block stays visible in its row
+  out = run_contract(p, o, nullptr);
+  for (int64_t n = 0; n < p.N; ++n) {
+    EXPECT_EQ(bf16_to_float(out[n]), 128 * 0.125f + 72 * 8.0f);
+    EXPECT_TRUE(std::isnan(bf16_to_float(out[p.N + n])));
+  }
+}
+
+TEST(Fp8BlockwiseContractArgs, CheckedModeRefusesInvalidGroupSizes) {
+  nodrop::Status status = nodrop::Status::Ok();
+  const ContractProblem negative{20, 3, 8, {-3, 10, 100}};
+  run_contract(negative, random_contract_operands(negative, 1), nullptr, /*checked=*/true,
+               &status);
+  EXPECT_TRUE(mentions(status, "group_sizes[0] = -3 is negative")) << status.message();
+  const ContractProblem over{20, 3, 8, {10, 100}};
+  run_contract(over, random_contract_operands(over, 1), nullptr, true, &status);
+  EXPECT_TRUE(mentions(status, "group_sizes sum to 110 but there are only 20 rows"))
+      << status.message();
+}
+
+TEST(Fp8BlockwiseContractArgs, RejectsWhatTheGpuRejects) {
+  const ContractProblem p{4, 2, 16, {4}};
+  const ContractOperands o = random_contract_operands(p, 2);
+  std::vector<uint16_t> out(p.K * p.N);
+  auto call = [&](int64_t M, int64_t K, int64_t N, const void* lhs_t) {
+    return nodrop::cpu::grouped_matmul_fp8_blockwise_contract(
+        lhs_t, o.lhs_scales.data(), o.rhs_t.data(), o.rhs_scales.data(), p.sizes.data(), M, K, N,
+        1, out.data(), false);
+  };
+  EXPECT_TRUE(call(4, 2, 16, o.lhs_t.data()).ok());
+  auto status = call(4, 2, 12, o.lhs_t.data());
+  EXPECT_TRUE(mentions(status, "N = 12 must be a multiple of 8")) << status.message();
+  status = call(-1, 2, 16, o.lhs_t.data());
+  EXPECT_TRUE(mentions(status, "M = -1 is negative")) << status.message();
+  status = call(4, -2, 16, o.lhs_t.data());
+  EXPECT_TRUE(mentions(status, "K = -2 is negative")) << status.message();
+  status = call(4, 2, 16, nullptr);
+  EXPECT_TRUE(mentions(status, "grouped_matmul_fp8_blockwise_contract: lhs_t is null"))
+      << status.message();
 }
 
 }  // namespace

@@ -1,12 +1,17 @@
-// Tests of quantize_fp8 (1 x block FP8 scaling) against a brute-force E4M3 encoder: the nearest
-// of the 127 finite magnitudes, ties to the even code.
+// Tests of quantize_fp8 (1 x block FP8 scaling) and quantize_fp8_transposed (the weight
+// gradient's blocks of 128 rows within each group, transposed) against a brute-force E4M3
+// encoder: the nearest of the 127 finite magnitudes, ties to the even code.
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "nodrop/engine_cpu.h"
@@ -16,6 +21,8 @@ namespace {
 
 using nodrop::DType;
 using nodrop_test::Array;
+using nodrop_test::Fenced;
+using nodrop_test::Guarded;
 using nodrop_test::mentions;
 using nodrop_test::ThreadRunner;
 
@@ -41,34 +48,51 @@ uint8_t e4m3_reference(float v) {
   return sign | best;
 }
 
+// The scale of a block: amax * float32(1 / 448), 1 where that is 0, NaN for a NaN or an inf.
+float want_scale(const std::vector<float>& block) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (float v : block) {
+    finite = finite && std::isfinite(v);
+    amax = std::max(amax, std::fabs(v));
+  }
+  if (!finite) return std::nanf("");
+  return amax * (1.0f / kE4M3Max) > 0.0f ? amax * (1.0f / kE4M3Max) : 1.0f;
+}
+
+// The code of v in a block of scale s, saturated; NaN for a non-finite block's values.
+void expect_code(uint8_t code, float v, float s, const std::string& where) {
+  v *= 1.0f / s;
+  if (std::isnan(v)) {
+    ASSERT_EQ(code & 0x7f, 0x7f) << where << " is not NaN";
+  } else {
+    ASSERT_EQ(code, e4m3_reference(std::min(std::max(v, -kE4M3Max), kE4M3Max)))
+        << where << ": " << v;
+  }
+}
+
+void expect_scale(float got, float want, const std::string& where) {
+  ASSERT_TRUE(std::isnan(want) ? std::isnan(got) : got == want)
+      << "scale of " << where << ": got " << got << ", want " << want;
+}
+
 // What quantize_fp8 must give: scales from each block's amax, codes from the brute-force encoder.
 void expect_quantized(const Array& x, int64_t M, int64_t C, int64_t block,
                       const std::vector<uint8_t>& q, const std::vector<float>& scale) {
   const int64_t blocks = (C + block - 1) / block;
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
-      float amax = 0.0f;
-      bool finite = true;
+      std::vector<float> values;
       for (int64_t i = b * block; i < std::min(C, (b + 1) * block); ++i) {
-        const float v = static_cast<float>(x.at(r * C + i));
-        finite = finite && std::isfinite(v);
-        amax = std::max(amax, std::fabs(v));
+        values.push_back(static_cast<float>(x.at(r * C + i)));
       }
-      const float want = !finite ? std::nanf("") : amax * (1.0f / kE4M3Max) > 0.0f
-                                                       ? amax * (1.0f / kE4M3Max) : 1.0f;
-      const float got = scale[r * blocks + b];
-      ASSERT_TRUE(std::isnan(want) ? std::isnan(got) : got == want)
-          << "scale of row " << r << " block " << b << ": got " << got << ", want " << want;
-      const float inverse = 1.0f / want;
+      const float s = want_scale(values);
+      const std::string where = "row " + std::to_string(r) + " block " + std::to_string(b);
+      ASSERT_NO_FATAL_FAILURE(expect_scale(scale[r * blocks + b], s, where));
       for (int64_t i = b * block; i < std::min(C, (b + 1) * block); ++i) {
-        float v = static_cast<float>(x.at(r * C + i)) * inverse;
-        if (!std::isnan(v)) v = std::min(std::max(v, -kE4M3Max), kE4M3Max);
-        const uint8_t code = q[r * C + i];
-        if (std::isnan(v)) {
-          ASSERT_EQ(code & 0x7f, 0x7f) << "element " << r << ", " << i << " is not NaN";
-        } else {
-          ASSERT_EQ(code, e4m3_reference(v)) << "element " << r << ", " << i << ": " << v;
-        }
+        ASSERT_NO_FATAL_FAILURE(expect_code(q[r * C + i], values[i - b * block], s,
+                                            "element " + std::to_string(r) + ", " +
+                                                std::to_string(i)));
       }
     }
   }
@@ -134,6 +158,176 @@ TEST(QuantizeFp8Args, RejectsBadShapesAndBlocks) {
   EXPECT_FALSE(nodrop::cpu::quantize_fp8(&x, DType::kFloat32, -1, 1, 1, &q, &scale).ok());
   EXPECT_TRUE(nodrop::cpu::quantize_fp8(nullptr, DType::kFloat32, 0, 5, 128, nullptr, nullptr)
                   .ok());  // nothing to do
+}
+
+// ---- quantize_fp8_transposed ---------------------------------------------------------------
+
+constexpr int64_t kBlock = 128;
+
+struct TransposedProblem {
+  int64_t M, C;
+  std::vector<int32_t> sizes;
+  int64_t G() const { return static_cast<int64_t>(sizes.size()); }
+  int64_t PB() const { return (M + kBlock - 1) / kBlock + G(); }
+  int64_t P() const { return kBlock * PB(); }
+};
+
+struct Transposed {
+  std::vector<uint8_t> q_t;
+  std::vector<float> scale;
+};
+
+// Poisoned outputs between canaries (every byte must be written, none past the ends), inputs
+// fenced (no read past them).
+Transposed quantize_transposed(const TransposedProblem& p, const Array& x,
+                               nodrop::ParallelRunner* runner, bool checked = false,
+                               nodrop::Status* status = nullptr) {
+  Guarded<uint8_t> q_t(p.C * p.P(), 0xab);
+  Guarded<float> scale(p.PB() * p.C, std::nanf(""));
+  const Fenced x_in(x), sizes_in(p.sizes);
+  const auto s = nodrop::cpu::quantize_fp8_transposed(
+      x_in.data(), x.dtype(), sizes_in.as<int32_t>(), p.M, p.C, p.G(), q_t.data(), scale.data(),
+      checked, runner);
+  if (status) *status = s;
+  else EXPECT_TRUE(s.ok()) << s.message();
+  EXPECT_TRUE(q_t.canaries_intact() && scale.canaries_intact());
+  return {q_t.vec(), scale.vec()};
+}
+
+// The layout re-derived: group g's rows (clamped) in blocks of 128 from its first row, numbered
+// on from the blocks of the groups before it; everything else zero codes and unit scales.
+void expect_transposed(const TransposedProblem& p, const Array& x, const Transposed& got) {
+  std::vector<bool> written(p.C * p.P(), false), scaled(p.PB() * p.C, false);
+  int64_t begin = 0, b = 0;
+  for (int64_t g = 0; g < p.G(); ++g) {
+    const int64_t end = std::min<int64_t>(p.M, begin + std::max<int32_t>(p.sizes[g], 0));
+    for (int64_t first = begin; first < end; first += kBlock, ++b) {
+      const int64_t rows = std::min(kBlock, end - first);
+      for (int64_t c = 0; c < p.C; ++c) {
+        std::vector<float> values(rows);
+        for (int64_t j = 0; j < rows; ++j) values[j] = static_cast<float>(x.at((first + j) * p.C + c));
+        const float s = want_scale(values);
+        const std::string where = "block " + std::to_string(b) + " column " + std::to_string(c);
+        ASSERT_NO_FATAL_FAILURE(expect_scale(got.scale[b * p.C + c], s, where));
+        scaled[b * p.C + c] = true;
+        for (int64_t j = 0; j < rows; ++j) {
+          const int64_t at = c * p.P() + kBlock * b + j;
+          ASSERT_NO_FATAL_FAILURE(expect_code(got.q_t[at], values[j], s,
+                                              where + " row " + std::to_string(j)));
+          written[at] = true;
+        }
+      }
+    }
+    begin = end;
+  }
+  ASSERT_LE(b, p.PB());
+  for (int64_t i = 0; i < p.C * p.P(); ++i) {
+    if (!written[i]) ASSERT_EQ(got.q_t[i], 0) << "q_t[" << i / p.P() << ", " << i % p.P() << "]";
+  }
+  for (int64_t i = 0; i < p.PB() * p.C; ++i) {
+    if (!scaled[i]) ASSERT_EQ(got.scale[i], 1.0f) << "scale of unused block " << i / p.C;
+  }
+}
+
+class QuantizeFp8Transposed
+    : public testing::TestWithParam<std::tuple<DType, TransposedProblem>> {};
+
+TEST_P(QuantizeFp8Transposed, MatchesTheLayoutAndTheBruteForceEncoder) {
+  const auto& [dtype, p] = GetParam();
+  std::mt19937 rng(11);
+  Array x = nodrop_test::random_array(dtype, p.M * p.C, rng, -3.0, 3.0);
+  // Magnitudes from 2^-20 to 2^12 across the columns (float16 stays finite), and over a few
+  // binades down each column: subnormal codes within a block.
+  for (int64_t r = 0; r < p.M; ++r) {
+    for (int64_t c = 0; c < p.C; ++c) {
+      x.set(r * p.C + c, x.at(r * p.C + c) * std::ldexp(1.0, int(c % 29) - 20 + int(r % 5)));
+    }
+  }
+  const Transposed serial = quantize_transposed(p, x, nullptr);
+  ASSERT_NO_FATAL_FAILURE(expect_transposed(p, x, serial));
+  ThreadRunner runner(3);
+  const Transposed threaded = quantize_transposed(p, x, &runner);
+  EXPECT_EQ(threaded.q_t, serial.q_t);  // threads change nothing (bitwise: NaN scales too)
+  EXPECT_EQ(0, std::memcmp(threaded.scale.data(), serial.scale.data(),
+                           serial.scale.size() * sizeof(float)));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, QuantizeFp8Transposed,
+    testing::Combine(
+        testing::ValuesIn(nodrop_test::kAllDtypes),
+        testing::Values(
+            TransposedProblem{300, 37, {129, 1, 127, 43}},  // sizes off 128: short last blocks
+            TransposedProblem{37, 20, {5, 0, 20, 7}},       // an empty group, rows past them
+            TransposedProblem{300, 9, {0, 300, 0}},         // every row in one group
+            TransposedProblem{20, 9, {-3, 10, 100}},        // negative and overlong: clamped
+            TransposedProblem{256, 5, {128, 128}},          // whole blocks
+            TransposedProblem{9, 0, {4, 5}},                // no columns
+            TransposedProblem{0, 5, {0, 0}},                // no rows: unused blocks only
+            TransposedProblem{6, 4, {}})));                 // no groups: every row past them
+
+TEST(QuantizeFp8TransposedValues, ZeroNonFiniteAndSaturatingBlocks) {
+  // Groups of 130 and 70 rows: blocks 0 (rows 0-127), 1 (128-129), 2 (130-199).
+  const TransposedProblem p{200, 4, {130, 70}};
+  Array x(DType::kFloat32, p.M * p.C);
+  for (int64_t r = 0; r < p.M; ++r) {
+    x.set(r * p.C + 0, 0.0);                    // column 0: zeros, scale 1 in every block
+    x.set(r * p.C + 1, r == 129 ? 7.0 : 1e-3);  // column 1: block 1's amax is 7
+    x.set(r * p.C + 2, 1.0);                    // column 2: a NaN in block 0, an inf in block 2
+    x.set(r * p.C + 3, -2.0 * (r + 1));         // column 3: the largest magnitude -> -448
+  }
+  x.set(5 * p.C + 2, std::numeric_limits<double>::quiet_NaN());
+  x.set(150 * p.C + 2, -std::numeric_limits<double>::infinity());
+  const Transposed got = quantize_transposed(p, x, nullptr);
+  ASSERT_NO_FATAL_FAILURE(expect_transposed(p, x, got));
+  const int64_t P = p.P();
+  for (int64_t b = 0; b < 3; ++b) EXPECT_EQ(got.scale[b * p.C + 0], 1.0f) << b;
+  EXPECT_EQ(got.scale[1 * p.C + 1], 7.0f * (1.0f / kE4M3Max));
+  EXPECT_EQ(got.q_t[1 * P + 128 + 1], 0x7e);  // 448: the block's amax, row 129
+  EXPECT_TRUE(std::isnan(got.scale[0 * p.C + 2]) && std::isnan(got.scale[2 * p.C + 2]));
+  EXPECT_EQ(got.scale[1 * p.C + 2], 1.0f / kE4M3Max);  // the NaN and the inf stay in their blocks
+  for (int64_t j = 0; j < 128; ++j) EXPECT_EQ(got.q_t[2 * P + j] & 0x7f, 0x7f) << j;
+  EXPECT_EQ(got.q_t[3 * P + 127], 0xfe);  // -448 in block 0, row 127 (-256)
+  EXPECT_EQ(got.q_t[3 * P + 2 * 128 + 69], 0xfe);  // and in block 2, row 199 (-400)
+  EXPECT_EQ(got.q_t[3 * P + 128 + 2], 0);  // past block 1's two rows
+}
+
+TEST(QuantizeFp8TransposedArgs, CheckedModeRefusesInvalidGroupSizes) {
+  std::mt19937 rng(3);
+  nodrop::Status status = nodrop::Status::Ok();
+  const TransposedProblem negative{20, 3, {-3, 10, 100}};
+  quantize_transposed(negative, nodrop_test::random_array(DType::kFloat32, 60, rng), nullptr,
+                      /*checked=*/true, &status);
+  EXPECT_TRUE(mentions(status, "group_sizes[0] = -3 is negative")) << status.message();
+  const TransposedProblem over{20, 3, {10, 100}};
+  quantize_transposed(over, nodrop_test::random_array(DType::kFloat32, 60, rng), nullptr, true,
+                      &status);
+  EXPECT_TRUE(mentions(status, "group_sizes sum to 110 but there are only 20 rows"))
+      << status.message();
+  const TransposedProblem valid{20, 3, {10, 10}};
+  quantize_transposed(valid, nodrop_test::random_array(DType::kFloat32, 60, rng), nullptr, true,
+                      &status);
+  EXPECT_TRUE(status.ok()) << status.message();
+}
+
+TEST(QuantizeFp8TransposedArgs, RejectsNegativeShapesAndNullBuffers) {
+  std::vector<float> x(8, 1.0f), scale(4 * 2);
+  std::vector<uint8_t> q_t(2 * 128 * 4);
+  const std::vector<int32_t> sizes = {2, 2, 0};
+  auto call = [&](int64_t M, int64_t C, int64_t G, const float* x_data, uint8_t* q_data) {
+    return nodrop::cpu::quantize_fp8_transposed(x_data, DType::kFloat32, sizes.data(), M, C, G,
+                                                q_data, scale.data(), false);
+  };
+  EXPECT_TRUE(call(4, 2, 3, x.data(), q_t.data()).ok());  // PB = 1 + 3
+  auto status = call(-4, 2, 3, x.data(), q_t.data());
+  EXPECT_TRUE(mentions(status, "quantize_fp8_transposed: M = -4 is negative")) << status.message();
+  status = call(4, 2, -1, x.data(), q_t.data());
+  EXPECT_TRUE(mentions(status, "G = -1 is negative")) << status.message();
+  status = call(4, 2, 3, nullptr, q_t.data());
+  EXPECT_TRUE(mentions(status, "quantize_fp8_transposed: x is null")) << status.message();
+  status = call(4, 2, 3, x.data(), nullptr);
+  EXPECT_TRUE(mentions(status, "q_t is null")) << status.message();
+  EXPECT_TRUE(call(0, 0, 0, nullptr, nullptr).ok());  // nothing to write: PB = 0
 }
 
 }  // namespace

@@ -190,6 +190,42 @@ def check_grouped_matmul_fp8_blockwise():
     assert not np.any(as_f64(out)[3])
 
 
+def check_quantize_fp8_transposed():
+    # Groups of 1 and 2 rows of 3: blocks 0 (row 0) and 1 (rows 1-2) of PB = 1 + 2; block 2 unused.
+    x = np.asarray([[1.0, -2.0], [0.0, 448.0], [3.0, 0.0]], np.float32)
+    q_t, scale = ffi("nodrop_quantize_fp8_transposed",
+                     (jax.ShapeDtypeStruct((2, 384), jnp.float8_e4m3fn),
+                      jax.ShapeDtypeStruct((3, 2), jnp.float32)),
+                     jnp.asarray(x), int32([1, 2]), checked=np.bool_(True))
+    amax = np.stack([np.abs(x[:1]).max(axis=0), np.abs(x[1:]).max(axis=0), [0, 0]])
+    want_scale = np.where(amax > 0, amax * np.float32(1 / 448), 1).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(scale), want_scale)
+    back = np.asarray(q_t, np.float32) * np.repeat(want_scale.T, 128, axis=1)
+    want = np.zeros((2, 384), np.float32)
+    want[:, 0], want[:, 128:130] = x[0], x[1:].T
+    np.testing.assert_allclose(back, want, rtol=2 ** -4)
+
+
+def check_grouped_matmul_fp8_blockwise_contract():
+    # M = 3 rows in groups of 1 and 2: columns 0 and 128-129 of P = 128 * (1 + 2); K = 2, N = 8.
+    rng = np.random.default_rng(8)
+    lhs_t = np.zeros((2, 384), np.float32)
+    rhs_t = np.zeros((8, 384), np.float32)
+    for t in (lhs_t, rhs_t):
+        t[:, [0, 128, 129]] = rng.choice([-2.0, -0.5, 1.0, 1.5, 3.0], (t.shape[0], 3))
+    lhs_scales = np.asarray([[1.0, 2.0], [0.5, 4.0], [1.0, 1.0]], np.float32)
+    rhs_scales = rng.choice([0.25, 1.0, 2.0], (3, 8)).astype(np.float32)
+    out = ffi("nodrop_grouped_matmul_fp8_blockwise_contract",
+              jax.ShapeDtypeStruct((2, 2, 8), jnp.bfloat16),
+              jnp.asarray(lhs_t, jnp.float8_e4m3fn), jnp.asarray(lhs_scales),
+              jnp.asarray(rhs_t, jnp.float8_e4m3fn), jnp.asarray(rhs_scales), int32([1, 2]),
+              num_rows=np.int64(3), checked=np.bool_(False))
+    lhs_dq = lhs_t * np.repeat(lhs_scales.T, 128, axis=1)
+    rhs_dq = rhs_t * np.repeat(rhs_scales.T, 128, axis=1)
+    want = np.stack([lhs_dq[:, :1] @ rhs_dq[:, :1].T, lhs_dq[:, 128:130] @ rhs_dq[:, 128:130].T])
+    np.testing.assert_allclose(as_f64(out), want, rtol=2 ** -8)
+
+
 CHECKS = {
     "nodrop_grouped_matmul": check_grouped_matmul,
     "nodrop_grouped_matmul_contract": check_grouped_matmul_contract,
@@ -201,6 +237,8 @@ CHECKS = {
     "nodrop_topk_router_grad": check_topk_router_grad,
     "nodrop_quantize_fp8": check_quantize_fp8,
     "nodrop_grouped_matmul_fp8_blockwise": check_grouped_matmul_fp8_blockwise,
+    "nodrop_quantize_fp8_transposed": check_quantize_fp8_transposed,
+    "nodrop_grouped_matmul_fp8_blockwise_contract": check_grouped_matmul_fp8_blockwise_contract,
 }
 
 
@@ -233,6 +271,7 @@ def test_ops_and_their_gradients_lower_to_every_registered_target():
     lowered = grad_fn.lower(x, params).as_text()
     # Every target but the FP8 recipes' (test_fp8.py lowers those).
     assert set(re.findall(r"custom_call @(nodrop_\w+)", lowered)) == set(_ffi.CPU_TARGETS) - {
-        "nodrop_quantize_fp8", "nodrop_grouped_matmul_fp8_blockwise"}
+        "nodrop_quantize_fp8", "nodrop_grouped_matmul_fp8_blockwise",
+        "nodrop_quantize_fp8_transposed", "nodrop_grouped_matmul_fp8_blockwise_contract"}
     grads = jax.block_until_ready(grad_fn(x, params))
     assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))

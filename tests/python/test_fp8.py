@@ -11,6 +11,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import (F32_TOL, as_f64, assert_close, group_offsets, int32, invalid_group_sizes,
@@ -23,6 +24,7 @@ import nodrop
 from nodrop.models import ModelConfig
 from nodrop.moe import MoEBlock, MoEConfig
 from nodrop.ops import fp8, reference
+from nodrop.ops.grouped_matmul import grouped_matmul
 
 E4M3_EPS = 2.0 ** -4  # half the spacing of E4M3's 3 mantissa bits, relative
 E4M3_SUBNORMAL_STEP = 2.0 ** -9  # E4M3's subnormal spacing (times the scale)
@@ -503,9 +505,9 @@ def test_grouped_matmul_fp8_blockwise_matches_the_reference(case):
 
 
 @pytest.mark.parametrize("case", FP8_GEMM_CASES)
-def test_the_kernel_forward_and_input_gradient_are_the_emulated_ones(case):
-    """Up to float32 summation order and the kernel's bfloat16 output; the weight gradient,
-    emulated either way, is the same bytes."""
+def test_the_kernel_forward_and_gradients_are_the_emulated_ones(case):
+    """Up to float32 summation order and the kernels' bfloat16 outputs, the weight gradient
+    (the FP8 contraction) included."""
     m, k, n, sizes = FP8_GEMM_CASES[case]
     lhs, rhs, _ = fp8_operands(m, k, n, len(sizes), seed=3)
     dout = jax.random.normal(jax.random.key(9), (m, n), jnp.bfloat16)
@@ -517,23 +519,34 @@ def test_the_kernel_forward_and_input_gradient_are_the_emulated_ones(case):
     (kernel, kernel_grads), (emulated, emulated_grads) = results["kernel"], results["emulated"]
     assert kernel.dtype == emulated.dtype == jnp.bfloat16
     assert_bf16_close(kernel, emulated)
-    assert kernel_grads[0].dtype == jnp.bfloat16
-    assert_bf16_close(kernel_grads[0], emulated_grads[0])
-    np.testing.assert_array_equal(as_f64(kernel_grads[1]), as_f64(emulated_grads[1]))
+    assert kernel_grads[0].dtype == kernel_grads[1].dtype == jnp.bfloat16
+    assert_bf16_close(kernel_grads[0], emulated_grads[0], "dlhs")
+    assert_bf16_close(kernel_grads[1], emulated_grads[1], "drhs")
     used = group_offsets(sizes, m)[-1]
     assert not np.any(as_f64(kernel_grads[0])[used:]), "input gradient past the groups"
+    for g, size in enumerate(np.diff(group_offsets(sizes, m))):
+        if size == 0:
+            assert not np.any(as_f64(kernel_grads[1][g])), f"empty group {g}'s gradient"
 
 
-def test_the_input_gradient_runs_on_the_kernel_and_the_weight_gradient_emulated():
-    """With forward="kernel": the FP8 kernel twice (forward, input gradient), nodrop's bf16
-    grouped matmul not at all, and its ragged contraction once (the emulated weight gradient)."""
+def test_both_gradients_run_on_the_fp8_kernels():
+    """With forward="kernel": the FP8 kernel twice (forward, input gradient), the FP8
+    contraction once on two transposed quantisations (the weight gradient), and none of
+    nodrop's bf16 grouped matmuls: no float32 contraction of dequantised operands."""
     lhs, rhs = jnp.ones((8, 128), jnp.bfloat16), jnp.ones((2, 128, 8), jnp.bfloat16)
     loss = lambda a, b: jnp.sum(jnp.sin(fp8.fp8_grouped_matmul(  # noqa: E731
         a, b, int32([3, 5]), forward="kernel").astype(jnp.float32)))
     text = jax.jit(jax.grad(loss, (0, 1))).lower(lhs, rhs).as_text()
-    assert text.count("custom_call @nodrop_grouped_matmul_fp8_blockwise") == 2
-    assert text.count("custom_call @nodrop_grouped_matmul(") == 0
-    assert text.count("custom_call @nodrop_grouped_matmul_contract") == 1
+    calls = {target: text.count(f"custom_call @{target}(") for target in (
+        "nodrop_grouped_matmul_fp8_blockwise", "nodrop_grouped_matmul_fp8_blockwise_contract",
+        "nodrop_quantize_fp8", "nodrop_quantize_fp8_transposed", "nodrop_grouped_matmul",
+        "nodrop_grouped_matmul_contract")}
+    assert calls == {"nodrop_grouped_matmul_fp8_blockwise": 2,
+                     "nodrop_grouped_matmul_fp8_blockwise_contract": 1,
+                     "nodrop_quantize_fp8": 2, "nodrop_quantize_fp8_transposed": 2,
+                     "nodrop_grouped_matmul": 0, "nodrop_grouped_matmul_contract": 0}
+    # and the emulation's segment reductions of the weight gradient's blocks are gone
+    assert "scatter" not in text
 
 
 def test_the_kernel_forward_under_jit_remat_and_scan():
@@ -570,7 +583,7 @@ def test_which_forward_runs_on_the_cpu(forward, dtype, kernel_calls):
     lhs, rhs = jnp.ones((8, 128), dtype), jnp.ones((2, 128, 8), dtype)
     f = jax.jit(lambda a, b: fp8.fp8_grouped_matmul(a, b, int32([3, 5]), forward=forward))
     text = f.lower(lhs, rhs).as_text()
-    assert text.count("custom_call @nodrop_grouped_matmul_fp8_blockwise") == kernel_calls
+    assert text.count("custom_call @nodrop_grouped_matmul_fp8_blockwise(") == kernel_calls
 
 
 def test_checked_mode_refuses_invalid_group_sizes_in_the_fp8_kernel():
@@ -613,3 +626,232 @@ def test_bad_forward_is_refused():
                                                    "'emulated'), got 'fast'")):
         fp8.fp8_grouped_matmul(jnp.ones((4, 8), jnp.float32), jnp.ones((1, 8, 8), jnp.float32),
                                int32([4]), forward="fast")
+
+
+# --- the engine's FP8 weight gradient ----------------------------------------------------------
+
+# name -> (M, C, group_sizes)
+TRANSPOSED_CASES = {
+    "unaligned_groups_and_rows_past_them": (330, 200, [130, 0, 100, 50]),
+    "all_rows_in_one_group": (300, 24, [0, 300, 0]),
+    "empty_groups": (40, 24, [0, 0, 0]),
+    "aligned": (256, 8, [128, 128]),
+    "negative_and_overlong_sizes": (50, 9, [-3, 40, 100]),
+    "no_groups": (6, 4, []),
+}
+
+
+def numpy_quantize_transposed(x, sizes):
+    """quantize_transposed written out in numpy: each group's (clamped) rows in blocks of 128
+    from its first row, numbered on over the groups; a block's scale per column is amax *
+    float32(1 / 448) (1 for zeros, NaN for a NaN or an inf), its codes x * (1 / scale) in float32,
+    clipped to +-448 and rounded to nearest even (ml_dtypes' cast); the codes of block b's row j
+    at column 128 * b + j. Returns the codes' bytes and the scales."""
+    x = as_f64(x).astype(np.float32)
+    m, c = x.shape
+    blocks = -(-m // fp8.BLOCK) + len(sizes)
+    values = np.zeros((c, fp8.BLOCK * blocks), np.float32)
+    scale = np.ones((blocks, c), np.float32)
+    bounds, b = group_offsets(sizes, m), 0
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        for first in range(start, end, fp8.BLOCK):
+            block = x[first:min(first + fp8.BLOCK, end)]
+            amax = np.max(np.abs(np.where(np.isfinite(block), block, 0)), axis=0)
+            s = amax * np.float32(1 / fp8.E4M3_MAX)
+            s = np.where(np.isfinite(block).all(axis=0), np.where(s > 0, s, 1), np.nan)
+            scale[b] = s.astype(np.float32)
+            with np.errstate(invalid="ignore"):
+                v = block * (np.float32(1) / scale[b])
+                v = np.where(np.isnan(v), v, np.clip(v, -fp8.E4M3_MAX, fp8.E4M3_MAX))
+            values[:, fp8.BLOCK * b:fp8.BLOCK * b + len(block)] = v.T
+            b += 1
+    return values.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scale
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("case", TRANSPOSED_CASES)
+def test_quantize_transposed_is_bitwise_the_numpy_derivation(case, dtype):
+    m, c, sizes = TRANSPOSED_CASES[case]
+    rng = np.random.default_rng(m + c)
+    # Magnitudes over 24 binades across the columns: subnormal codes and whole-block zeros.
+    x = rng.standard_normal((m, c)) * np.exp2(rng.integers(-12, 12, (1, c)))
+    x = jnp.asarray(x, dtype).at[:, 0].set(0)
+    if m > 140:  # a NaN and an inf in one block each
+        x = x.at[5, 1].set(jnp.nan).at[140, 2].set(-jnp.inf)
+    q_t, scale = fp8.quantize_transposed(x, int32(sizes))
+    want_q, want_scale = numpy_quantize_transposed(x, sizes)
+    blocks = -(-m // 128) + len(sizes)
+    assert q_t.dtype == fp8.E4M3 and q_t.shape == (c, 128 * blocks)
+    assert scale.dtype == jnp.float32 and scale.shape == (blocks, c)
+    np.testing.assert_array_equal(bits(q_t), want_q)
+    np.testing.assert_array_equal(np.asarray(scale), want_scale)  # NaN == NaN here
+    jitted = jax.jit(fp8.quantize_transposed)(x, int32(sizes))
+    np.testing.assert_array_equal(bits(jitted[0]), bits(q_t))
+
+
+def untransposed(q_t, scale, sizes, m):
+    """The rows of quantize_transposed's blocks put back: [M, C] float32, zero past the groups."""
+    values = as_f64(fp8.dequantize(jnp.swapaxes(q_t, 0, 1), scale, fp8.WGRAD_BLOCK))
+    out = np.zeros((m, values.shape[1]))
+    bounds, b = group_offsets(sizes, m), 0
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        for first in range(start, end, fp8.BLOCK):
+            rows = min(fp8.BLOCK, end - first)
+            out[first:first + rows] = values[fp8.BLOCK * b:fp8.BLOCK * b + rows]
+            b += 1
+    return out
+
+
+@pytest.mark.parametrize("case", [case for case in TRANSPOSED_CASES if case != "no_groups"])
+def test_quantize_transposed_holds_the_emulations_blocks(case):
+    """Put back in place, the blocks dequantise to what the emulated weight gradient multiplies
+    (`_qdq_group_rows`, which takes one group at least), value for value."""
+    m, c, sizes = TRANSPOSED_CASES[case]
+    x = jax.random.normal(jax.random.key(m), (m, c), jnp.bfloat16) * 100
+    q_t, scale = fp8.quantize_transposed(x, int32(sizes))
+    want = fp8._qdq_group_rows(fp8._rows_in_groups(x, int32(sizes)), int32(sizes), "blockwise")
+    np.testing.assert_array_equal(untransposed(q_t, scale, sizes, m), as_f64(want))
+
+
+# name -> (M, K, N, group_sizes); N off the kernel's multiple of 8 (padded around the call)
+CONTRACT_CASES = {**CASES, "negative_and_overlong_sizes": (50, 144, 24, [-3, 40, 100]),
+                  "n_padded_for_the_kernel": (50, 100, 13, [20, 25])}
+
+
+def contract_operands(m, k, n, sizes, seed=0):
+    lhs = jax.random.normal(jax.random.key(seed), (m, k), jnp.bfloat16)
+    dout = jax.random.normal(jax.random.key(seed + 1), (m, n), jnp.bfloat16)
+    return lhs, dout, (*fp8.quantize_transposed(lhs, int32(sizes)),
+                       *fp8.quantize_transposed(dout, int32(sizes)))
+
+
+@pytest.mark.parametrize("case", CONTRACT_CASES)
+def test_the_fp8_contraction_is_the_emulated_weight_gradient(case):
+    """Against the reference (the dequantised operands' product per group) and against the
+    emulation's weight gradient, qdq(lhs)^T @ qdq(dout) over each group's rows in float32: up
+    to float32 summation order and the kernel's bfloat16 output."""
+    m, k, n, sizes = CONTRACT_CASES[case]
+    lhs, dout, operands = contract_operands(m, k, n, sizes)
+    got = nodrop.grouped_matmul_fp8_blockwise_contract(*operands, int32(sizes), num_rows=m)
+    assert got.dtype == jnp.bfloat16 and got.shape == (len(sizes), k, n)
+    assert_bf16_close(got, reference.grouped_matmul_fp8_blockwise_contract(
+        *operands, int32(sizes), num_rows=m), "reference")
+    emulated = jax.jit(fp8._emulated_drhs, static_argnums=(3, 4))(
+        lhs, fp8._rows_in_groups(dout, int32(sizes)), int32(sizes), "blockwise", grouped_matmul)
+    assert_bf16_close(got, emulated, "emulation")
+    for g, size in enumerate(np.diff(group_offsets(sizes, m))):
+        if size == 0:
+            assert not np.any(as_f64(got[g])), f"empty group {g}'s gradient is not zero"
+    jitted = jax.jit(nodrop.grouped_matmul_fp8_blockwise_contract, static_argnames="num_rows")
+    np.testing.assert_array_equal(as_f64(jitted(*operands, int32(sizes), num_rows=m)),
+                                  as_f64(got))
+
+
+@jax.jit
+def kernel_and_emulated_weight_gradients(lhs, dout, sizes):
+    dout = fp8._rows_in_groups(dout, sizes)
+    return (fp8._kernel_drhs(lhs, dout, sizes),
+            fp8._emulated_drhs(lhs, dout, sizes, "blockwise", grouped_matmul))
+
+
+@settings(max_examples=20)
+@given(sizes=st.one_of(valid_group_sizes(PROPERTY_SHAPE[0], PROPERTY_SHAPE[3]),
+                       invalid_group_sizes(PROPERTY_SHAPE[0], PROPERTY_SHAPE[3])),
+       seed=seeds)
+def test_property_the_fp8_weight_gradient_is_the_emulated_one(sizes, seed):
+    """Any group sizes, invalid ones included (clamped alike by both)."""
+    m, k, n, _ = PROPERTY_SHAPE
+    lhs = jax.random.normal(jax.random.key(seed), (m, k), jnp.bfloat16)
+    dout = jax.random.normal(jax.random.key(seed + 1), (m, n), jnp.bfloat16)
+    got, emulated = kernel_and_emulated_weight_gradients(lhs, dout, int32(sizes))
+    assert_bf16_close(got, emulated)
+
+
+def test_the_fp8_contraction_reads_only_the_groups_rows():
+    """Codes and scales where no group row is (the short last block's tail, the blocks past
+    the groups) change nothing: the contraction is over each group's rows."""
+    m, k, n, sizes = 200, 16, 8, [70, 90]
+    _, _, (lhs_t, lhs_scales, rhs_t, rhs_scales) = contract_operands(m, k, n, sizes, seed=4)
+    got = nodrop.grouped_matmul_fp8_blockwise_contract(lhs_t, lhs_scales, rhs_t, rhs_scales,
+                                                       int32(sizes), num_rows=m)
+    # Block 0 holds group 0's rows 0-69, block 1 group 1's rows 70-159; blocks 2 and 3 are
+    # unused (rows 160-199 are past the groups).
+    owned = np.zeros(lhs_t.shape[1], bool)
+    owned[0:70] = owned[128:128 + 90] = True
+    noisy = [jnp.where(jnp.asarray(owned)[None, :], q, jnp.asarray(3.0, fp8.E4M3))
+             for q in (lhs_t, rhs_t)]
+    scales = [s.at[2:].set(1e3) for s in (lhs_scales, rhs_scales)]
+    again = nodrop.grouped_matmul_fp8_blockwise_contract(noisy[0], scales[0], noisy[1],
+                                                         scales[1], int32(sizes), num_rows=m)
+    np.testing.assert_array_equal(as_f64(again), as_f64(got))
+
+
+def test_the_fp8_weight_gradient_ops_under_vmap_and_checked_mode():
+    m, k, sizes = 40, 16, int32([10, 30])
+    lhs = jax.random.normal(jax.random.key(0), (3, m, k), jnp.bfloat16)
+    q_t, scale = jax.vmap(fp8.quantize_transposed, in_axes=(0, None))(lhs, sizes)
+    want = [fp8.quantize_transposed(x, sizes) for x in lhs]
+    np.testing.assert_array_equal(bits(q_t), np.stack([bits(w[0]) for w in want]))
+    np.testing.assert_array_equal(np.asarray(scale), np.stack([np.asarray(w[1]) for w in want]))
+    gram = lambda q, s: nodrop.grouped_matmul_fp8_blockwise_contract(  # noqa: E731
+        q, s, q, s, sizes, num_rows=m)
+    np.testing.assert_array_equal(as_f64(jax.vmap(gram)(q_t, scale)),
+                                  np.stack([as_f64(gram(*w)) for w in want]))
+    x = jnp.ones((m, k), jnp.float32)
+    with nodrop.checks(), pytest.raises(jax.errors.JaxRuntimeError,
+                                        match=re.escape("group_sizes sum to 50")):
+        jax.block_until_ready(fp8.quantize_transposed(x, int32([10, 40])))
+    q, s = fp8.quantize_transposed(x, sizes)
+    with nodrop.checks(), pytest.raises(jax.errors.JaxRuntimeError,
+                                        match=re.escape("group_sizes[0] = -1 is negative")):
+        jax.block_until_ready(nodrop.grouped_matmul_fp8_blockwise_contract(
+            q, s, q, s, int32([-1, 30]), num_rows=m))
+
+
+def _contract_args(**changes):
+    _, _, (lhs_t, lhs_scales, rhs_t, rhs_scales) = contract_operands(200, 16, 24, [70, 90])
+    args = dict(lhs_t=lhs_t, lhs_scales=lhs_scales, rhs_t=rhs_t, rhs_scales=rhs_scales,
+                group_sizes=int32([70, 90]), num_rows=200)
+    return {**args, **{name: change(args[name]) for name, change in changes.items()}}
+
+
+@pytest.mark.parametrize("changes, error, message", [
+    (dict(num_rows=lambda r: -1), ValueError, "num_rows must be a non-negative int (M), got -1"),
+    (dict(num_rows=lambda r: 200.0), ValueError,
+     "num_rows must be a non-negative int (M), got 200.0"),
+    (dict(num_rows=lambda r: 300), ValueError,
+     "lhs_t has 512 columns along axis 1 (P = 128 * (ceil(num_rows / 128) + G) for num_rows "
+     "300 and G 2) but expected 640 (shape (16, 512))"),
+    (dict(lhs_t=lambda x: x[0]), ValueError, "lhs_t must have rank 2 ([K, P]), got shape (512,)"),
+    (dict(rhs_t=lambda x: x[None]), ValueError, "rhs_t must have rank 2 ([N, P])"),
+    (dict(lhs_t=lambda x: x.astype(jnp.bfloat16)), TypeError,
+     "lhs_t must be float8_e4m3fn, got bfloat16"),
+    (dict(rhs_t=lambda x: x[:, :256]), ValueError,
+     "rhs_t has 256 columns along axis 1 (P = 128 * (ceil(num_rows / 128) + G) for num_rows "
+     "200 and G 2) but expected 512"),
+    (dict(lhs_scales=lambda s: s[:3]), ValueError,
+     "lhs_scales must be float32 of shape (4, 16) (one scale per block of 128 rows and column), "
+     "got float32 of shape (3, 16)"),
+    (dict(rhs_scales=lambda s: s.astype(jnp.bfloat16)), ValueError,
+     "rhs_scales must be float32 of shape (4, 24)"),
+    (dict(group_sizes=lambda g: g[None]), ValueError,
+     "group_sizes must have rank 1 ([G]), got shape (1, 2)"),
+    (dict(group_sizes=lambda g: g.astype(jnp.float32)), TypeError,
+     "group_sizes must have an integer dtype, got float32"),
+])
+def test_grouped_matmul_fp8_blockwise_contract_refuses_bad_input(changes, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        nodrop.grouped_matmul_fp8_blockwise_contract(**_contract_args(**changes))
+
+
+@pytest.mark.parametrize("args, error, message", [
+    ((jnp.ones((4,), jnp.float32), int32([4])), ValueError, "x must have rank 2 ([M, C])"),
+    ((jnp.ones((4, 4), jnp.int32), int32([4])), TypeError, "x must be"),
+    ((jnp.ones((4, 4), jnp.float32), int32([[4]])), ValueError,
+     "group_sizes must have rank 1 ([G]), got shape (1, 1)"),
+    ((jnp.ones((4, 4), jnp.float32), jnp.ones((1,), jnp.float32)), TypeError,
+     "group_sizes must have an integer dtype, got float32"),
+])
+def test_quantize_transposed_refuses_bad_input(args, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        fp8.quantize_transposed(*args)

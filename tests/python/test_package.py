@@ -129,7 +129,8 @@ def test_the_public_api_is_typed():
     from nodrop.serve import Loaded, export, generate, load
     assert (ROOT / "nodrop" / "py.typed").is_file()
     functions = [nodrop.grouped_matmul, nodrop.grouped_matmul_contract, nodrop.ragged_dot,
-                 nodrop.fp8_grouped_matmul, nodrop.quantize, nodrop.dequantize,
+                 nodrop.fp8_grouped_matmul, nodrop.grouped_matmul_fp8_blockwise_contract,
+                 nodrop.quantize, nodrop.dequantize,
                  nodrop.permute, nodrop.unpermute, nodrop.topk_router, nodrop.checks,
                  MoEBlock.__init__, MoEBlock.__call__, nodrop.backends, load, export,
                  generate.check_sampling, generate.generate, generate.evaluate, Loaded.encode,

@@ -1,8 +1,10 @@
-// FP8 quantisation on the CPU: the reference numerics of nodrop.ops.fp8, row by row.
+// FP8 quantisation on the CPU: the reference numerics of nodrop.ops.fp8, row by row, and the
+// weight gradient's transposed operands block by block.
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
+#include "engine/cpu/arguments.h"
 #include "engine/cpu/convert.h"
 #include "engine/cpu/parallel.h"
 #include "nodrop/engine_cpu.h"
@@ -18,6 +20,13 @@ float block_scale(float amax, bool finite) {
   if (!finite) return std::nanf("");
   const float scale = amax * (1.0f / kE4M3Max);  // as nodrop.ops.fp8: times the reciprocal
   return scale > 0.0f ? scale : 1.0f;
+}
+
+// x * inverse (the reciprocal of its block's scale), saturated to +-448 and rounded to E4M3. NaN
+// stays NaN (a non-finite block's values), which std::clamp would not promise.
+uint8_t quantize_value(float x, float inverse) {
+  const float v = x * inverse;
+  return float_to_e4m3(std::isnan(v) ? v : std::clamp(v, -kE4M3Max, kE4M3Max));
 }
 
 }  // namespace
@@ -43,12 +52,62 @@ Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t bl
       const float s = block_scale(amax, finite);
       scale[row * blocks + b] = s;
       const float inverse = 1.0f / s;
-      for (int64_t i = begin; i < end; ++i) {
-        // std::clamp keeps NaN (a non-finite block's values stay NaN).
-        const float v = values[i] * inverse;
-        q[row * C + i] = float_to_e4m3(std::isnan(v) ? v : std::clamp(v, -kE4M3Max, kE4M3Max));
-      }
+      for (int64_t i = begin; i < end; ++i) q[row * C + i] = quantize_value(values[i], inverse);
     }
+    }
+  });
+  return Status::Ok();
+}
+
+Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_sizes, int64_t M,
+                               int64_t C, int64_t G, uint8_t* q_t, float* scale, bool checked,
+                               ParallelRunner* runner) {
+  const int64_t PB = fp8_contract_blocks(M, G), P = kFp8Block * PB;
+  Status status = check_arguments(
+      "quantize_fp8_transposed", {{"M", M}, {"C", C}, {"G", G}},
+      {{"x", x, M * C}, {"group_sizes", group_sizes, G}, {"q_t", q_t, C * P},
+       {"scale", scale, PB * C}});
+  if (!status.ok()) return status;
+  std::vector<int64_t> offsets(G + 1);
+  status = clamp_group_offsets(group_sizes, G, M, checked, "group_sizes", offsets.data());
+  if (!status.ok()) return status;
+  // The first row of each block, group by group; a group's last block ends at its end.
+  std::vector<int64_t> block_begin, block_end;
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t row = offsets[g]; row < offsets[g + 1]; row += kFp8Block) {
+      block_begin.push_back(row);
+      block_end.push_back(std::min(offsets[g + 1], row + kFp8Block));
+    }
+  }
+  const int64_t used = static_cast<int64_t>(block_begin.size());
+  std::fill(scale + used * C, scale + PB * C, 1.0f);
+  for (int64_t c = 0; c < C; ++c) std::fill(q_t + c * P + used * kFp8Block, q_t + (c + 1) * P, 0);
+  parallel_blocks(runner, used, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> values(kFp8Block * C), amax(C), inverse(C);
+    std::vector<char> finite(C);
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t rows = block_end[b] - block_begin[b];
+      to_float(static_cast<const char*>(x) + block_begin[b] * C * dtype_size(dtype), dtype,
+               rows * C, values.data());
+      std::fill(amax.begin(), amax.end(), 0.0f);
+      std::fill(finite.begin(), finite.end(), 1);
+      for (int64_t j = 0; j < rows; ++j) {
+        for (int64_t c = 0; c < C; ++c) {
+          const float v = values[j * C + c];
+          finite[c] = finite[c] && std::isfinite(v);
+          amax[c] = std::max(amax[c], std::fabs(v));
+        }
+      }
+      for (int64_t c = 0; c < C; ++c) {
+        const float s = block_scale(amax[c], finite[c]);
+        scale[b * C + c] = s;
+        inverse[c] = 1.0f / s;
+      }
+      for (int64_t c = 0; c < C; ++c) {
+        uint8_t* column = q_t + c * P + b * kFp8Block;  // the block's 128 columns of row c
+        for (int64_t j = 0; j < rows; ++j) column[j] = quantize_value(values[j * C + c], inverse[c]);
+        std::fill(column + rows, column + kFp8Block, 0);
+      }
     }
   });
   return Status::Ok();

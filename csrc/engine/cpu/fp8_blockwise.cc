@@ -1,10 +1,12 @@
-// The FP8 blockwise-scaled grouped matmul on the CPU: the CUDA kernel's numerics in plain loops
-// (the reference backend; correct first, vectorisable inner loops, one row block per worker).
+// The FP8 blockwise-scaled grouped matmuls on the CPU, the forward and the weight gradient: the
+// CUDA kernels' numerics in plain loops (the reference backend; correct first, vectorisable inner
+// loops, one block of output rows per worker).
 #include <algorithm>
 #include <array>
 #include <string>
 #include <vector>
 
+#include "engine/cpu/arguments.h"
 #include "engine/cpu/convert.h"
 #include "engine/cpu/parallel.h"
 #include "nodrop/engine_cpu.h"
@@ -13,10 +15,12 @@ namespace nodrop::cpu {
 namespace {
 
 constexpr int64_t kScaleBlock = 128;  // the recipe's 1 x 128 and 128 x 128 scale blocks
-constexpr int64_t kLanes = 8;         // independent partial sums of a dot (K is a multiple of 16)
+constexpr int64_t kLanes = 8;  // independent partial sums of a dot (of a multiple of 16 elements)
 
-Status fail(const std::string& message) {
-  return Status::Error("grouped_matmul_fp8_blockwise: " + message);
+// Both GEMMs write bfloat16 rows of N elements, 16-byte aligned on the GPU.
+Status n_not_a_multiple_of_8(const char* function, int64_t N) {
+  return Status::Error(std::string(function) + ": N = " + std::to_string(N) +
+                       " must be a multiple of 8 (as on the GPU): pad it");
 }
 
 const std::array<float, 256>& e4m3_table() {
@@ -51,33 +55,22 @@ Status grouped_matmul_fp8_blockwise(const void* lhs, const float* lhs_scales, co
                                     const float* rhs_scales, const int32_t* group_sizes,
                                     int64_t M, int64_t K, int64_t N, int64_t G, void* out,
                                     bool checked, ParallelRunner* runner) {
-  const std::pair<const char*, int64_t> dims[] = {{"M", M}, {"K", K}, {"N", N}, {"G", G}};
-  for (const auto& [name, value] : dims) {
-    if (value < 0) return fail(std::string(name) + " = " + std::to_string(value) + " is negative");
-  }
+  const int64_t KB = (K + kScaleBlock - 1) / kScaleBlock, NB = (N + kScaleBlock - 1) / kScaleBlock;
+  const char* function = "grouped_matmul_fp8_blockwise";
+  Status status = check_arguments(
+      function, {{"M", M}, {"K", K}, {"N", N}, {"G", G}},
+      {{"lhs", lhs, M * K}, {"lhs_scales", lhs_scales, M * KB}, {"rhs", rhs, G * N * K},
+       {"rhs_scales", rhs_scales, G * NB * KB}, {"group_sizes", group_sizes, G},
+       {"out", out, M * N}});
+  if (!status.ok()) return status;
   // The GPU's rules, so that both engines refuse the same calls.
   if (K % 16 != 0) {
-    return fail("K = " + std::to_string(K) + " must be a multiple of 16 (as on the GPU): pad it");
+    return Status::Error(std::string(function) + ": K = " + std::to_string(K) +
+                         " must be a multiple of 16 (as on the GPU): pad it");
   }
-  if (N % 8 != 0) {
-    return fail("N = " + std::to_string(N) + " must be a multiple of 8 (as on the GPU): pad it");
-  }
-  const int64_t KB = (K + kScaleBlock - 1) / kScaleBlock, NB = (N + kScaleBlock - 1) / kScaleBlock;
-  struct Buffer {
-    const char* name;
-    const void* data;
-    int64_t elements;
-  };
-  const Buffer buffers[] = {{"lhs", lhs, M * K},           {"lhs_scales", lhs_scales, M * KB},
-                            {"rhs", rhs, G * N * K},       {"rhs_scales", rhs_scales, G * NB * KB},
-                            {"group_sizes", group_sizes, G}, {"out", out, M * N}};
-  for (const Buffer& buffer : buffers) {
-    if (buffer.elements > 0 && buffer.data == nullptr) {
-      return fail(std::string(buffer.name) + " is null");
-    }
-  }
+  if (N % 8 != 0) return n_not_a_multiple_of_8(function, N);
   std::vector<int64_t> offsets(G + 1);
-  Status status = clamp_group_offsets(group_sizes, G, M, checked, "group_sizes", offsets.data());
+  status = clamp_group_offsets(group_sizes, G, M, checked, "group_sizes", offsets.data());
   if (!status.ok()) return status;
   uint16_t* result = static_cast<uint16_t*>(out);
   const int64_t used_rows = offsets[G];
@@ -110,6 +103,71 @@ Status grouped_matmul_fp8_blockwise(const void* lhs, const float* lhs_scales, co
           acc += dot(row.data() + begin, w + begin, length) * (row_scales[kb] * w_scales[kb]);
         }
         result[m * N + n] = float_to_bf16(acc);
+      }
+    }
+  });
+  return Status::Ok();
+}
+
+Status grouped_matmul_fp8_blockwise_contract(const void* lhs_t, const float* lhs_scales,
+                                             const void* rhs_t, const float* rhs_scales,
+                                             const int32_t* group_sizes, int64_t M, int64_t K,
+                                             int64_t N, int64_t G, void* out, bool checked,
+                                             ParallelRunner* runner) {
+  const int64_t PB = fp8_contract_blocks(M, G), P = kFp8Block * PB;
+  const char* function = "grouped_matmul_fp8_blockwise_contract";
+  Status status = check_arguments(
+      function, {{"M", M}, {"K", K}, {"N", N}, {"G", G}},
+      {{"lhs_t", lhs_t, K * P}, {"lhs_scales", lhs_scales, PB * K}, {"rhs_t", rhs_t, N * P},
+       {"rhs_scales", rhs_scales, PB * N}, {"group_sizes", group_sizes, G},
+       {"out", out, G * K * N}});
+  if (!status.ok()) return status;
+  if (N % 8 != 0) return n_not_a_multiple_of_8(function, N);
+  std::vector<int64_t> offsets(G + 1);
+  status = clamp_group_offsets(group_sizes, G, M, checked, "group_sizes", offsets.data());
+  if (!status.ok()) return status;
+  // Group g's blocks are [first_block[g], first_block[g + 1]), as quantize_fp8_transposed lays
+  // them out; the columns of its last block past its rows are not its own (as on the GPU, whose
+  // contraction is exactly the group's rows), so they decode as zeros.
+  std::vector<int64_t> first_block(G + 1, 0);
+  for (int64_t g = 0; g < G; ++g) {
+    first_block[g + 1] = first_block[g] + (offsets[g + 1] - offsets[g] + kFp8Block - 1) / kFp8Block;
+  }
+  const int64_t used = first_block[G] * kFp8Block;  // the columns any group reads
+  auto decode_group = [&](const void* operand, int64_t row, int64_t g, float* values) {
+    const int64_t rows = offsets[g + 1] - offsets[g];
+    const int64_t width = (first_block[g + 1] - first_block[g]) * kFp8Block;
+    decode(static_cast<const uint8_t*>(operand) + row * P + first_block[g] * kFp8Block, rows,
+           values);
+    std::fill(values + rows, values + width, 0.0f);
+  };
+
+  // rhs_t's used columns, decoded once.
+  std::vector<float> rhs(N * used);
+  parallel_blocks(runner, N, 1, [&](int64_t first, int64_t last) {
+    for (int64_t n = first; n < last; ++n) {
+      for (int64_t g = 0; g < G; ++g) {
+        decode_group(rhs_t, n, g, rhs.data() + n * used + first_block[g] * kFp8Block);
+      }
+    }
+  });
+  // One output row (g, k) at a time: its N sums over the group's blocks, in block order.
+  uint16_t* result = static_cast<uint16_t*>(out);
+  parallel_blocks(runner, G * K, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> row;
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t g = i / K, k = i % K;
+      const int64_t begin = first_block[g], blocks = first_block[g + 1] - begin;
+      row.resize(blocks * kFp8Block);
+      decode_group(lhs_t, k, g, row.data());
+      for (int64_t n = 0; n < N; ++n) {
+        const float* w = rhs.data() + n * used + begin * kFp8Block;
+        float acc = 0.0f;
+        for (int64_t b = 0; b < blocks; ++b) {
+          acc += dot(row.data() + b * kFp8Block, w + b * kFp8Block, kFp8Block) *
+                 (lhs_scales[(begin + b) * K + k] * rhs_scales[(begin + b) * N + n]);
+        }
+        result[i * N + n] = float_to_bf16(acc);  // an empty group's: zero
       }
     }
   });

@@ -49,6 +49,16 @@ class Status {
 Status clamp_group_offsets(const int32_t* sizes, int64_t num_groups, int64_t rows, bool checked,
                            const char* name, int64_t* offsets);
 
+// FP8 weight gradients (the blockwise recipe's ragged contraction) read their operands quantised
+// along the rows in blocks of kFp8Block rows that restart at each group's first row, transposed
+// (Hopper's FP8 wgmma reads both operands contraction-major) and laid out block by block: group
+// g's blocks are numbered from the sum of ceil(rows_h / kFp8Block) over the groups h before it.
+// fp8_contract_blocks(M, G) bounds that count for any group sizes: ceil(M / kFp8Block) + G.
+inline constexpr int64_t kFp8Block = 128;
+inline constexpr int64_t fp8_contract_blocks(int64_t M, int64_t G) {
+  return (M + kFp8Block - 1) / kFp8Block + G;
+}
+
 enum class ScoreFunction : int32_t { kSoftmax = 0, kSigmoid = 1 };
 
 // Top-k routing. Selection uses the score moved by expert_bias (optional; DeepSeek-V3's

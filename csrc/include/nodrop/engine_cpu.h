@@ -75,6 +75,18 @@ Status topk_router_grad(const float* logits, const int32_t* ids, const float* gr
 Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t block, uint8_t* q,
                     float* scale, ParallelRunner* runner = nullptr);
 
+// The weight gradient's operand of the blockwise recipe: x [M, C] (float32, float16 or bfloat16)
+// with group_sizes [G] (clamped as clamp_group_offsets; with `checked`, invalid sizes are an
+// error) -> q_t [C, P] E4M3 bytes and scale [PB, C] float32, PB = fp8_contract_blocks(M, G),
+// P = 128 * PB. Row r of group g, j-th row of its block b (engine.h numbers the blocks), lands in
+// q_t[c, 128 * b + j] = x[r, c] * (1 / scale[b, c]) saturated and rounded as quantize_fp8, with
+// scale[b, c] = amax of column c over the block's rows * float32(1 / 448) (1 where 0, NaN for a
+// NaN or an inf). Every other element of q_t is 0 and every other scale 1: rows past the groups
+// are read by nothing.
+Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_sizes, int64_t M,
+                               int64_t C, int64_t G, uint8_t* q_t, float* scale, bool checked,
+                               ParallelRunner* runner = nullptr);
+
 // FP8 blockwise-scaled grouped matmul (the DeepSeek-V3 recipe's forward), the CUDA engine's
 // grouped_matmul_fp8_blockwise on the CPU: the same layouts, rules and errors. KB = ceil(K/128),
 // NB = ceil(N/128):
@@ -88,6 +100,21 @@ Status grouped_matmul_fp8_blockwise(const void* lhs, const float* lhs_scales, co
                                     const float* rhs_scales, const int32_t* group_sizes,
                                     int64_t M, int64_t K, int64_t N, int64_t G, void* out,
                                     bool checked, ParallelRunner* runner = nullptr);
+
+// The blockwise recipe's weight gradient, ragged contraction on FP8 operands: with lhs [M, K]
+// and rhs [M, N] quantised by quantize_fp8_transposed (lhs_t [K, P], lhs_scales [PB, K],
+// rhs_t [N, P], rhs_scales [PB, N]; the same group_sizes and M),
+// out[g] [K, N] bfloat16 = sum over the blocks b of group g, in order, of
+//   (the float32 dot of lhs_t[k, block b] and rhs_t[n, block b]) * (lhs_scales[b, k] *
+//   rhs_scales[b, n]),
+// added in float32, block b being the columns 128 * b + j of its rows j (a short block's other
+// columns are not read, as the GPU contracts exactly each group's rows); an empty group gives
+// zeros. N must be a multiple of 8, as on the GPU.
+Status grouped_matmul_fp8_blockwise_contract(const void* lhs_t, const float* lhs_scales,
+                                             const void* rhs_t, const float* rhs_scales,
+                                             const int32_t* group_sizes, int64_t M, int64_t K,
+                                             int64_t N, int64_t G, void* out, bool checked,
+                                             ParallelRunner* runner = nullptr);
 
 }  // namespace cpu
 }  // namespace nodrop

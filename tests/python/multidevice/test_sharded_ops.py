@@ -220,3 +220,24 @@ def test_permute_partitions_the_hidden_axis_locally():
     np.testing.assert_array_equal(np.asarray(rows, np.float64), np.asarray(ref_rows))
     np.testing.assert_array_equal(np.asarray(sizes), np.asarray(ref_sizes))
     np.testing.assert_array_equal(np.asarray(row_map), np.asarray(ref_map))
+
+
+def test_fp8_weight_gradient_partitions_its_columns_locally():
+    """quantize_transposed and the FP8 contraction with their operands' columns split (K over
+    x, N over y): no collective, the output keeps both splits, and the values are the
+    one device's, bit for bit (the rows, summed over, stay whole)."""
+    from nodrop.ops import fp8
+
+    rng = np.random.default_rng(5)
+    lhs = random_normal(rng, (M, 16), jnp.bfloat16)
+    dout = random_normal(rng, (M, 12), jnp.bfloat16)
+
+    def weight_gradient(a, d):
+        return nodrop.grouped_matmul_fp8_blockwise_contract(
+            *fp8.quantize_transposed(a, SIZES), *fp8.quantize_transposed(d, SIZES), SIZES,
+            num_rows=M)
+
+    out, found = compiled(weight_gradient, put(lhs, P(None, "x")), put(dout, P(None, "y")))
+    assert found == set() and tuple(out.sharding.spec) == (None, "x", "y")
+    np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                  np.asarray(jax.jit(weight_gradient)(lhs, dout), np.float32))

@@ -1,8 +1,16 @@
-// Benchmark of the FP8 blockwise-scaled grouped matmul (forward, ragged rows) against the bf16
-// grouped matmul of the same shapes (rhs transposed too, its automatic tile), printed as
-// markdown tables.
+// Benchmark of the FP8 blockwise-scaled grouped matmul against the bf16 grouped matmul of the
+// same shapes, printed as markdown tables.
 //
-//   nodrop_cuda_fp8_bench [--iters=50] [--warmup=5] [--configs=auto|all] [--shapes=ID,...]
+//   nodrop_cuda_fp8_bench [--mode=forward|training] [--iters=50] [--warmup=5]
+//                         [--configs=auto|all] [--shapes=ID,...]
+//
+// --mode=forward (the default): the forward (ragged rows, rhs transposed in both precisions).
+// --mode=training: a layer's three GEMMs (forward, input gradient, weight gradient) in both
+// precisions, the FP8 side with the engine's quantisation of the activations and output
+// gradients (rows for the forward and input gradient, transposed for the weight gradient;
+// the weights' 128 x 128 quantisation runs in JAX and is not counted), and the quantisers'
+// bandwidth against a device-to-device copy of the same input. --configs=all there times every
+// weight-gradient kernel (NODROP_FP8_CONTRACT_TILE) in two orders.
 //
 // --configs=auto (the default) times the automatic schedule; --configs=all times every kernel of
 // fp8_tiles.def (along M, swizzle 1), then the fastest of them with three other tile orders, and
@@ -144,8 +152,16 @@ struct Problem {
   int32_t* sizes;
   size_t ws8_bytes, ws16_bytes;
   void *ws8, *ws16;
+  // --mode=training only: the output gradient [M, N] in both precisions, rhs [G, K, N] in FP8
+  // for the input gradient, the transposed operands of the weight gradient (engine.h's layout)
+  // and its [G, N, K] output.
+  __nv_bfloat16* dout16 = nullptr;
+  uint8_t *dout8 = nullptr, *rhs8_t = nullptr, *lhs8_t = nullptr, *dout8_t = nullptr;
+  float *dout_scales = nullptr, *lhs_t_scales = nullptr, *dout_t_scales = nullptr;
+  void* grad = nullptr;
+  int64_t P = 0;
 
-  Problem(const Shape& shape, cudaStream_t stream) : s(shape) {
+  Problem(const Shape& shape, cudaStream_t stream, bool training) : s(shape) {
     const int64_t KB = (s.K + 127) / 128, NB = (s.N + 127) / 128;
     lhs8 = static_cast<uint8_t*>(device_alloc(s.M * s.K));
     rhs8 = static_cast<uint8_t*>(device_alloc(s.G * s.N * s.K));
@@ -170,14 +186,37 @@ struct Problem {
         s.equal_groups ? Sizes(s.G, static_cast<int32_t>(s.M / s.G)) : router_like_sizes(s.M, s.G);
     CHECK(cudaMemcpyAsync(sizes, host_sizes.data(), s.G * sizeof(int32_t),
                           cudaMemcpyHostToDevice, stream));
+    if (training) {
+      const int64_t PB = nodrop::fp8_contract_blocks(s.M, s.G);
+      P = PB * nodrop::kFp8Block;
+      dout16 = static_cast<__nv_bfloat16*>(device_alloc(s.M * s.N * 2));
+      dout8 = static_cast<uint8_t*>(device_alloc(s.M * s.N));
+      dout_scales = static_cast<float*>(device_alloc(s.M * NB * sizeof(float)));
+      rhs8_t = static_cast<uint8_t*>(device_alloc(s.G * s.K * s.N));
+      lhs8_t = static_cast<uint8_t*>(device_alloc(s.K * P));
+      dout8_t = static_cast<uint8_t*>(device_alloc(s.N * P));
+      lhs_t_scales = static_cast<float*>(device_alloc(PB * s.K * sizeof(float)));
+      dout_t_scales = static_cast<float*>(device_alloc(PB * s.N * sizeof(float)));
+      grad = device_alloc(s.G * s.N * s.K * 2);
+      fill_bf16<<<1024, 256, 0, stream>>>(dout16, s.M * s.N, 5);
+      fill_e4m3<<<1024, 256, 0, stream>>>(rhs8_t, s.G * s.K * s.N, 6);
+      CHECK(cudaGetLastError());
+      // Real operands for the weight gradient: the quantisers' own output.
+      quantize_rows(stream);
+      quantize_transposed(stream);
+    }
     CHECK(cudaStreamSynchronize(stream));  // host_sizes goes out of scope
   }
   ~Problem() {
     for (void* p : {static_cast<void*>(lhs8), static_cast<void*>(rhs8),
                     static_cast<void*>(lhs_scales), static_cast<void*>(rhs_scales),
                     static_cast<void*>(lhs16), static_cast<void*>(rhs16), out,
-                    static_cast<void*>(sizes), ws8, ws16}) {
-      CHECK(cudaFree(p));
+                    static_cast<void*>(sizes), ws8, ws16, static_cast<void*>(dout16),
+                    static_cast<void*>(dout8), static_cast<void*>(rhs8_t),
+                    static_cast<void*>(lhs8_t), static_cast<void*>(dout8_t),
+                    static_cast<void*>(dout_scales), static_cast<void*>(lhs_t_scales),
+                    static_cast<void*>(dout_t_scales), grad}) {
+      if (p != nullptr) CHECK(cudaFree(p));
     }
   }
   Problem(const Problem&) = delete;
@@ -192,6 +231,42 @@ struct Problem {
     CHECK(nodrop::cuda::grouped_matmul_fp8_blockwise(lhs8, lhs_scales, rhs8, rhs_scales, sizes,
                                                      s.M, s.K, s.N, s.G, out, ws8, ws8_bytes,
                                                      stream, schedule));
+  }
+
+  // --mode=training. The input gradient dout [M, N] @ rhs[g] [N, K]; the weight gradient of
+  // rhs [G, N, K]: dout_g^T @ lhs_g.
+  void run_bf16_dgrad(cudaStream_t stream) const {
+    CHECK(nodrop::cuda::grouped_matmul(dout16, rhs16, nodrop::DType::kBFloat16, sizes, s.M, s.N,
+                                       s.K, s.G, /*transpose_rhs=*/false, out,
+                                       nodrop::DType::kBFloat16, ws16, ws16_bytes, stream));
+  }
+  void run_bf16_wgrad(cudaStream_t stream) const {
+    CHECK(nodrop::cuda::grouped_matmul_contract(dout16, lhs16, nodrop::DType::kBFloat16, sizes,
+                                                s.M, s.N, s.K, s.G, grad,
+                                                nodrop::DType::kBFloat16, ws16, ws16_bytes,
+                                                stream));
+  }
+  void quantize_rows(cudaStream_t stream) const {
+    CHECK(nodrop::cuda::quantize_fp8(lhs16, nodrop::DType::kBFloat16, s.M, s.K, 128, lhs8,
+                                     lhs_scales, stream));
+    CHECK(nodrop::cuda::quantize_fp8(dout16, nodrop::DType::kBFloat16, s.M, s.N, 128, dout8,
+                                     dout_scales, stream));
+  }
+  void quantize_transposed(cudaStream_t stream) const {
+    CHECK(nodrop::cuda::quantize_fp8_transposed(lhs16, nodrop::DType::kBFloat16, sizes, s.M, s.K,
+                                                s.G, lhs8_t, lhs_t_scales, stream));
+    CHECK(nodrop::cuda::quantize_fp8_transposed(dout16, nodrop::DType::kBFloat16, sizes, s.M,
+                                                s.N, s.G, dout8_t, dout_t_scales, stream));
+  }
+  void run_fp8_dgrad(cudaStream_t stream) const {
+    CHECK(nodrop::cuda::grouped_matmul_fp8_blockwise(dout8, dout_scales, rhs8_t, rhs_scales,
+                                                     sizes, s.M, s.N, s.K, s.G, out, ws8,
+                                                     ws8_bytes, stream));
+  }
+  void run_fp8_wgrad(const nodrop::cuda::Fp8GemmSchedule& schedule, cudaStream_t stream) const {
+    CHECK(nodrop::cuda::grouped_matmul_fp8_blockwise_contract(
+        dout8_t, dout_t_scales, lhs8_t, lhs_t_scales, sizes, s.M, s.N, s.K, s.G, grad, ws8,
+        ws8_bytes, stream, schedule));
   }
 };
 
@@ -213,13 +288,100 @@ struct Best {
   std::string best_name;
 };
 
+// --mode=training: per shape, the three GEMMs of a layer in bf16 and in FP8 with the engine's
+// quantisers, then the quantisers' bandwidth.
+void run_training(int iters, int warmup, bool all_configs, const std::string& shape_ids,
+                  cudaStream_t stream) {
+  using nodrop::cuda::Fp8GemmSchedule;
+  using nodrop::cuda::GemmRaster;
+  struct Bandwidth {
+    const Shape* shape;
+    double rows_gbs, transposed_gbs, copy_gbs;
+  };
+  std::vector<Bandwidth> bandwidths;
+  std::printf("Forward, input gradient and weight gradient of one layer (ms; FP8 with its "
+              "activation and output-gradient quantisation):\n\n");
+  std::printf("| shape | M | K | N | G | bf16 fwd | bf16 dgrad | bf16 wgrad | bf16 total | "
+              "fp8 quantise | fp8 fwd | fp8 dgrad | fp8 wgrad | fp8 wgrad kernel | fp8 total | "
+              "fp8 wgrad TFLOP/s | fp8 vs bf16 |\n");
+  std::printf("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+              "| ---: | --- | ---: | ---: | ---: |\n");
+  for (const Shape& s : kShapes) {
+    if (!selected(s, shape_ids)) continue;
+    const Problem problem(s, stream, /*training=*/true);
+    const double tflop = 2.0 * s.M * s.N * s.K * 1e-12;
+    auto time = [&](auto run) { return median_ms(iters, warmup, stream, run); };
+    const double bf16_fwd = time([&] { problem.run_bf16(stream); });
+    const double bf16_dgrad = time([&] { problem.run_bf16_dgrad(stream); });
+    const double bf16_wgrad = time([&] { problem.run_bf16_wgrad(stream); });
+    const double rows_ms = time([&] { problem.quantize_rows(stream); });
+    const double transposed_ms = time([&] { problem.quantize_transposed(stream); });
+    const double fp8_fwd = time([&] { problem.run_fp8(Fp8GemmSchedule{}, stream); });
+    const double fp8_dgrad = time([&] { problem.run_fp8_dgrad(stream); });
+    // The weight gradient's kernels: the automatic one, or all of them in two orders.
+    std::vector<Fp8GemmSchedule> candidates = {Fp8GemmSchedule{}};
+    if (all_configs) {
+      candidates.clear();
+#define NODROP_FP8_GEMM_TILE(...)
+#define NODROP_FP8_CONTRACT_TILE(name)                                            \
+  candidates.emplace_back(nodrop::cuda::Fp8GemmTile::name, GemmRaster::kAlongM, 1); \
+  candidates.emplace_back(nodrop::cuda::Fp8GemmTile::name, GemmRaster::kAlongN, 4);
+#include "engine/cuda/grouped_matmul/fp8_tiles.def"
+#undef NODROP_FP8_CONTRACT_TILE
+#undef NODROP_FP8_GEMM_TILE
+    }
+    const Fp8GemmSchedule automatic =
+        nodrop::cuda::grouped_matmul_fp8_contract_schedule(s.M, s.N, s.K, s.G);
+    const double bf16_total = bf16_fwd + bf16_dgrad + bf16_wgrad;
+    for (const Fp8GemmSchedule& schedule : candidates) {
+      const double fp8_wgrad = time([&] { problem.run_fp8_wgrad(schedule, stream); });
+      const double fp8_total = rows_ms + transposed_ms + fp8_fwd + fp8_dgrad + fp8_wgrad;
+      const std::string name =
+          schedule.tile == nodrop::cuda::Fp8GemmTile::kAuto
+              ? "auto: " + schedule_name(automatic)
+              : schedule_name(schedule);
+      std::printf("| %s | %lld | %lld | %lld | %lld | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | "
+                  "%.3f | %.3f | %s | %.3f | %.0f | %.2fx |\n",
+                  s.id, static_cast<long long>(s.M), static_cast<long long>(s.K),
+                  static_cast<long long>(s.N), static_cast<long long>(s.G), bf16_fwd, bf16_dgrad,
+                  bf16_wgrad, bf16_total, rows_ms + transposed_ms, fp8_fwd, fp8_dgrad, fp8_wgrad,
+                  name.c_str(), fp8_total, tflop / (fp8_wgrad * 1e-3), bf16_total / fp8_total);
+      std::fflush(stdout);
+    }
+    // Bandwidth: bytes read and written per second, against a copy of the bf16 input.
+    const double in_bytes = 2.0 * s.M * (s.K + s.N);
+    const double rows_bytes = in_bytes + s.M * (s.K + s.N) * (1.0 + 4.0 / 128);
+    const double P = double(problem.P), PB = P / 128;
+    const double transposed_bytes = in_bytes + (s.K + s.N) * (P + 4.0 * PB);
+    void* copy = device_alloc(static_cast<size_t>(in_bytes));
+    const double copy_ms = time([&] {
+      CHECK(cudaMemcpyAsync(copy, problem.lhs16, 2 * s.M * s.K, cudaMemcpyDeviceToDevice, stream));
+      CHECK(cudaMemcpyAsync(static_cast<char*>(copy) + 2 * s.M * s.K, problem.dout16,
+                            2 * s.M * s.N, cudaMemcpyDeviceToDevice, stream));
+    });
+    CHECK(cudaFree(copy));
+    bandwidths.push_back({&s, rows_bytes / (rows_ms * 1e6), transposed_bytes / (transposed_ms * 1e6),
+                          2 * in_bytes / (copy_ms * 1e6)});
+  }
+  std::printf("\nQuantisers of the activations and output gradients (GB/s read + written; copy: "
+              "cudaMemcpyAsync of the same bf16 inputs):\n\n");
+  std::printf("| shape | rows (1 x 128) | transposed (weight gradient) | copy | rows / copy | "
+              "transposed / copy |\n");
+  std::printf("| --- | ---: | ---: | ---: | ---: | ---: |\n");
+  for (const Bandwidth& b : bandwidths) {
+    std::printf("| %s | %.0f | %.0f | %.0f | %.2f | %.2f |\n", b.shape->id, b.rows_gbs,
+                b.transposed_gbs, b.copy_gbs, b.rows_gbs / b.copy_gbs,
+                b.transposed_gbs / b.copy_gbs);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   using nodrop::cuda::Fp8GemmSchedule;
   using nodrop::cuda::GemmRaster;
   int iters = 50, warmup = 5;
-  bool all_configs = false;
+  bool all_configs = false, training = false;
   std::string shape_ids;
   for (int i = 1; i < argc; ++i) {
     if (std::strncmp(argv[i], "--iters=", 8) == 0) {
@@ -230,11 +392,16 @@ int main(int argc, char** argv) {
       all_configs = true;
     } else if (std::strcmp(argv[i], "--configs=auto") == 0) {
       all_configs = false;
+    } else if (std::strcmp(argv[i], "--mode=training") == 0) {
+      training = true;
+    } else if (std::strcmp(argv[i], "--mode=forward") == 0) {
+      training = false;
     } else if (std::strncmp(argv[i], "--shapes=", 9) == 0) {
       shape_ids = argv[i] + 9;
     } else {
       std::fprintf(stderr,
-                   "usage: %s [--iters=N] [--warmup=N] [--configs=auto|all] [--shapes=ID,...]\n"
+                   "usage: %s [--mode=forward|training] [--iters=N] [--warmup=N] "
+                   "[--configs=auto|all] [--shapes=ID,...]\n"
                    "shape ids:",
                    argv[0]);
       for (const Shape& s : kShapes) std::fprintf(stderr, " %s", s.id);
@@ -244,12 +411,17 @@ int main(int argc, char** argv) {
   }
   cudaStream_t stream;
   CHECK(cudaStreamCreate(&stream));
+  if (training) {
+    run_training(iters, warmup, all_configs, shape_ids, stream);
+    CHECK(cudaStreamDestroy(stream));
+    return 0;
+  }
   std::vector<Best> bests;
   std::printf("| shape | M | K | N | G | kernel | ms | TFLOP/s | vs bf16 |\n");
   std::printf("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |\n");
   for (const Shape& s : kShapes) {
     if (!selected(s, shape_ids)) continue;
-    const Problem problem(s, stream);
+    const Problem problem(s, stream, /*training=*/false);
     const double tflop = 2.0 * s.M * s.N * s.K * 1e-12;
     double bf16_ms = 0;
     auto row = [&](const std::string& kernel, double ms) {

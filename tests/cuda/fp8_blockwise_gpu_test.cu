@@ -1,6 +1,8 @@
 // GPU tests of nodrop::cuda::grouped_matmul_fp8_blockwise (ragged rows, E4M3 with 1x128 / 128x128
-// float32 scales, bfloat16 out) against a host reference computed from the dequantised inputs in
-// double. Needs a Hopper GPU, so it is run by hand, not by ctest (part of nodrop_cuda_tests):
+// float32 scales, bfloat16 out) and grouped_matmul_fp8_blockwise_contract (the weight gradient:
+// ragged contraction, 1x128 scales along it on both operands) against host references computed
+// from the dequantised inputs in double. Needs a Hopper GPU, so it is run by hand, not by ctest
+// (part of nodrop_cuda_tests):
 //   ./nodrop_cuda_tests --gtest_filter='CudaFp8*:*/CudaFp8*'
 // Every kernel of fp8_tiles.def runs every case; the cases of one shape, each kernel once, fit a
 // sanitizer run:
@@ -28,6 +30,7 @@
 #include <tuple>
 #include <vector>
 
+#include "nodrop/engine.h"
 #include "nodrop/engine_cuda.h"
 
 namespace {
@@ -324,6 +327,213 @@ INSTANTIATE_TEST_SUITE_P(
     [](const testing::TestParamInfo<std::tuple<Case, Fp8GemmSchedule>>& info) {
       return std::get<0>(info.param).name + "_" + schedule_id(std::get<1>(info.param));
     });
+
+// ---- the weight gradient (ragged contraction) ------------------------------------------------
+
+// One contraction problem's host inputs in quantize_fp8_transposed's layouts (engine.h):
+// lhs_t [K, P], rhs_t [N, P] E4M3, lhs_scales [PB, K], rhs_scales [PB, N]. Every column and scale
+// that no group's row owns holds NaN, so a kernel that read one would show it.
+struct ContractInputs {
+  int64_t M, K, N, G, PB, P;
+  std::vector<int64_t> offsets, first_block;  // clamped rows and block numbering per group
+  std::vector<__nv_fp8_e4m3> lhs_t, rhs_t;
+  std::vector<float> lhs_scales, rhs_scales;
+
+  ContractInputs(int64_t M, int64_t K, int64_t N, const Sizes& sizes, uint32_t seed)
+      : M(M), K(K), N(N), G(int64_t(sizes.size())), PB(nodrop::fp8_contract_blocks(M, G)),
+        P(PB * kBlock), offsets(naive_offsets(sizes, M)), first_block(G + 1, 0),
+        lhs_t(K * P), rhs_t(N * P), lhs_scales(PB * K, NAN), rhs_scales(PB * N, NAN) {
+    for (int64_t g = 0; g < G; ++g) {
+      first_block[g + 1] = first_block[g] + blocks_of(offsets[g + 1] - offsets[g]);
+    }
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<float> value(-8.f, 8.f);
+    std::uniform_real_distribution<float> log2_scale(-2.f, 2.f);
+    const __nv_fp8_e4m3 nan = __nv_fp8_e4m3(NAN);
+    std::fill(lhs_t.begin(), lhs_t.end(), nan);
+    std::fill(rhs_t.begin(), rhs_t.end(), nan);
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t r = 0; r < offsets[g + 1] - offsets[g]; ++r) {
+        const int64_t column = first_block[g] * kBlock + r;
+        for (int64_t k = 0; k < K; ++k) lhs_t[k * P + column] = __nv_fp8_e4m3(value(rng));
+        for (int64_t n = 0; n < N; ++n) rhs_t[n * P + column] = __nv_fp8_e4m3(value(rng));
+      }
+    }
+    for (int64_t b = 0; b < first_block[G]; ++b) {
+      for (int64_t k = 0; k < K; ++k) lhs_scales[b * K + k] = std::exp2(log2_scale(rng));
+      for (int64_t n = 0; n < N; ++n) rhs_scales[b * N + n] = std::exp2(log2_scale(rng));
+    }
+  }
+
+  // out [G, K, N] from the dequantised inputs, in double; an empty group's is zero.
+  std::vector<float> reference() const {
+    std::vector<float> out(G * K * N, 0.f);
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t rows = offsets[g + 1] - offsets[g];
+      for (int64_t k = 0; k < K; ++k) {
+        for (int64_t n = 0; n < N; ++n) {
+          double acc = 0;
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t b = first_block[g] + r / kBlock, column = first_block[g] * kBlock + r;
+            acc += double(float(lhs_t[k * P + column]) * lhs_scales[b * K + k]) *
+                   double(float(rhs_t[n * P + column]) * rhs_scales[b * N + n]);
+          }
+          out[(g * K + k) * N + n] = float(acc);
+        }
+      }
+    }
+    return out;
+  }
+};
+
+struct ContractBuffers {
+  DeviceBuffer lhs_t, lhs_scales, rhs_t, rhs_scales, sizes, out, workspace;
+  explicit ContractBuffers(const ContractInputs& in)
+      : lhs_t(in.lhs_t.size()),
+        lhs_scales(in.lhs_scales.size() * sizeof(float)),
+        rhs_t(in.rhs_t.size()),
+        rhs_scales(in.rhs_scales.size() * sizeof(float)),
+        sizes(std::max<int64_t>(in.G, 1) * sizeof(int32_t)),
+        out(in.G * in.K * in.N * sizeof(__nv_bfloat16)),
+        workspace(nodrop::cuda::grouped_matmul_fp8_blockwise_workspace_bytes(in.G)) {
+    lhs_t.upload(in.lhs_t.data());
+    lhs_scales.upload(in.lhs_scales.data());
+    rhs_t.upload(in.rhs_t.data());
+    rhs_scales.upload(in.rhs_scales.data());
+  }
+  void set_sizes(const Sizes& values) const {
+    if (!values.empty()) {
+      CUDA_CHECK(cudaMemcpy(sizes.get(), values.data(), values.size() * sizeof(int32_t),
+                            cudaMemcpyHostToDevice));
+    }
+  }
+  Status run(const ContractInputs& in, cudaStream_t stream,
+             const nodrop::cuda::Fp8GemmSchedule& schedule = {}) const {
+    return nodrop::cuda::grouped_matmul_fp8_blockwise_contract(
+        lhs_t.get(), static_cast<const float*>(lhs_scales.get()), rhs_t.get(),
+        static_cast<const float*>(rhs_scales.get()), static_cast<const int32_t*>(sizes.get()),
+        in.M, in.K, in.N, in.G, out.get(), workspace.get(), workspace.bytes(), stream, schedule);
+  }
+};
+
+// Every weight-gradient kernel (fp8_tiles.def's NODROP_FP8_CONTRACT_TILE lines), and the
+// automatic choice.
+std::vector<Fp8GemmSchedule> contract_schedules() {
+  return {Fp8GemmSchedule(),
+#define NODROP_FP8_GEMM_TILE(...)
+#define NODROP_FP8_CONTRACT_TILE(name) Fp8GemmSchedule(Fp8GemmTile::name),
+#include "engine/cuda/grouped_matmul/fp8_tiles.def"
+#undef NODROP_FP8_CONTRACT_TILE
+#undef NODROP_FP8_GEMM_TILE
+          Fp8GemmSchedule(Fp8GemmTile::kCooperative128x128x128Cluster1x1, GemmRaster::kAlongN,
+                          4)};
+}
+
+class CudaFp8ContractTest : public testing::TestWithParam<std::tuple<Case, Fp8GemmSchedule>> {};
+
+TEST_P(CudaFp8ContractTest, MatchesDequantisedReferenceDeterministically) {
+  const auto& [c, schedule] = GetParam();
+  const ContractInputs in(c.M, c.K, c.N, c.sizes, /*seed=*/9);
+  const ContractBuffers buffers(in);
+  buffers.set_sizes(c.sizes);
+  const std::vector<float> want = in.reference();
+  // compare() checks [rows, N] matrices: here G * K rows, all owned (an empty group's are 0).
+  const std::vector<int64_t> all_rows = {0, in.G * in.K};
+  std::vector<uint8_t> first;
+  for (int run = 0; run < 2; ++run) {
+    buffers.out.poison();
+    const Status status = buffers.run(in, /*stream=*/nullptr, schedule);
+    ASSERT_TRUE(status.ok()) << status.message();
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint8_t> got = buffers.out.download();
+    EXPECT_EQ(compare(got, want, all_rows, c.N), "") << "run " << run;
+    EXPECT_TRUE(buffers.out.guards_intact()) << "a write outside out";
+    EXPECT_TRUE(buffers.workspace.guards_intact()) << "a write outside the workspace";
+    if (run == 0) {
+      first = got;
+    } else {
+      EXPECT_TRUE(got == first) << "two runs gave different bytes";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaFp8ContractTest,
+    testing::Combine(testing::Values(
+        // Empty groups (zero gradients), one row, 130 rows (a block and two rows), 200 rows,
+        // and 69 rows past every group that nothing may read.
+        Case{"mixed", 400, 256, 256, {0, 1, 130, 200, 0}},
+        // K and N not multiples of the 128-wide tile.
+        Case{"partial_tiles", 333, 200, 136, {130, 0, 1, 202}},
+        // All rows in one group: 16 k tiles, more than the pipeline's stages.
+        Case{"one_group", 2048, 128, 256, {0, 2048, 0}},
+        // Invalid sizes: a negative one counts as zero, the total past M is clamped.
+        Case{"clamped", 300, 128, 128, {-5, 200, 250, 7}},
+        // More groups than the setup kernel's 256 threads, many of them empty or tiny.
+        Case{"many_groups", 2000, 128, 128, random_sizes(2000, 300, 12, 5)},
+        // Every group empty, and no rows at all: all zeros.
+        Case{"all_empty", 64, 128, 128, {0, 0, 0}},
+        Case{"no_rows", 0, 128, 128, {0, 0, 0, 0}}),
+                     testing::ValuesIn(contract_schedules())),
+    [](const testing::TestParamInfo<std::tuple<Case, Fp8GemmSchedule>>& info) {
+      return std::get<0>(info.param).name + "_" + schedule_id(std::get<1>(info.param));
+    });
+
+// Captured once into a CUDA graph, the weight gradient replays with new group sizes (the
+// quantiser's layout moves with them: each replay's inputs are laid out for its sizes).
+TEST(CudaFp8ContractGraph, ReplaysWithNewGroupSizesOnTheDevice) {
+  const int64_t M = 300, K = 128, N = 256;
+  const Sizes first = {100, 100, 100};
+  const ContractBuffers buffers(ContractInputs(M, K, N, first, /*seed=*/11));
+  buffers.set_sizes(first);
+  cudaStream_t stream;
+  CUDA_CHECK(cudaStreamCreate(&stream));
+  cudaGraph_t graph;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  const Status status = buffers.run(ContractInputs(M, K, N, first, 11), stream);
+  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  ASSERT_TRUE(status.ok()) << status.message();
+  cudaGraphExec_t exec;
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (const Sizes& sizes : {Sizes{100, 100, 100}, Sizes{0, 1, 130}, Sizes{299, 0, 1}}) {
+    const ContractInputs in(M, K, N, sizes, /*seed=*/13);
+    buffers.lhs_t.upload(in.lhs_t.data());
+    buffers.lhs_scales.upload(in.lhs_scales.data());
+    buffers.rhs_t.upload(in.rhs_t.data());
+    buffers.rhs_scales.upload(in.rhs_scales.data());
+    buffers.set_sizes(sizes);
+    buffers.out.poison();
+    CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    EXPECT_EQ(compare(buffers.out.download(), in.reference(), {0, in.G * K}, N), "")
+        << "sizes " << sizes[0] << ", " << sizes[1] << ", " << sizes[2];
+  }
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST(CudaFp8ContractArguments, ErrorsNameTheArgument) {
+  const ContractInputs in(/*M=*/16, /*K=*/128, /*N=*/128, {16}, /*seed=*/3);
+  const ContractBuffers buffers(in);
+  auto call = [&](int64_t M, int64_t N, size_t workspace_bytes,
+                  const Fp8GemmSchedule& schedule = {}) {
+    return nodrop::cuda::grouped_matmul_fp8_blockwise_contract(
+        buffers.lhs_t.get(), static_cast<const float*>(buffers.lhs_scales.get()),
+        buffers.rhs_t.get(), static_cast<const float*>(buffers.rhs_scales.get()),
+        static_cast<const int32_t*>(buffers.sizes.get()), M, in.K, N, in.G, buffers.out.get(),
+        buffers.workspace.get(), workspace_bytes, nullptr, schedule);
+  };
+  const size_t bytes = buffers.workspace.bytes();
+  EXPECT_NE(call(/*M=*/-1, 128, bytes).message().find("M = -1"), std::string::npos);
+  EXPECT_NE(call(16, /*N=*/100, bytes).message().find("N = 100"), std::string::npos);
+  EXPECT_NE(call(16, 128, bytes - 1).message().find("workspace"), std::string::npos);
+  // The pingpong tile has no weight-gradient kernel.
+  EXPECT_NE(call(16, 128, bytes, Fp8GemmTile::kPingpong64x128x128Cluster1x1)
+                .message()
+                .find("no kernel for tile"),
+            std::string::npos);
+}
 
 TEST(CudaFp8BlockwiseArguments, ErrorsNameTheArgument) {
   const Inputs in(/*M=*/16, /*K=*/128, /*N=*/128, /*G=*/1, /*seed=*/3);

@@ -780,7 +780,8 @@ void set_value(Bytes& bytes, DType dtype, int64_t i, float value) {
 class QuantizeFp8Gpu : public testing::TestWithParam<DType> {};
 
 // Bitwise the CPU engine's bytes: codes and scales, with a short last block (C = 300), an
-// all-zero block, a NaN block and an inf block, and an odd block size (rows of 7 blocks of 45).
+// all-zero block, a NaN block and an inf block, and an odd block size (rows of 7 blocks of 45);
+// x aligned and not (the vector path and the element-wise one).
 TEST_P(QuantizeFp8Gpu, MatchesTheCpuBitwise) {
   const DType dtype = GetParam();
   for (const int64_t block : {int64_t{128}, int64_t{45}}) {
@@ -799,25 +800,110 @@ TEST_P(QuantizeFp8Gpu, MatchesTheCpuBitwise) {
     Floats want_scale(M * blocks);
     ASSERT_TRUE(nodrop::cpu::quantize_fp8(x.data(), dtype, M, C, block, want_q.data(),
                                           want_scale.data()).ok());
-    const DeviceBuffer d_x = to_device(x, 2 * bytes_of(dtype));  // not 16-byte aligned
-    const DeviceBuffer q(M * C), scale(M * blocks * sizeof(float));
-    run_twice(
-        [&] {
-          return nodrop::cuda::quantize_fp8(d_x.get(), dtype, M, C, block, q.as<uint8_t>(),
-                                            scale.as<float>(), stream());
-        },
-        {&q, &scale});
-    EXPECT_EQ(mismatch(download<uint8_t>(q), want_q), "") << "block " << block;
-    EXPECT_EQ(mismatch(download<uint32_t>(scale), as_vector<uint32_t>(Bytes(
-                  reinterpret_cast<const uint8_t*>(want_scale.data()),
-                  reinterpret_cast<const uint8_t*>(want_scale.data() + want_scale.size())))), "")
-        << "block " << block;
+    // Aligned (block 128: the vector path) and not (element by element).
+    for (const size_t shift : {size_t{0}, 2 * bytes_of(dtype)}) {
+      const DeviceBuffer d_x = to_device(x, shift);
+      const DeviceBuffer q(M * C), scale(M * blocks * sizeof(float));
+      run_twice(
+          [&] {
+            return nodrop::cuda::quantize_fp8(d_x.get(), dtype, M, C, block, q.as<uint8_t>(),
+                                              scale.as<float>(), stream());
+          },
+          {&q, &scale});
+      EXPECT_EQ(mismatch(download<uint8_t>(q), want_q), "") << "block " << block << ", shift "
+                                                             << shift;
+      EXPECT_EQ(mismatch(download<uint32_t>(scale), as_vector<uint32_t>(Bytes(
+                    reinterpret_cast<const uint8_t*>(want_scale.data()),
+                    reinterpret_cast<const uint8_t*>(want_scale.data() + want_scale.size())))),
+                "")
+          << "block " << block << ", shift " << shift;
+    }
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, QuantizeFp8Gpu,
                          testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
                          [](const auto& info) { return std::string(dtype_short(info.param)); });
+
+class QuantizeFp8TransposedGpu : public testing::TestWithParam<DType> {};
+
+// The weight gradient's operand layout (engine.h), bitwise the CPU engine's: group sizes with an
+// empty group, one row, 130 and 200 rows and 69 rows past the groups; invalid sizes (clamped);
+// 300 groups, most of them tiny; C = 300 (a partial column tile), with a zero block, a NaN block
+// (whose padding must stay 0), an inf block and columns of large and small magnitudes.
+TEST_P(QuantizeFp8TransposedGpu, MatchesTheCpuBitwise) {
+  const DType dtype = GetParam();
+  const int64_t C = 300;
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int32_t> tiny(0, 12);
+  std::vector<int32_t> many(300);
+  for (auto& size : many) size = tiny(rng);
+  const std::pair<int64_t, std::vector<int32_t>> cases[] = {
+      {400, {0, 1, 130, 200, 0}}, {300, {-5, 200, 250, 7}}, {2000, many}, {0, {0, 0}}};
+  for (const auto& [case_rows, case_sizes] : cases) {
+    const int64_t M = case_rows;  // named copies: a lambda below captures them
+    const std::vector<int32_t>& sizes = case_sizes;
+    const int64_t G = static_cast<int64_t>(sizes.size());
+    const int64_t blocks = nodrop::fp8_contract_blocks(M, G), P = blocks * nodrop::kFp8Block;
+    Bytes x = random_values(dtype, std::max<int64_t>(M * C, 1), 47);
+    if (M >= 300) {
+      for (int64_t r = 1; r < 131; ++r) set_value(x, dtype, r * C + 7, 0.0f);  // group 2's block
+      set_value(x, dtype, 140 * C + 20, std::nanf(""));
+      set_value(x, dtype, 150 * C + 21, INFINITY);
+      const Floats large = random_floats(C, 43, -3e4f, 3e4f);
+      const Floats small = random_floats(C, 44, -1e-4f, 1e-4f);
+      for (int64_t r = 160; r < 170; ++r) {
+        set_value(x, dtype, r * C + 30, large[r]);
+        set_value(x, dtype, r * C + 31, small[r]);
+      }
+    }
+    Bytes want_q(C * P);
+    Floats want_scale(blocks * C);
+    ASSERT_TRUE(nodrop::cpu::quantize_fp8_transposed(x.data(), dtype, sizes.data(), M, C, G,
+                                                     want_q.data(), want_scale.data(),
+                                                     /*checked=*/false)
+                    .ok());
+    const DeviceBuffer d_sizes(std::max<int64_t>(G, 1) * sizeof(int32_t), 0, sizes.data());
+    // Aligned (the vector path) and not (element by element).
+    for (const size_t shift : {size_t{0}, 2 * bytes_of(dtype)}) {
+      const DeviceBuffer d_x = to_device(x, shift);
+      const DeviceBuffer q(C * P), scale(blocks * C * sizeof(float));
+      run_twice(
+          [&] {
+            return nodrop::cuda::quantize_fp8_transposed(d_x.get(), dtype, d_sizes.as<int32_t>(),
+                                                         M, C, G, q.as<uint8_t>(),
+                                                         scale.as<float>(), stream());
+          },
+          {&q, &scale});
+      EXPECT_EQ(mismatch(download<uint8_t>(q), want_q), "")
+          << "M " << M << ", G " << G << ", shift " << shift;
+      EXPECT_EQ(mismatch(download<uint32_t>(scale), as_vector<uint32_t>(Bytes(
+                    reinterpret_cast<const uint8_t*>(want_scale.data()),
+                    reinterpret_cast<const uint8_t*>(want_scale.data() + want_scale.size())))),
+                "")
+          << "M " << M << ", G " << G << ", shift " << shift;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, QuantizeFp8TransposedGpu,
+                         testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
+                         [](const auto& info) { return std::string(dtype_short(info.param)); });
+
+TEST(QuantizeFp8TransposedGpuArgs, RejectsBadShapesAndDoesNothingWhenEmpty) {
+  const DeviceBuffer buffer(1 << 12);
+  EXPECT_NE(nodrop::cuda::quantize_fp8_transposed(buffer.get(), DType::kFloat32,
+                                                  buffer.as<int32_t>(), -1, 4, 1,
+                                                  buffer.as<uint8_t>(), buffer.as<float>(),
+                                                  stream())
+                .message()
+                .find("M = -1"),
+            std::string::npos);
+  EXPECT_TRUE(nodrop::cuda::quantize_fp8_transposed(nullptr, DType::kFloat32, nullptr, 0, 4, 0,
+                                                    nullptr, nullptr, stream())
+                  .ok());
+  CUDA_CHECK(cudaStreamSynchronize(stream()));
+}
 
 TEST(QuantizeFp8GpuArgs, RejectsBadBlocksAndDoesNothingWhenEmpty) {
   const DeviceBuffer buffer(1 << 12);

@@ -22,7 +22,10 @@ from hypothesis import strategies as st  # noqa: E402
 
 import nodrop  # noqa: E402
 from nodrop._deps import INSTALL_TRAIN, missing_train_packages  # noqa: E402
+import ml_dtypes  # noqa: E402
+
 from nodrop.ops import reference  # noqa: E402
+from nodrop.ops.fp8 import BLOCK, E4M3_MAX  # noqa: E402
 
 settings.register_profile(
     "nodrop", deadline=None, print_blob=True,
@@ -197,3 +200,29 @@ def moe_params(rng, *, layers: int, hidden: int, ffn: int, experts: int, dtype=j
             random_normal(rng, (layers, experts, hidden, ffn), dtype, scale=hidden**-0.5),
             random_normal(rng, (layers, experts, ffn, hidden), dtype, scale=ffn**-0.5))
 
+
+def numpy_quantize_transposed(x, sizes):
+    """quantize_transposed written out in numpy: each group's (clamped) rows in blocks of 128
+    from its first row, numbered on over the groups; a block's scale per column is amax *
+    float32(1 / 448) (1 for zeros, NaN for a NaN or an inf), its codes x * (1 / scale) in float32,
+    clipped to +-448 and rounded to nearest even (ml_dtypes' cast); the codes of block b's row j
+    at column 128 * b + j. Returns the codes' bytes and the scales."""
+    x = as_f64(x).astype(np.float32)
+    m, c = x.shape
+    blocks = -(-m // BLOCK) + len(sizes)
+    values = np.zeros((c, BLOCK * blocks), np.float32)
+    scale = np.ones((blocks, c), np.float32)
+    bounds, b = group_offsets(sizes, m), 0
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        for first in range(start, end, BLOCK):
+            block = x[first:min(first + BLOCK, end)]
+            amax = np.max(np.abs(np.where(np.isfinite(block), block, 0)), axis=0)
+            s = amax * np.float32(1 / E4M3_MAX)
+            s = np.where(np.isfinite(block).all(axis=0), np.where(s > 0, s, 1), np.nan)
+            scale[b] = s.astype(np.float32)
+            with np.errstate(invalid="ignore"):
+                v = block * (np.float32(1) / scale[b])
+                v = np.where(np.isnan(v), v, np.clip(v, -E4M3_MAX, E4M3_MAX))
+            values[:, BLOCK * b:BLOCK * b + len(block)] = v.T
+            b += 1
+    return values.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scale

@@ -11,10 +11,10 @@ import re
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from conftest import (F32_TOL, as_f64, assert_close, group_offsets, int32, invalid_group_sizes,
+                      numpy_quantize_transposed,
                       needs_train, random_normal, relative_error, seeds, valid_group_sizes)
 from flax import nnx
 from hypothesis import given, settings
@@ -639,33 +639,6 @@ TRANSPOSED_CASES = {
     "negative_and_overlong_sizes": (50, 9, [-3, 40, 100]),
     "no_groups": (6, 4, []),
 }
-
-
-def numpy_quantize_transposed(x, sizes):
-    """quantize_transposed written out in numpy: each group's (clamped) rows in blocks of 128
-    from its first row, numbered on over the groups; a block's scale per column is amax *
-    float32(1 / 448) (1 for zeros, NaN for a NaN or an inf), its codes x * (1 / scale) in float32,
-    clipped to +-448 and rounded to nearest even (ml_dtypes' cast); the codes of block b's row j
-    at column 128 * b + j. Returns the codes' bytes and the scales."""
-    x = as_f64(x).astype(np.float32)
-    m, c = x.shape
-    blocks = -(-m // fp8.BLOCK) + len(sizes)
-    values = np.zeros((c, fp8.BLOCK * blocks), np.float32)
-    scale = np.ones((blocks, c), np.float32)
-    bounds, b = group_offsets(sizes, m), 0
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        for first in range(start, end, fp8.BLOCK):
-            block = x[first:min(first + fp8.BLOCK, end)]
-            amax = np.max(np.abs(np.where(np.isfinite(block), block, 0)), axis=0)
-            s = amax * np.float32(1 / fp8.E4M3_MAX)
-            s = np.where(np.isfinite(block).all(axis=0), np.where(s > 0, s, 1), np.nan)
-            scale[b] = s.astype(np.float32)
-            with np.errstate(invalid="ignore"):
-                v = block * (np.float32(1) / scale[b])
-                v = np.where(np.isnan(v), v, np.clip(v, -fp8.E4M3_MAX, fp8.E4M3_MAX))
-            values[:, fp8.BLOCK * b:fp8.BLOCK * b + len(block)] = v.T
-            b += 1
-    return values.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scale
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import nodrop
+from conftest import numpy_quantize_transposed
 from nodrop.ops import reference
 
 pytestmark = [
@@ -342,10 +343,11 @@ def test_fp8_blockwise_recipe_runs_the_kernels_forward_and_both_gradients_on_the
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
-def test_fp8_quantize_transposed_is_bitwise_the_cpu_engine_on_the_gpu(dtype):
-    """The CUDA transposed quantisation against the CPU engine's: the same codes and scales
-    (NaN, all-zero blocks, groups not multiples of 128, empty groups, rows past the groups and
-    the unused blocks included); jitted once and replayed with new group sizes."""
+def test_fp8_quantize_transposed_is_bitwise_the_numpy_derivation_on_the_gpu(dtype):
+    """The CUDA transposed quantisation against its numpy derivation (test_fp8.py checks the CPU
+    engine against the same): the same codes and scales (NaN, all-zero blocks, groups not
+    multiples of 128, empty groups, rows past the groups and the unused blocks included);
+    jitted once and replayed with new group sizes."""
     from nodrop.ops import fp8
 
     m, c, g = 1000, 200, 8
@@ -353,20 +355,18 @@ def test_fp8_quantize_transposed_is_bitwise_the_cpu_engine_on_the_gpu(dtype):
     x = rng.standard_normal((m, c)) * np.exp2(rng.integers(-12, 12, (1, c)))
     x = jnp.asarray(x, dtype).at[:, 3].set(0).at[5, 7].set(jnp.nan)
     quantize = jax.jit(fp8.quantize_transposed)
-    cpu = jax.devices("cpu")[0]
     for kind in SIZE_KINDS:
         sizes = group_sizes(kind, m, g, rng)
         q_t, scale = quantize(x, sizes)
-        want_q, want_scale = quantize(*jax.device_put((x, sizes), cpu))
-        np.testing.assert_array_equal(np.asarray(q_t.view(jnp.uint8)),
-                                      np.asarray(want_q.view(jnp.uint8)), err_msg=kind)
-        np.testing.assert_array_equal(np.asarray(scale), np.asarray(want_scale), err_msg=kind)
+        want_q, want_scale = numpy_quantize_transposed(x, np.asarray(sizes).tolist())
+        np.testing.assert_array_equal(np.asarray(q_t.view(jnp.uint8)), want_q, err_msg=kind)
+        np.testing.assert_array_equal(np.asarray(scale), want_scale, err_msg=kind)
 
 
 @pytest.mark.parametrize("kind", SIZE_KINDS)
-def test_fp8_blockwise_contract_matches_the_cpu_engine_on_the_gpu(kind):
-    """The FP8 weight gradient on the GPU against the CPU engine's and the dequantised
-    reference (both on the CPU), N off the kernel's multiple of 8 (padded around the call);
+def test_fp8_blockwise_contract_matches_the_reference_on_the_gpu(kind):
+    """The FP8 weight gradient on the GPU against the dequantised reference on the CPU, from the
+    numpy derivation of its operands, N off the kernel's multiple of 8 (padded around the call);
     jitted, replayed with new group sizes. An empty group's gradient is zero."""
     from nodrop.ops import fp8
 
@@ -379,11 +379,12 @@ def test_fp8_blockwise_contract_matches_the_cpu_engine_on_the_gpu(kind):
     cpu = jax.devices("cpu")[0]
     for sizes in (group_sizes(kind, m, g, rng), group_sizes("random_short", m, g, rng)):
         got = run(lhs, dout, sizes)
-        on_cpu = jax.device_put((lhs, dout, sizes), cpu)
-        assert rel_error(got, run(*on_cpu)) <= 2 ** -7, kind
-        operands = (*fp8.quantize_transposed(on_cpu[0], on_cpu[2]),
-                    *fp8.quantize_transposed(on_cpu[1], on_cpu[2]))
-        want = reference.grouped_matmul_fp8_blockwise_contract(*operands, on_cpu[2], num_rows=m)
+        operands = []
+        for x in (lhs, dout):
+            codes, scale = numpy_quantize_transposed(x, np.asarray(sizes).tolist())
+            operands += [codes.view(fp8.E4M3), scale]
+        want = reference.grouped_matmul_fp8_blockwise_contract(
+            *jax.device_put((*operands, np.asarray(sizes)), cpu), num_rows=m)
         assert rel_error(got, want) <= 2 ** -7, kind
         empty = np.asarray(sizes) == 0
         assert not np.any(np.asarray(got, np.float32)[empty]), "empty groups"

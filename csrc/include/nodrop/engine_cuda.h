@@ -96,7 +96,8 @@ Status grouped_matmul_contract(const void* lhs, const void* rhs, DType in_dtype,
                                GemmSchedule schedule = {});
 
 // ---- FP8 blockwise-scaled grouped matmul (grouped_matmul/fp8_blockwise*.cu) ----------------------
-//   The DeepSeek-V3 recipe, ragged rows (forward) only for now. Inputs are float8_e4m3 with
+//   The DeepSeek-V3 recipe: ragged rows (the forward and the input gradient) here, ragged
+//   contraction (the weight gradient) in grouped_matmul_fp8_blockwise_contract below. Inputs are float8_e4m3 with
 //   float32 scales of 1x128 blocks (lhs, along K) and 128x128 blocks (rhs); the output is
 //   bfloat16; products accumulate in float32, each 128-deep k block scaled as it is added.
 //   KB = ceil(K / 128), NB = ceil(N / 128):
@@ -148,6 +149,9 @@ struct Fp8GemmSchedule {
 // measurement): pingpong 64x128 for groups of at most 128 rows on average, cooperative 1x1 for
 // K above 4096 or an odd number of column tiles, else cooperative on a 1x2 cluster.
 Fp8GemmSchedule grouped_matmul_fp8_schedule(int64_t M, int64_t K, int64_t N, int64_t G);
+// The same for the weight gradient, grouped_matmul_fp8_blockwise_contract (M rows in G groups
+// contracted into G outputs of K x N).
+Fp8GemmSchedule grouped_matmul_fp8_contract_schedule(int64_t M, int64_t K, int64_t N, int64_t G);
 
 // Device workspace bytes that one grouped_matmul_fp8_blockwise call needs for G groups.
 size_t grouped_matmul_fp8_blockwise_workspace_bytes(int64_t G);
@@ -157,6 +161,18 @@ Status grouped_matmul_fp8_blockwise(const void* lhs, const float* lhs_scales, co
                                     int64_t M, int64_t K, int64_t N, int64_t G, void* out,
                                     void* workspace, size_t workspace_bytes, cudaStream_t stream,
                                     Fp8GemmSchedule schedule = {});
+
+// The weight gradient (ragged contraction) on FP8 operands: engine_cpu.h's
+// grouped_matmul_fp8_blockwise_contract, operands from quantize_fp8_transposed. Each group's GEMM
+// is out[g] (K x N) = lhs_t_g (K x its rows) * rhs_t_g^T with 1 x 128 scales along the rows on
+// both sides, applied per k block. N must be a multiple of 8; lhs_t, rhs_t and out 16-byte
+// aligned, scales 4-byte aligned. The workspace is grouped_matmul_fp8_blockwise_workspace_bytes(G).
+Status grouped_matmul_fp8_blockwise_contract(const void* lhs_t, const float* lhs_scales,
+                                             const void* rhs_t, const float* rhs_scales,
+                                             const int32_t* group_sizes, int64_t M, int64_t K,
+                                             int64_t N, int64_t G, void* out, void* workspace,
+                                             size_t workspace_bytes, cudaStream_t stream,
+                                             Fp8GemmSchedule schedule = {});
 
 // ---- routing and token permutation (permute.cu, router.cu) -------------------------------------
 //   - permute_rows zeroes the rows [n, T*k), n being the number of in-range row_map entries.
@@ -211,5 +227,11 @@ Status topk_router_grad(const float* logits, const int32_t* ids, const float* gr
 // quantize_fp8 (the same float32 operations; E4M3 rounding to nearest even). One warp a block.
 Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t block, uint8_t* q,
                     float* scale, cudaStream_t stream);
+
+// engine_cpu.h's quantize_fp8_transposed (bitwise the same q_t and scale): one thread block per
+// 128-row block and 64 columns, read row by row and written transposed.
+Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_sizes, int64_t M,
+                               int64_t C, int64_t G, uint8_t* q_t, float* scale,
+                               cudaStream_t stream);
 
 }  // namespace nodrop::cuda

@@ -1,7 +1,8 @@
-// CUDA FP8 blockwise-scaled grouped matmul, ragged rows (fp8_blockwise.cuh says what it computes
-// and the scale layouts): argument checks, workspace layout, the setup kernel that builds the
-// group table from the group sizes on the device, and the two launches of a call (setup kernel,
-// then the CUTLASS kernel of the call's tile, fp8_blockwise_gemm.cuh), all on the caller's stream.
+// CUDA FP8 blockwise-scaled grouped matmul, ragged rows and ragged contraction (fp8_blockwise.cuh
+// says what each form computes and the scale layouts): argument checks, workspace layout, the
+// setup kernel that builds the group table from the group sizes on the device, and the two
+// launches of a call (setup kernel, then the CUTLASS kernel of the call's form and tile,
+// fp8_blockwise_gemm.cuh), all on the caller's stream.
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -10,120 +11,108 @@
 #include <string>
 #include <utility>
 
-#include <cub/block/block_reduce.cuh>
-#include <cub/block/block_scan.cuh>
-
 #include "engine/cuda/grouped_matmul/fp8_blockwise.cuh"
+#include "engine/cuda/grouped_matmul/group_scan.cuh"
 #include "nodrop/engine_cuda.h"
 
 namespace nodrop::cuda {
 namespace detail {
 namespace {
 
-constexpr int kSetupThreads = 256;
-constexpr int64_t kVectorBytes = 16;  // zero fill: N % 8 == 0 makes a bf16 row whole vectors
-constexpr int64_t kOutBytes = 2;      // bfloat16
+constexpr int64_t kOutBytes = 2;  // bfloat16
 
-int64_t scale_blocks(int64_t extent) { return (extent + kFp8ScaleBlock - 1) / kFp8ScaleBlock; }
+__host__ __device__ int64_t scale_blocks(int64_t extent) {
+  return (extent + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
+}
 
-// One group's GEMM: shape, operand and scale pointers, strides and scale layouts.
+// One group's GEMM of form F: shape, operand and scale pointers, strides and scale layouts. The
+// layouts are the packed ones CUTLASS rebuilds from the shape anyway (see fp8_blockwise.cuh).
+template <Fp8GemmForm F>
 __device__ void write_fp8_group(const Fp8GroupTable& t, int64_t g, int64_t begin, int64_t rows,
-                                int64_t K, int64_t N, const Fp8Operands& ops) {
-  const int64_t KB = (K + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
-  const int64_t NB = (N + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
+                                int64_t first_block, int64_t M, int64_t K, int64_t N,
+                                const Fp8Operands& ops) {
   const auto* lhs = static_cast<const uint8_t*>(ops.lhs);  // one byte per E4M3 element
   const auto* rhs = static_cast<const uint8_t*>(ops.rhs);
   auto* out = static_cast<char*>(ops.out);
-  // An empty group gets M_g = 0, hence no tiles.
-  t.shapes[g] = cute::make_shape(int(rows), int(N), int(K));
-  t.ptr_a[g] = lhs + begin * K;      // lhs_g [M_g, K]
-  t.ptr_b[g] = rhs + g * N * K;      // rhs[g] [N, K]
-  t.ptr_d[g] = out + begin * N * kOutBytes;  // out_g [M_g, N]
-  t.ptr_sfa[g] = ops.lhs_scales + begin * KB;   // lhs_scales[begin:, :] [M_g, KB]
-  t.ptr_sfb[g] = ops.rhs_scales + g * NB * KB;  // rhs_scales[g] [NB, KB]
-  t.stride_a[g] = cute::make_stride(K, cute::_1{}, cute::_0{});
-  t.stride_b[g] = cute::make_stride(K, cute::_1{}, cute::_0{});
+  int64_t gemm_m, gemm_k;
+  if constexpr (F == Fp8GemmForm::kContract) {
+    // lhs_t [K, P] and rhs_t [N, P]: the group's rows are columns 128 * first_block onwards.
+    // An empty group gets no tiles (CUTLASS 4.2 cannot contract over 0): the fill zeroes out[g].
+    const int64_t P = kFp8Block * fp8_contract_blocks(M, t.num_groups);
+    const int64_t column = first_block * kFp8Block;
+    gemm_m = rows > 0 ? K : 0;
+    gemm_k = rows;
+    t.ptr_a[g] = lhs + column;
+    t.ptr_b[g] = rhs + column;
+    t.ptr_d[g] = out + g * K * N * kOutBytes;           // out[g] [K, N]
+    t.ptr_sfa[g] = ops.lhs_scales + first_block * K;  // lhs_scales[first_block:, :] [., K]
+    t.ptr_sfb[g] = ops.rhs_scales + first_block * N;  // rhs_scales[first_block:, :] [., N]
+    t.stride_a[g] = cute::make_stride(P, cute::_1{}, cute::_0{});
+    t.stride_b[g] = cute::make_stride(P, cute::_1{}, cute::_0{});
+  } else {
+    const int64_t KB = scale_blocks(K), NB = scale_blocks(N);
+    gemm_m = rows;  // an empty group gets M_g = 0, hence no tiles
+    gemm_k = K;
+    t.ptr_a[g] = lhs + begin * K;                 // lhs_g [M_g, K]
+    t.ptr_b[g] = rhs + g * N * K;                 // rhs[g] [N, K]
+    t.ptr_d[g] = out + begin * N * kOutBytes;     // out_g [M_g, N]
+    t.ptr_sfa[g] = ops.lhs_scales + begin * KB;   // lhs_scales[begin:, :] [M_g, KB]
+    t.ptr_sfb[g] = ops.rhs_scales + g * NB * KB;  // rhs_scales[g] [NB, KB]
+    t.stride_a[g] = cute::make_stride(K, cute::_1{}, cute::_0{});
+    t.stride_b[g] = cute::make_stride(K, cute::_1{}, cute::_0{});
+  }
+  t.shapes[g] = cute::make_shape(int(gemm_m), int(N), int(gemm_k));
   t.stride_d[g] = cute::make_stride(N, cute::_1{}, cute::_0{});
-  // The packed K-major layouts of the group's scales, as example 68 builds them on the host:
-  // (row, kb) at row * KB + kb for A, (n / 128, kb) at (n / 128) * KB + kb for B.
-  const auto problem = cute::make_shape(int(rows), int(N), int(K), 1);
-  t.layout_sfa[g] = Fp8ScaleConfig::tile_atom_to_shape_SFA(problem);
-  t.layout_sfb[g] = Fp8ScaleConfig::tile_atom_to_shape_SFB(problem);
+  using Config = typename Fp8Scales<F>::Config;
+  const auto problem = cute::make_shape(int(gemm_m), int(N), int(gemm_k), 1);
+  static_cast<Fp8LayoutSFA<F>*>(t.layout_sfa)[g] = Config::tile_atom_to_shape_SFA(problem);
+  static_cast<Fp8LayoutSFB<F>*>(t.layout_sfb)[g] = Config::tile_atom_to_shape_SFB(problem);
 }
 
-using SizeScan = cub::BlockScan<int64_t, kSetupThreads>;
-using SizeSum = cub::BlockReduce<int64_t, kSetupThreads>;
-
-// Block 0 builds the table, as build_group_table in setup_kernel.cu: each thread takes a run of
-// consecutive groups, one block-wide scan of the run totals gives each group its clamped offset.
-__device__ void build_fp8_table(const int32_t* __restrict__ group_sizes, int64_t M, int64_t K,
-                                int64_t N, const Fp8Operands& ops, const Fp8GroupTable& table,
-                                typename SizeScan::TempStorage& scan_storage) {
-  const int64_t G = table.num_groups;
-  const int64_t per_thread = (G + kSetupThreads - 1) / kSetupThreads;
-  const int64_t first = min(G, int64_t(threadIdx.x) * per_thread);
-  const int64_t last = min(G, first + per_thread);
-  int64_t run_total = 0;
-  for (int64_t g = first; g < last; ++g) run_total += max(group_sizes[g], 0);
-  int64_t total_before = 0;
-  SizeScan(scan_storage).ExclusiveSum(run_total, total_before);
-  if (threadIdx.x == 0) table.offsets[0] = 0;
-  for (int64_t g = first; g < last; ++g) {
-    const int64_t begin = min(M, total_before);
-    total_before += max(group_sizes[g], 0);
-    const int64_t end = min(M, total_before);
-    table.offsets[g + 1] = end;
-    write_fp8_group(table, g, begin, end - begin, K, N, ops);
-  }
-}
-
-// Fill block `fill` of `fills`: zeroes its share of rows [min(M, total rows), M) of out [M, N],
-// which no group owns (the bf16 path's zero_tail_rows).
-__device__ void zero_fp8_tail_rows(const int32_t* __restrict__ group_sizes, int64_t M, int64_t N,
-                                   void* out, int64_t G, int64_t fill, int64_t fills,
-                                   typename SizeSum::TempStorage& sum_storage) {
-  int64_t partial = 0;
-  for (int64_t g = threadIdx.x; g < G; g += kSetupThreads) partial += max(group_sizes[g], 0);
-  __shared__ int64_t total;
-  const int64_t block_total = SizeSum(sum_storage).Sum(partial);
-  if (threadIdx.x == 0) total = block_total;
-  __syncthreads();
-  const int64_t row_vectors = N * kOutBytes / kVectorBytes;
-  const int64_t begin = min(M, total) * row_vectors;
-  const int64_t end = M * row_vectors;
-  uint4* vectors = static_cast<uint4*>(out);
-  const int64_t step = fills * kSetupThreads;
-  for (int64_t i = begin + fill * kSetupThreads + threadIdx.x; i < end; i += step) {
-    vectors[i] = make_uint4(0, 0, 0, 0);
-  }
-}
-
+// One launch per call: block 0 builds the table, the other blocks zero what no tile writes.
+template <Fp8GemmForm F>
 __global__ void __launch_bounds__(kSetupThreads)
     prepare_fp8_blockwise(const int32_t* __restrict__ group_sizes, int64_t M, int64_t K, int64_t N,
                           Fp8Operands ops, Fp8GroupTable table) {
   __shared__ union {
-    typename SizeScan::TempStorage scan;
+    GroupScanStorage scan;
     typename SizeSum::TempStorage sum;
   } storage;
   if (blockIdx.x == 0) {
-    build_fp8_table(group_sizes, M, K, N, ops, table, storage.scan);
+    if (threadIdx.x == 0) table.offsets[0] = 0;
+    scan_groups(group_sizes, table.num_groups, M, storage.scan,
+                [&](int64_t g, int64_t begin, int64_t end, int64_t first_block) {
+                  table.offsets[g + 1] = end;
+                  write_fp8_group<F>(table, g, begin, end - begin, first_block, M, K, N, ops);
+                });
     return;
   }
-  zero_fp8_tail_rows(group_sizes, M, N, ops.out, table.num_groups, blockIdx.x - 1,
-                     gridDim.x - 1, storage.sum);
+  const int64_t fill = blockIdx.x - 1, fills = gridDim.x - 1;
+  if constexpr (F == Fp8GemmForm::kContract) {
+    zero_empty_groups(group_sizes, M, K, N, ops.out, kOutBytes, table.num_groups, fill, fills,
+                      storage.sum);
+  } else {
+    zero_tail_rows(group_sizes, M, N, ops.out, kOutBytes, table.num_groups, fill, fills,
+                   storage.sum);
+  }
 }
 
 }  // namespace
 
-cudaError_t launch_prepare_fp8_blockwise(const int32_t* group_sizes, int64_t M, int64_t K,
-                                         int64_t N, const Fp8Operands& ops,
+cudaError_t launch_prepare_fp8_blockwise(Fp8GemmForm form, const int32_t* group_sizes, int64_t M,
+                                         int64_t K, int64_t N, const Fp8Operands& ops,
                                          const Fp8GroupTable& table, cudaStream_t stream) {
-  const int64_t out_bytes = M * N * kOutBytes;
-  const int64_t per_block = kSetupThreads * kVectorBytes;
-  const unsigned fills = static_cast<unsigned>(
-      std::clamp<int64_t>((out_bytes + per_block - 1) / per_block, 1, 4 * int64_t(table.sm_count)));
-  prepare_fp8_blockwise<<<1 + fills, kSetupThreads, 0, stream>>>(group_sizes, M, K, N, ops,
-                                                                  table);
+  // The bytes the fill blocks may have to zero: every row of out, or every group's [K, N].
+  const int64_t out_bytes = (form == Fp8GemmForm::kContract ? table.num_groups * K : M) * N *
+                            kOutBytes;
+  const unsigned blocks = 1 + fill_blocks(out_bytes, 4 * int64_t(table.sm_count));
+  if (form == Fp8GemmForm::kContract) {
+    prepare_fp8_blockwise<Fp8GemmForm::kContract>
+        <<<blocks, kSetupThreads, 0, stream>>>(group_sizes, M, K, N, ops, table);
+  } else {
+    prepare_fp8_blockwise<Fp8GemmForm::kRows>
+        <<<blocks, kSetupThreads, 0, stream>>>(group_sizes, M, K, N, ops, table);
+  }
   return cudaGetLastError();
 }
 
@@ -172,8 +161,9 @@ WorkspaceLayout workspace_layout(int64_t G) {
   layout.stride_a = take(groups * sizeof(detail::StrideKMajor));
   layout.stride_b = take(groups * sizeof(detail::StrideKMajor));
   layout.stride_d = take(groups * sizeof(detail::StrideKMajor));
-  layout.layout_sfa = take(groups * sizeof(detail::Fp8LayoutSFA));
-  layout.layout_sfb = take(groups * sizeof(detail::Fp8LayoutSFB));
+  // Both forms' layouts have these sizes (fp8_blockwise.cuh asserts it).
+  layout.layout_sfa = take(groups * sizeof(detail::Fp8LayoutSFA<detail::Fp8GemmForm::kRows>));
+  layout.layout_sfb = take(groups * sizeof(detail::Fp8LayoutSFB<detail::Fp8GemmForm::kRows>));
   layout.gemm = take(kGemmWorkspaceBytes);
   layout.bytes = end + kAlignment;
   return layout;
@@ -196,8 +186,8 @@ Fp8GroupTable make_table(void* workspace, int64_t G, int device, int sm_count,
   table.stride_a = reinterpret_cast<detail::StrideKMajor*>(base + layout.stride_a);
   table.stride_b = reinterpret_cast<detail::StrideKMajor*>(base + layout.stride_b);
   table.stride_d = reinterpret_cast<detail::StrideKMajor*>(base + layout.stride_d);
-  table.layout_sfa = reinterpret_cast<detail::Fp8LayoutSFA*>(base + layout.layout_sfa);
-  table.layout_sfb = reinterpret_cast<detail::Fp8LayoutSFB*>(base + layout.layout_sfb);
+  table.layout_sfa = base + layout.layout_sfa;
+  table.layout_sfb = base + layout.layout_sfb;
   table.gemm_workspace = base + layout.gemm;
   table.gemm_workspace_bytes = kGemmWorkspaceBytes;
   table.device = device;
@@ -207,26 +197,42 @@ Fp8GroupTable make_table(void* workspace, int64_t G, int device, int sm_count,
   return table;
 }
 
-// The schedule of one call with its automatic fields resolved (grouped_matmul_fp8_schedule).
-Fp8GemmSchedule resolve_schedule(Fp8GemmSchedule schedule, int64_t M, int64_t K, int64_t N,
-                                 int64_t G) {
-  const Fp8GemmSchedule automatic = grouped_matmul_fp8_schedule(M, K, N, G);
+// The schedule of one call with its automatic fields resolved from `automatic`.
+Fp8GemmSchedule resolve_schedule(Fp8GemmSchedule schedule, const Fp8GemmSchedule& automatic) {
   if (schedule.tile == Fp8GemmTile::kAuto) schedule.tile = automatic.tile;
   if (schedule.raster == GemmRaster::kAuto) schedule.raster = automatic.raster;
   if (schedule.swizzle == 0) schedule.swizzle = automatic.swizzle;
   return schedule;
 }
 
-Status run_tile(Fp8GemmTile tile, const Fp8GroupTable& table, cudaStream_t stream) {
-  switch (tile) {
+// The instantiated kernel of form F and `tile` (fp8_tiles.def).
+template <detail::Fp8GemmForm F>
+Status run_tile(const char* fn, Fp8GemmTile tile, const Fp8GroupTable& table,
+                cudaStream_t stream) {
+  using detail::Fp8GemmForm;
+  if constexpr (F == Fp8GemmForm::kRows) {
+    switch (tile) {
 #define NODROP_FP8_GEMM_TILE(name, ...) \
-  case Fp8GemmTile::name: return detail::run_fp8_blockwise_gemm<Fp8GemmTile::name>(table, stream);
+  case Fp8GemmTile::name:               \
+    return detail::run_fp8_blockwise_gemm<Fp8GemmForm::kRows, Fp8GemmTile::name>(table, stream);
 #include "engine/cuda/grouped_matmul/fp8_tiles.def"
 #undef NODROP_FP8_GEMM_TILE
-    case Fp8GemmTile::kAuto: break;  // resolved by the caller
+      case Fp8GemmTile::kAuto: break;  // resolved by the caller
+    }
+  } else {
+    switch (tile) {
+#define NODROP_FP8_GEMM_TILE(name, ...)
+#define NODROP_FP8_CONTRACT_TILE(name) \
+  case Fp8GemmTile::name:              \
+    return detail::run_fp8_blockwise_gemm<Fp8GemmForm::kContract, Fp8GemmTile::name>(table, stream);
+#include "engine/cuda/grouped_matmul/fp8_tiles.def"
+#undef NODROP_FP8_CONTRACT_TILE
+#undef NODROP_FP8_GEMM_TILE
+      default: break;
+    }
   }
-  return Status::Error("grouped_matmul_fp8_blockwise: no kernel for tile " +
-                       std::to_string(static_cast<int32_t>(tile)));
+  return Status::Error(std::string(fn) + ": no kernel for tile " + fp8_gemm_tile_name(tile) +
+                       (F == Fp8GemmForm::kContract ? " (NODROP_FP8_CONTRACT_TILE)" : ""));
 }
 
 // Elements of a [dims...] tensor, or -1 past 2^60, so that byte counts cannot overflow either.
@@ -255,7 +261,12 @@ Status cuda_status(const char* fn, const char* step, cudaError_t error) {
   return fail(fn, std::string(step) + ": " + cudaGetErrorString(error));
 }
 
-Status check_schedule(const char* fn, const Fp8GemmSchedule& schedule) {
+// The argument checks both forms share: the schedule's fields, the dims (CUTLASS's problem shapes
+// are int), N, the buffers' presence and alignment, group_sizes and the workspace.
+Status check_call(const char* fn, const Fp8GemmSchedule& schedule,
+                  std::initializer_list<std::pair<const char*, int64_t>> dims, int64_t N,
+                  std::initializer_list<Buffer> buffers, const int32_t* group_sizes, int64_t G,
+                  const void* workspace, size_t workspace_bytes) {
   const auto tile = static_cast<int32_t>(schedule.tile);
   if (tile < 0 || tile > static_cast<int32_t>(std::size(kFp8GemmTiles))) {
     return fail(fn, "schedule.tile = " + std::to_string(tile) + " is not an Fp8GemmTile");
@@ -269,44 +280,15 @@ Status check_schedule(const char* fn, const Fp8GemmSchedule& schedule) {
     return fail(fn, "schedule.swizzle = " + std::to_string(swizzle) +
                         " must be 1, 2, 4 or 8 (0: automatic)");
   }
-  return Status::Ok();
-}
-
-}  // namespace
-
-size_t grouped_matmul_fp8_blockwise_workspace_bytes(int64_t G) {
-  return workspace_layout(G).bytes;
-}
-
-Status grouped_matmul_fp8_blockwise(const void* lhs, const float* lhs_scales, const void* rhs,
-                                    const float* rhs_scales, const int32_t* group_sizes,
-                                    int64_t M, int64_t K, int64_t N, int64_t G, void* out,
-                                    void* workspace, size_t workspace_bytes,
-                                    cudaStream_t stream, Fp8GemmSchedule schedule) {
-  constexpr const char* fn = "grouped_matmul_fp8_blockwise";
-  if (Status status = check_schedule(fn, schedule); !status.ok()) return status;
-  const std::pair<const char*, int64_t> dims[] = {{"M", M}, {"K", K}, {"N", N}, {"G", G}};
   for (const auto& [name, value] : dims) {
-    if (value < 0 || value > INT32_MAX) {  // CUTLASS's problem shapes are int
+    if (value < 0 || value > INT32_MAX) {
       return fail(fn, std::string(name) + " = " + std::to_string(value) + " is outside [0, 2^31)");
     }
-  }
-  if (K % 16 != 0) {
-    return fail(fn, "K = " + std::to_string(K) +
-                        " must be a multiple of 16 (TMA moves 16-byte rows of E4M3): pad it");
   }
   if (N % 8 != 0) {
     return fail(fn, "N = " + std::to_string(N) +
                         " must be a multiple of 8 (TMA moves 16-byte rows of bfloat16): pad it");
   }
-  const int64_t KB = detail::scale_blocks(K), NB = detail::scale_blocks(N);
-  const Buffer buffers[] = {
-      {"lhs", lhs, elements({M, K}), 16},
-      {"lhs_scales", lhs_scales, elements({M, KB}), 4},
-      {"rhs", rhs, elements({G, N, K}), 16},
-      {"rhs_scales", rhs_scales, elements({G, NB, KB}), 4},
-      {"out", out, elements({M, N}), 16},
-  };
   for (const Buffer& buffer : buffers) {
     if (buffer.elements < 0) return fail(fn, std::string(buffer.name) + " has over 2^60 elements");
     if (buffer.elements == 0) continue;
@@ -322,11 +304,14 @@ Status grouped_matmul_fp8_blockwise(const void* lhs, const float* lhs_scales, co
     return fail(fn, "workspace has " + std::to_string(workspace_bytes) + " bytes, needs " +
                         std::to_string(needed) + " (grouped_matmul_fp8_blockwise_workspace_bytes)");
   }
-  if (M == 0 || N == 0) return Status::Ok();
-  if (K == 0 || G == 0) {  // nothing to contract, or no group owns a row
-    return cuda_status(fn, "cudaMemsetAsync",
-                       cudaMemsetAsync(out, 0, M * N * detail::kOutBytes, stream));
-  }
+  return Status::Ok();
+}
+
+// The two launches of a checked call with work to do: the setup kernel, then the CUTLASS kernel.
+template <detail::Fp8GemmForm F>
+Status launch(const char* fn, Fp8GemmSchedule schedule, const detail::Fp8Operands& ops,
+              const int32_t* group_sizes, int64_t M, int64_t K, int64_t N, int64_t G,
+              void* workspace, cudaStream_t stream) {
   int device = 0, sm_count = 0;
   Status status = cuda_status(fn, "cudaGetDevice", cudaGetDevice(&device));
   if (status.ok()) {
@@ -335,14 +320,76 @@ Status grouped_matmul_fp8_blockwise(const void* lhs, const float* lhs_scales, co
         cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
   }
   if (!status.ok()) return status;
-  schedule = resolve_schedule(schedule, M, K, N, G);
+  schedule = resolve_schedule(schedule, F == detail::Fp8GemmForm::kContract
+                                            ? grouped_matmul_fp8_contract_schedule(M, K, N, G)
+                                            : grouped_matmul_fp8_schedule(M, K, N, G));
   const Fp8GroupTable table = make_table(workspace, G, device, sm_count, schedule);
-  const detail::Fp8Operands ops{lhs, lhs_scales, rhs, rhs_scales, out};
   status = cuda_status(
       fn, "setup kernel",
-      detail::launch_prepare_fp8_blockwise(group_sizes, M, K, N, ops, table, stream));
+      detail::launch_prepare_fp8_blockwise(F, group_sizes, M, K, N, ops, table, stream));
   if (!status.ok()) return status;
-  return run_tile(schedule.tile, table, stream);
+  return run_tile<F>(fn, schedule.tile, table, stream);
+}
+
+}  // namespace
+
+size_t grouped_matmul_fp8_blockwise_workspace_bytes(int64_t G) {
+  return workspace_layout(G).bytes;
+}
+
+Status grouped_matmul_fp8_blockwise(const void* lhs, const float* lhs_scales, const void* rhs,
+                                    const float* rhs_scales, const int32_t* group_sizes,
+                                    int64_t M, int64_t K, int64_t N, int64_t G, void* out,
+                                    void* workspace, size_t workspace_bytes,
+                                    cudaStream_t stream, Fp8GemmSchedule schedule) {
+  constexpr const char* fn = "grouped_matmul_fp8_blockwise";
+  const int64_t KB = detail::scale_blocks(K), NB = detail::scale_blocks(N);
+  Status status = check_call(fn, schedule, {{"M", M}, {"K", K}, {"N", N}, {"G", G}}, N,
+                             {{"lhs", lhs, elements({M, K}), 16},
+                              {"lhs_scales", lhs_scales, elements({M, KB}), 4},
+                              {"rhs", rhs, elements({G, N, K}), 16},
+                              {"rhs_scales", rhs_scales, elements({G, NB, KB}), 4},
+                              {"out", out, elements({M, N}), 16}},
+                             group_sizes, G, workspace, workspace_bytes);
+  if (!status.ok()) return status;
+  if (K % 16 != 0) {
+    return fail(fn, "K = " + std::to_string(K) +
+                        " must be a multiple of 16 (TMA moves 16-byte rows of E4M3): pad it");
+  }
+  if (M == 0 || N == 0) return Status::Ok();
+  if (K == 0 || G == 0) {  // nothing to contract, or no group owns a row
+    return cuda_status(fn, "cudaMemsetAsync",
+                       cudaMemsetAsync(out, 0, M * N * detail::kOutBytes, stream));
+  }
+  return launch<detail::Fp8GemmForm::kRows>(fn, schedule, {lhs, lhs_scales, rhs, rhs_scales, out},
+                                            group_sizes, M, K, N, G, workspace, stream);
+}
+
+Status grouped_matmul_fp8_blockwise_contract(const void* lhs_t, const float* lhs_scales,
+                                             const void* rhs_t, const float* rhs_scales,
+                                             const int32_t* group_sizes, int64_t M, int64_t K,
+                                             int64_t N, int64_t G, void* out, void* workspace,
+                                             size_t workspace_bytes, cudaStream_t stream,
+                                             Fp8GemmSchedule schedule) {
+  constexpr const char* fn = "grouped_matmul_fp8_blockwise_contract";
+  const int64_t PB = M >= 0 && G >= 0 ? fp8_contract_blocks(M, G) : 0;
+  const int64_t P = PB * kFp8Block;
+  Status status = check_call(fn, schedule, {{"M", M}, {"K", K}, {"N", N}, {"G", G}, {"P", P}}, N,
+                             {{"lhs_t", lhs_t, elements({K, P}), 16},
+                              {"lhs_scales", lhs_scales, elements({PB, K}), 4},
+                              {"rhs_t", rhs_t, elements({N, P}), 16},
+                              {"rhs_scales", rhs_scales, elements({PB, N}), 4},
+                              {"out", out, elements({G, K, N}), 16}},
+                             group_sizes, G, workspace, workspace_bytes);
+  if (!status.ok()) return status;
+  if (G == 0 || K == 0 || N == 0) return Status::Ok();
+  if (M == 0) {  // every group is empty
+    return cuda_status(fn, "cudaMemsetAsync",
+                       cudaMemsetAsync(out, 0, G * K * N * detail::kOutBytes, stream));
+  }
+  return launch<detail::Fp8GemmForm::kContract>(
+      fn, schedule, {lhs_t, lhs_scales, rhs_t, rhs_scales, out}, group_sizes, M, K, N, G,
+      workspace, stream);
 }
 
 }  // namespace nodrop::cuda

@@ -1,13 +1,15 @@
 // The CUTLASS kernels of the FP8 blockwise-scaled grouped GEMM (fp8_blockwise.cuh): CUTLASS's
 // example 68 (hopper_fp8_warp_specialized_grouped_gemm_with_blockwise_scaling) with the problem
 // shapes, pointers and scale layouts on the device only, as the bf16 path (cutlass_gemm.cuh).
-// One configuration per line of fp8_tiles.def; include this header only from the generated
-// instantiation files (generate_instantiations.py).
+// One configuration per (form, line of fp8_tiles.def); include this header only from the
+// generated instantiation files (generate_instantiations.py).
 //
 // What all configurations share:
 //   - Depth 128 = the scale block along K: one A scale per row and one B scale per 128 columns
 //     for each k tile, the finest promotion interval the mainloop allows (4 wgmmas of depth 32).
-//   - 128 columns = the B scale block along N: one B scale per tile, so no per-column select.
+//   - 128 columns = the B scale block along N (kRows): one B scale per tile. The weight
+//     gradient (kContract) scales each row and each column (1 x 128 blocks along the contraction
+//     on both sides): 128 A and 128 B scales per k tile, multiplied per accumulator element.
 //   - A consumer warpgroup owns 64x128 of the tile: the mainloop holds two float32 accumulators
 //     (wgmma's and the scaled sum), 128 registers of the 232 a consumer thread gets.
 // The kernels (which shape gets which: fp8_tile_rule.cc, measured with nodrop_cuda_fp8_bench
@@ -68,18 +70,20 @@ struct Fp8TileConfig;
 #include "engine/cuda/grouped_matmul/fp8_tiles.def"
 #undef NODROP_FP8_GEMM_TILE
 
-template <Fp8GemmTile T>
+template <Fp8GemmForm F, Fp8GemmTile T>
 struct Fp8BlockwiseGemm {
   using ElementA = cutlass::float_e4m3_t;
   using ElementB = cutlass::float_e4m3_t;
   using ElementD = cutlass::bfloat16_t;
   using ElementAccumulator = float;
-  using LayoutA = cutlass::layout::RowMajor;     // lhs_g [M_g, K]: K-major
-  using LayoutB = cutlass::layout::ColumnMajor;  // rhs[g] [N, K] as B (K x N): K-major
+  using LayoutA = cutlass::layout::RowMajor;     // lhs_g [M_g, K] (lhs_t_g [K, rows]): K-major
+  using LayoutB = cutlass::layout::ColumnMajor;  // rhs[g] [N, K] (rhs_t_g) as B (K x N): K-major
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlignmentIn = 16;  // TMA moves 16-byte units: 16 E4M3 elements
   static constexpr int kAlignmentOut = 16 / sizeof(ElementD);
   using Tile = Fp8TileConfig<T>;
+  using LayoutSFA = Fp8LayoutSFA<F>;
+  using LayoutSFB = Fp8LayoutSFB<F>;
   using ProblemShape = cutlass::gemm::GroupProblemShape<GroupShape>;
 
   // D = acc: no C operand (void), alpha 1 and beta 0 by default.
@@ -92,8 +96,8 @@ struct Fp8BlockwiseGemm {
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA,
-      cute::tuple<LayoutA*, Fp8LayoutSFA*>, kAlignmentIn, ElementB,
-      cute::tuple<LayoutB*, Fp8LayoutSFB*>, kAlignmentIn, ElementAccumulator,
+      cute::tuple<LayoutA*, LayoutSFA*>, kAlignmentIn, ElementB,
+      cute::tuple<LayoutB*, LayoutSFB*>, kAlignmentIn, ElementAccumulator,
       typename Tile::Shape, typename Tile::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
@@ -107,17 +111,19 @@ struct Fp8BlockwiseGemm {
   static_assert(std::is_same_v<typename Kernel::InternalStrideA, StrideKMajor>);
   static_assert(std::is_same_v<typename Kernel::InternalStrideB, StrideKMajor>);
   static_assert(std::is_same_v<typename Kernel::InternalStrideD, StrideKMajor>);
-  static_assert(std::is_same_v<typename CollectiveMainloop::InternalLayoutSFA, Fp8LayoutSFA>);
-  static_assert(std::is_same_v<typename CollectiveMainloop::InternalLayoutSFB, Fp8LayoutSFB>);
-  // The scale granularity the mainloop reads from the layout types: 1x128 (A), 128x128 (B).
+  static_assert(std::is_same_v<typename CollectiveMainloop::InternalLayoutSFA, LayoutSFA>);
+  static_assert(std::is_same_v<typename CollectiveMainloop::InternalLayoutSFB, LayoutSFB>);
+  // The scale granularity the mainloop reads from the layout types: 1x128 (A); 128x128 (B) for
+  // kRows, 1x128 for kContract.
   static_assert(CollectiveMainloop::ScaleGranularityM == 1);
-  static_assert(CollectiveMainloop::ScaleGranularityN == kFp8ScaleBlock);
+  static_assert(CollectiveMainloop::ScaleGranularityN ==
+                (F == Fp8GemmForm::kRows ? kFp8ScaleBlock : 1));
   static_assert(CollectiveMainloop::ScaleGranularityK == kFp8ScaleBlock);
 };
 
-template <Fp8GemmTile T>
+template <Fp8GemmForm F, Fp8GemmTile T>
 Status run_fp8_blockwise_gemm(const Fp8GroupTable& table, cudaStream_t stream) {
-  using Config = Fp8BlockwiseGemm<T>;
+  using Config = Fp8BlockwiseGemm<F, T>;
   using Gemm = typename Config::Gemm;
   using Kernel = typename Config::Kernel;
 
@@ -129,9 +135,9 @@ Status run_fp8_blockwise_gemm(const Fp8GroupTable& table, cudaStream_t stream) {
   args.mainloop.ptr_B = reinterpret_cast<const typename Config::ElementB**>(table.ptr_b);
   args.mainloop.dB = table.stride_b;
   args.mainloop.ptr_SFA = table.ptr_sfa;
-  args.mainloop.layout_SFA = table.layout_sfa;
+  args.mainloop.layout_SFA = static_cast<typename Config::LayoutSFA*>(table.layout_sfa);
   args.mainloop.ptr_SFB = table.ptr_sfb;
-  args.mainloop.layout_SFB = table.layout_sfb;
+  args.mainloop.layout_SFB = static_cast<typename Config::LayoutSFB*>(table.layout_sfb);
   args.epilogue.ptr_C = nullptr;
   args.epilogue.dC = nullptr;
   args.epilogue.ptr_D = reinterpret_cast<typename Config::ElementD**>(table.ptr_d);
@@ -145,16 +151,19 @@ Status run_fp8_blockwise_gemm(const Fp8GroupTable& table, cudaStream_t stream) {
       table.raster == GemmRaster::kAlongN ? RasterOrder::AlongN : RasterOrder::AlongM;
   args.scheduler.max_swizzle_size = table.swizzle;
 
-  auto fail = [](const char* step, cutlass::Status status) {
-    return Status::Error(std::string("FP8 blockwise grouped GEMM (") + fp8_gemm_tile_name(T) +
-                         "): CUTLASS " + step + " failed: " +
+  auto kernel = [] {
+    return std::string("FP8 blockwise grouped GEMM (") +
+           (F == Fp8GemmForm::kContract ? "weight gradient, " : "") + fp8_gemm_tile_name(T);
+  };
+  auto fail = [&kernel](const char* step, cutlass::Status status) {
+    return Status::Error(kernel() + "): CUTLASS " + step + " failed: " +
                          cutlass::cutlassGetStatusString(status));
   };
   cutlass::Status status = Gemm::can_implement(args);
   if (status != cutlass::Status::kSuccess) return fail("can_implement", status);
   if (Gemm::get_workspace_size(args) > table.gemm_workspace_bytes) {
-    return Status::Error(std::string("FP8 blockwise grouped GEMM (") + fp8_gemm_tile_name(T) +
-                         "): CUTLASS needs " + std::to_string(Gemm::get_workspace_size(args)) +
+    return Status::Error(kernel() + "): CUTLASS needs " +
+                         std::to_string(Gemm::get_workspace_size(args)) +
                          " workspace bytes, more than the " +
                          std::to_string(table.gemm_workspace_bytes) + " reserved");
   }

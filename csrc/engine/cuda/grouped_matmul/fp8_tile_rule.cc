@@ -52,4 +52,12 @@ Fp8GemmSchedule grouped_matmul_fp8_schedule(int64_t M, int64_t K, int64_t N, int
                          /*swizzle=*/4);
 }
 
+// The weight gradient's (fp8_tiles.def's NODROP_FP8_CONTRACT_TILE lines): not yet measured
+// against each other; the cooperative 1x1 kernel, along M.
+Fp8GemmSchedule grouped_matmul_fp8_contract_schedule(int64_t /*M*/, int64_t /*K*/, int64_t /*N*/,
+                                                     int64_t /*G*/) {
+  return Fp8GemmSchedule(Fp8GemmTile::kCooperative128x128x128Cluster1x1, GemmRaster::kAlongM,
+                         /*swizzle=*/1);
+}
+
 }  // namespace nodrop::cuda

@@ -3,8 +3,8 @@
 
 CMake runs it at configure time (and again whenever this file, tiles.def or fp8_tiles.def
 changes). Each instantiation costs about a minute and 3.5 GB of compiler memory, and nvcc does
-not compile the instantiations of one file in parallel, so every bf16 (form, dtypes, tile) and
-every FP8 tile gets its own file. The tiles are the lines of tiles.def and fp8_tiles.def; files
+not compile the instantiations of one file in parallel, so every bf16 (form, dtypes, tile),
+every FP8 tile and every FP8 weight-gradient tile (NODROP_FP8_CONTRACT_TILE) gets its own file. The tiles are the lines of tiles.def and fp8_tiles.def; files
 are rewritten only when their text changes, so an unchanged kernel is not recompiled, and files
 of kernels no longer listed are removed.
 
@@ -37,7 +37,8 @@ FP8_TEMPLATE = """\
 #include "engine/cuda/grouped_matmul/fp8_blockwise_gemm.cuh"
 
 namespace nodrop::cuda::detail {{
-template Status run_fp8_blockwise_gemm<Fp8GemmTile::{tile}>(const Fp8GroupTable&, cudaStream_t);
+template Status run_fp8_blockwise_gemm<Fp8GemmForm::{form}, Fp8GemmTile::{tile}>(
+    const Fp8GroupTable&, cudaStream_t);
 }}  // namespace nodrop::cuda::detail
 """
 
@@ -60,6 +61,18 @@ def tiles(def_file: str, macro: str) -> dict[str, str]:
     return found
 
 
+def contract_tiles(fp8_tiles: dict[str, str]) -> list[str]:
+    """The enum names of fp8_tiles.def's NODROP_FP8_CONTRACT_TILE lines, each a tile above."""
+    path = HERE / "fp8_tiles.def"
+    names = re.findall(r"^NODROP_FP8_CONTRACT_TILE\((\w+)\)\s*$", path.read_text(), re.M)
+    for name in names:
+        if name not in fp8_tiles.values():
+            raise SystemExit(f"{path}: NODROP_FP8_CONTRACT_TILE({name}) names no tile")
+    if not names:
+        raise SystemExit(f"{path}: no NODROP_FP8_CONTRACT_TILE lines")
+    return names
+
+
 def main() -> None:
     if len(sys.argv) != 2:
         raise SystemExit(__doc__)
@@ -72,8 +85,14 @@ def main() -> None:
         out_name, out_enum = (dtype, in_enum) if out == "same" else ("f32", "kFloat32")
         text = TEMPLATE.format(form=form_enum, dtype_in=in_enum, dtype_out=out_enum, tile=tile_enum)
         files[folder / f"gemm_{form}_{dtype}_{out_name}_{tile}.cu"] = text
-    for tile, tile_enum in tiles("fp8_tiles.def", "NODROP_FP8_GEMM_TILE").items():
-        files[folder / f"fp8_blockwise_{tile}.cu"] = FP8_TEMPLATE.format(tile=tile_enum)
+    fp8_tiles = tiles("fp8_tiles.def", "NODROP_FP8_GEMM_TILE")
+    for tile, tile_enum in fp8_tiles.items():
+        files[folder / f"fp8_blockwise_{tile}.cu"] = FP8_TEMPLATE.format(form="kRows",
+                                                                          tile=tile_enum)
+    for tile_enum in contract_tiles(fp8_tiles):
+        tile = next(id_ for id_, enum in fp8_tiles.items() if enum == tile_enum)
+        files[folder / f"fp8_contract_{tile}.cu"] = FP8_TEMPLATE.format(form="kContract",
+                                                                         tile=tile_enum)
     written = []
     for path, text in files.items():
         if not path.exists() or path.read_text() != text:

@@ -1,17 +1,10 @@
 // The setup kernel of each grouped GEMM: the group table and the zero fill (setup_kernel.cuh).
 #include "engine/cuda/grouped_matmul/setup_kernel.cuh"
 
-#include <algorithm>
-
-#include <cub/block/block_reduce.cuh>
-#include <cub/block/block_scan.cuh>
+#include "engine/cuda/grouped_matmul/group_scan.cuh"
 
 namespace nodrop::cuda::detail {
 namespace {
-
-constexpr int kSetupThreads = 256;
-// Every zeroed region starts and ends on a multiple of 16 bytes (N % 8 == 0).
-constexpr int64_t kVectorBytes = 16;
 
 // One group's GEMM: its shape, operand pointers and strides, for form F.
 template <GemmForm F>
@@ -47,86 +40,17 @@ __device__ void write_group(const GroupTable& t, int64_t g, int64_t begin, int64
   stride_d[g] = cute::make_stride(N, cute::_1{}, cute::_0{});
 }
 
-using SizeScan = cub::BlockScan<int64_t, kSetupThreads>;
-using SizeSum = cub::BlockReduce<int64_t, kSetupThreads>;
-
-// Block 0 builds the table. Each thread takes a run of consecutive groups; one block-wide scan of
-// the run totals gives every group its clamped offset: min(M, sum of max(0, size) before it)
-// equals the running total clamped at M step by step, because the sizes added are never negative.
+// Block 0 builds the table: scan_groups gives every group its clamped rows.
 template <GemmForm F>
 __device__ void build_group_table(const int32_t* __restrict__ group_sizes, int64_t M, int64_t K,
                                   int64_t N, const Operands& ops, const GroupTable& table,
-                                  typename SizeScan::TempStorage& scan_storage) {
-  const int64_t G = table.num_groups;
-  const int64_t per_thread = (G + kSetupThreads - 1) / kSetupThreads;
-  const int64_t first = min(G, int64_t(threadIdx.x) * per_thread);
-  const int64_t last = min(G, first + per_thread);
-  int64_t run_total = 0;
-  for (int64_t g = first; g < last; ++g) run_total += max(group_sizes[g], 0);
-  int64_t total_before = 0;
-  SizeScan(scan_storage).ExclusiveSum(run_total, total_before);
+                                  GroupScanStorage& scan_storage) {
   if (threadIdx.x == 0) table.offsets[0] = 0;
-  for (int64_t g = first; g < last; ++g) {
-    const int64_t begin = min(M, total_before);
-    total_before += max(group_sizes[g], 0);
-    const int64_t end = min(M, total_before);
-    table.offsets[g + 1] = end;
-    write_group<F>(table, g, begin, end - begin, K, N, ops);
-  }
-}
-
-// Sum of max(0, group_sizes[g]) over g in [0, end), known to every thread of the block.
-__device__ int64_t rows_before(const int32_t* __restrict__ group_sizes, int64_t end,
-                               typename SizeSum::TempStorage& sum_storage) {
-  int64_t partial = 0;
-  for (int64_t g = threadIdx.x; g < end; g += kSetupThreads) partial += max(group_sizes[g], 0);
-  __shared__ int64_t total;
-  const int64_t block_total = SizeSum(sum_storage).Sum(partial);
-  if (threadIdx.x == 0) total = block_total;
-  __syncthreads();
-  return total;
-}
-
-// Fill block `fill` of `fills`: zeroes its share of rows [min(M, total rows), M) of out
-// [M, N], which no group owns.
-__device__ void zero_tail_rows(const int32_t* __restrict__ group_sizes, int64_t M, int64_t N,
-                               const Operands& ops, int64_t G, int64_t fill, int64_t fills,
-                               typename SizeSum::TempStorage& sum_storage) {
-  const int64_t row_vectors = N * ops.out_size / kVectorBytes;
-  const int64_t begin = min(M, rows_before(group_sizes, G, sum_storage)) * row_vectors;
-  const int64_t end = M * row_vectors;
-  uint4* vectors = static_cast<uint4*>(ops.out);
-  const int64_t step = fills * kSetupThreads;
-  for (int64_t i = begin + fill * kSetupThreads + threadIdx.x; i < end; i += step) {
-    vectors[i] = make_uint4(0, 0, 0, 0);
-  }
-}
-
-// Fill block `fill` of `fills`: zeroes out[g] [K, N] of every group without rows within its
-// contiguous share of out [G, K, N]. CUTLASS 4.2 cannot run a GEMM with K = 0, so the table
-// gives such groups no tiles at all.
-__device__ void zero_empty_groups(const int32_t* __restrict__ group_sizes, int64_t M, int64_t K,
-                                  int64_t N, const Operands& ops, int64_t G, int64_t fill,
-                                  int64_t fills, typename SizeSum::TempStorage& sum_storage) {
-  const int64_t group_vectors = K * N * ops.out_size / kVectorBytes;
-  const int64_t all_vectors = G * group_vectors;
-  const int64_t share = (all_vectors + fills - 1) / fills;
-  const int64_t lo = fill * share;
-  const int64_t hi = min(all_vectors, lo + share);
-  if (lo >= hi) return;  // the whole block: lo and hi do not depend on the thread
-  uint4* vectors = static_cast<uint4*>(ops.out);
-  int64_t g = lo / group_vectors;
-  int64_t begin = rows_before(group_sizes, g, sum_storage);  // unclamped: empty once past M
-  for (; g * group_vectors < hi; ++g) {
-    const int64_t rows = max(group_sizes[g], 0);
-    const bool empty = rows == 0 || begin >= M;
-    begin += rows;
-    if (!empty) continue;
-    const int64_t to = min(hi, (g + 1) * group_vectors);
-    for (int64_t i = max(lo, g * group_vectors) + threadIdx.x; i < to; i += kSetupThreads) {
-      vectors[i] = make_uint4(0, 0, 0, 0);
-    }
-  }
+  scan_groups(group_sizes, table.num_groups, M, scan_storage,
+              [&](int64_t g, int64_t begin, int64_t end, int64_t /*first_block*/) {
+                table.offsets[g + 1] = end;
+                write_group<F>(table, g, begin, end - begin, K, N, ops);
+              });
 }
 
 // One launch per grouped GEMM: block 0 builds the table, the other blocks zero the outputs that
@@ -137,7 +61,7 @@ __global__ void __launch_bounds__(kSetupThreads)
     prepare_grouped_gemm(const int32_t* __restrict__ group_sizes, int64_t M, int64_t K, int64_t N,
                          Operands ops, GroupTable table) {
   __shared__ union {
-    typename SizeScan::TempStorage scan;
+    GroupScanStorage scan;
     typename SizeSum::TempStorage sum;
   } storage;
   if (blockIdx.x == 0) {
@@ -146,16 +70,12 @@ __global__ void __launch_bounds__(kSetupThreads)
   }
   const int64_t fill = blockIdx.x - 1, fills = gridDim.x - 1;
   if constexpr (F == GemmForm::kContract) {
-    zero_empty_groups(group_sizes, M, K, N, ops, table.num_groups, fill, fills, storage.sum);
+    zero_empty_groups(group_sizes, M, K, N, ops.out, ops.out_size, table.num_groups, fill, fills,
+                      storage.sum);
   } else {
-    zero_tail_rows(group_sizes, M, N, ops, table.num_groups, fill, fills, storage.sum);
+    zero_tail_rows(group_sizes, M, N, ops.out, ops.out_size, table.num_groups, fill, fills,
+                   storage.sum);
   }
-}
-
-// Enough blocks to cover `bytes` with one 16-byte store per thread, at most `cap`.
-unsigned fill_blocks(int64_t bytes, int64_t cap) {
-  const int64_t per_block = kSetupThreads * kVectorBytes;
-  return static_cast<unsigned>(std::clamp<int64_t>((bytes + per_block - 1) / per_block, 1, cap));
 }
 
 }  // namespace

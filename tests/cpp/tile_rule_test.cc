@@ -2,8 +2,10 @@
 // host code, so these run in ctest without a GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
+#include <iterator>
 #include <set>
 #include <string>
 
@@ -148,6 +150,30 @@ TEST(Fp8TileRule, PicksTheMeasuredScheduleByShape) {
     EXPECT_EQ(schedule.tile, c.tile) << c.M << "x" << c.K << "x" << c.N << ", G " << c.G;
     EXPECT_EQ(schedule.raster, c.raster) << c.M << "x" << c.K << "x" << c.N;
     EXPECT_EQ(schedule.swizzle, c.swizzle) << c.M << "x" << c.K << "x" << c.N;
+  }
+}
+
+// The weight gradient's rule names a tile that has a weight-gradient kernel (fp8_tiles.def's
+// NODROP_FP8_CONTRACT_TILE lines), in a resolved order, for every shape measured.
+TEST(Fp8TileRule, ContractScheduleHasAWeightGradientKernel) {
+  using nodrop::cuda::Fp8GemmTile;
+  const Fp8GemmTile contract_tiles[] = {
+#define NODROP_FP8_GEMM_TILE(...)
+#define NODROP_FP8_CONTRACT_TILE(name) Fp8GemmTile::name,
+#include "engine/cuda/grouped_matmul/fp8_tiles.def"
+#undef NODROP_FP8_CONTRACT_TILE
+#undef NODROP_FP8_GEMM_TILE
+  };
+  const int64_t shapes[][4] = {{16384, 14336, 4096, 8},  {16384, 28672, 4096, 8},
+                               {131072, 768, 2048, 128}, {8192, 2048, 7168, 32},
+                               {8192, 7168, 2048, 32},   {0, 128, 128, 0}};
+  for (const auto& [M, K, N, G] : shapes) {
+    const auto schedule = nodrop::cuda::grouped_matmul_fp8_contract_schedule(M, K, N, G);
+    EXPECT_NE(std::find(std::begin(contract_tiles), std::end(contract_tiles), schedule.tile),
+              std::end(contract_tiles))
+        << M << "x" << K << "x" << N;
+    EXPECT_NE(schedule.raster, nodrop::cuda::GemmRaster::kAuto);
+    EXPECT_NE(schedule.swizzle, 0);
   }
 }
 

@@ -416,8 +416,8 @@ struct ContractBuffers {
   }
 };
 
-// Every weight-gradient kernel (fp8_tiles.def's NODROP_FP8_CONTRACT_TILE lines), and the
-// automatic choice.
+// Every weight-gradient kernel (fp8_tiles.def's NODROP_FP8_CONTRACT_TILE lines) in its own tile
+// order, the automatic choice, and the 1x2 cluster along M.
 std::vector<Fp8GemmSchedule> contract_schedules() {
   return {Fp8GemmSchedule(),
 #define NODROP_FP8_GEMM_TILE(...)
@@ -425,8 +425,8 @@ std::vector<Fp8GemmSchedule> contract_schedules() {
 #include "engine/cuda/grouped_matmul/fp8_tiles.def"
 #undef NODROP_FP8_CONTRACT_TILE
 #undef NODROP_FP8_GEMM_TILE
-          Fp8GemmSchedule(Fp8GemmTile::kCooperative128x128x128Cluster1x1, GemmRaster::kAlongN,
-                          4)};
+          Fp8GemmSchedule(Fp8GemmTile::kCooperative128x128x128Cluster1x2, GemmRaster::kAlongM,
+                          1)};
 }
 
 class CudaFp8ContractTest : public testing::TestWithParam<std::tuple<Case, Fp8GemmSchedule>> {};

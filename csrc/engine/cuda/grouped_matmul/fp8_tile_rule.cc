@@ -52,12 +52,16 @@ Fp8GemmSchedule grouped_matmul_fp8_schedule(int64_t M, int64_t K, int64_t N, int
                          /*swizzle=*/4);
 }
 
-// The weight gradient's (fp8_tiles.def's NODROP_FP8_CONTRACT_TILE lines): not yet measured
-// against each other; the cooperative 1x1 kernel, along M.
+// The weight gradient's: cooperative 128x128 on a 1x2 cluster, along N, swizzle 4. Measured on an
+// H200 (nodrop_cuda_fp8_bench --mode=training --configs=all, bench/results/
+// 2026-12-02-h200-fp8-wgrad/) against the 1x1 cluster along M and N and the 1x2 cluster along M:
+// fastest on Mixtral, its layer's gate+up (1.14x the 1x1 along M), Qwen3 and DeepSeek-V3's two
+// EP8 rank shapes, and within 1.4% of the fastest (the 1x1 along N) on Mixtral's down
+// projection. The 1x1 cluster's weight-gradient kernel was dropped for it.
 Fp8GemmSchedule grouped_matmul_fp8_contract_schedule(int64_t /*M*/, int64_t /*K*/, int64_t /*N*/,
                                                      int64_t /*G*/) {
-  return Fp8GemmSchedule(Fp8GemmTile::kCooperative128x128x128Cluster1x1, GemmRaster::kAlongM,
-                         /*swizzle=*/1);
+  return Fp8GemmSchedule(Fp8GemmTile::kCooperative128x128x128Cluster1x2, GemmRaster::kAlongN,
+                         /*swizzle=*/4);
 }
 
 }  // namespace nodrop::cuda

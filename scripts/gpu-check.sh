@@ -5,7 +5,7 @@
 #
 #   scripts/gpu-check.sh RESULTS_DIR [BIN_DIR]
 #
-# BIN_DIR holds nodrop_cuda_tests, nodrop_cuda_moe_tests, nodrop_cuda_bench,
+# BIN_DIR holds nodrop_cuda_tests, nodrop_cuda_moe_tests, nodrop_cuda_bench, nodrop_cuda_fp8_bench,
 # nodrop_cuda_permute_bench and libnodrop_ffi_cuda.so; without it they are built into build/gpu
 # (needs nvcc, CUTLASS in .cutlass/ or the nvidia-cutlass package, oneDNN and GoogleTest).
 set -uo pipefail
@@ -42,8 +42,8 @@ XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL --xla_gpu_g
   "$python" -m pytest -q -p no:cacheprovider tests/python/test_gpu.py >> "$out/tests.log" 2>&1
 record "pytest test_gpu.py (CUDA graphs on)" $?
 
-small_gemm='CudaGroupedMatmulGraph.*:*/uneven_*bf16_bf16*:*/empty_groups_*f16_f32*:*/int32_extremes_*bf16_f32*'
-small_moe='*SortByExpert*uniform*:*RowMovers*odd_H*:*Arbitrary*:*Router*softmax_E8*:*RouterGrad*:*QuantizeFp8Gpu*bf16*'
+small_gemm='CudaGroupedMatmulGraph.*:*/uneven_*bf16_bf16*:*/empty_groups_*f16_f32*:*/int32_extremes_*bf16_f32*:CudaFp8BlockwiseGraph.*:CudaFp8ContractGraph.*:*/CudaFp8ContractTest.*/mixed_auto*'
+small_moe='*SortByExpert*uniform*:*RowMovers*odd_H*:*Arbitrary*:*Router*softmax_E8*:*RouterGrad*:*QuantizeFp8Gpu*bf16*:*QuantizeFp8TransposedGpu*bf16*'
 for tool in memcheck racecheck; do
   for pair in "nodrop_cuda_tests:$small_gemm" "nodrop_cuda_moe_tests:$small_moe"; do
     t=${pair%%:*}
@@ -55,6 +55,9 @@ for tool in memcheck racecheck; do
 done
 
 "$bin/nodrop_cuda_bench" > "$out/gemm-bench.md" 2>&1; record "CUDA grouped GEMM benchmark" $?
+# FP8 against bf16, a layer's three GEMMs with the quantisers, in the same file.
+{ echo; "$bin/nodrop_cuda_fp8_bench" --mode=training; } >> "$out/gemm-bench.md" 2>&1
+record "FP8 training benchmark" $?
 "$bin/nodrop_cuda_permute_bench" > "$out/permute-bench.log" 2>&1; record "permute benchmark" $?
 "$python" bench/gpu_moe.py --out "$out" > /dev/null 2>> "$out/tests.log"
 record "JAX benchmark against the peers (bench/gpu_moe.py)" $?

@@ -168,6 +168,8 @@ def _qdq_group_rows(x, group_sizes, recipe: str):
     if recipe == "tensorwise":
         return _qdq(x, "tensor")
     num_rows, num_groups = x.shape[0], group_sizes.shape[0]
+    if num_groups == 0:  # no block: the matmul reads no row
+        return jnp.zeros(x.shape, jnp.float32)
     ends = _clamped_ends(group_sizes, num_rows)
     starts = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
     blocks_per_group = -(-(ends - starts) // BLOCK)
@@ -193,6 +195,8 @@ def _qdq_group_rows(x, group_sizes, recipe: str):
 def _rows_in_groups(x, group_sizes):
     """x with the rows past the groups zeroed: the matmul ignores them, and so must the scales
     (a tensorwise scale would otherwise see whatever they hold)."""
+    if group_sizes.shape[0] == 0:  # no group: every row is past them
+        return jnp.zeros_like(x)
     total = _clamped_ends(group_sizes, x.shape[0])[-1]
     return jnp.where((jnp.arange(x.shape[0]) < total)[:, None], x, 0)
 

@@ -675,15 +675,33 @@ def untransposed(q_t, scale, sizes, m):
     return out
 
 
-@pytest.mark.parametrize("case", [case for case in TRANSPOSED_CASES if case != "no_groups"])
+@pytest.mark.parametrize("case", TRANSPOSED_CASES)
 def test_quantize_transposed_holds_the_emulations_blocks(case):
     """Put back in place, the blocks dequantise to what the emulated weight gradient multiplies
-    (`_qdq_group_rows`, which takes one group at least), value for value."""
+    (`_qdq_group_rows`), value for value; with no groups, nothing (zeros)."""
     m, c, sizes = TRANSPOSED_CASES[case]
     x = jax.random.normal(jax.random.key(m), (m, c), jnp.bfloat16) * 100
     q_t, scale = fp8.quantize_transposed(x, int32(sizes))
     want = fp8._qdq_group_rows(fp8._rows_in_groups(x, int32(sizes)), int32(sizes), "blockwise")
     np.testing.assert_array_equal(untransposed(q_t, scale, sizes, m), as_f64(want))
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("forward", ["emulated", "kernel"])
+def test_no_groups_give_zeros_and_zero_gradients(recipe, forward):
+    """G = 0: no row is in a group, so the result and lhs's gradient are zero and rhs's
+    gradient is empty, on the emulation and on the kernels alike."""
+    lhs = jax.random.normal(jax.random.key(0), (6, 32), jnp.bfloat16)
+    rhs = jnp.ones((0, 32, 16), jnp.bfloat16)
+
+    def loss(lhs, rhs):
+        out = fp8.fp8_grouped_matmul(lhs, rhs, int32([]), recipe=recipe, forward=forward)
+        return jnp.sum(out.astype(jnp.float32) * jnp.arange(16)), out
+
+    (_, out), (dlhs, drhs) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(lhs, rhs)
+    assert out.shape == (6, 16) and not np.any(as_f64(out))
+    assert dlhs.shape == lhs.shape and not np.any(as_f64(dlhs))
+    assert drhs.shape == rhs.shape
 
 
 # name -> (M, K, N, group_sizes); N off the kernel's multiple of 8 (padded around the call)

@@ -18,6 +18,12 @@ GEMM_SHAPES = {  # bench/gpu_*.py
     "DeepSeek-V2-Lite": (98304, 2048, 1408, 64),
     "DeepSeek-V3-EP8": (8192, 7168, 2048, 32),  # one rank of 8-way expert parallelism
 }
+# DeepGEMM's grouped (contiguous layout) FP8 shapes, 4 equal groups of 8192 rows: issue 18's
+# FP8 throughput target (bench/gpu_fp8.py; bench/cuda/fp8_blockwise_bench.cu keeps a copy).
+DEEPGEMM_SHAPES = {
+    "DeepGEMM-N4096-K7168": (32768, 7168, 4096, 4),
+    "DeepGEMM-N7168-K2048": (32768, 2048, 7168, 4),
+}
 
 # One MoE layer (nodrop.moe.MoEBlock): name -> (tokens T, hidden H, expert FFN F, experts E,
 # experts per token k).

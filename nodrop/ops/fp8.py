@@ -269,80 +269,82 @@ def _kernel_forward(lhs, rhs, group_sizes):
     """The blockwise forward on the engine's FP8 kernel. Rows past the groups need no zeroing:
     the kernel reads no row past the groups, and their scales scale nothing."""
     rhs_q_t, rhs_scales = quantize(jnp.swapaxes(rhs, 1, 2), WEIGHT_BLOCK)
-    return grouped_matmul_fp8_blockwise(*quantize_rows(lhs), rhs_q_t, rhs_scales, group_sizes)
+    return grouped_matmul_fp8_blockwise(*quantize_rows(lhs), rhs_q_t, rhs_scales, group_sizes),
 
 
-def _kernel_dlhs(dout, rhs, group_sizes):
-    """The blockwise input gradient dout @ rhs[g].T on the same kernel: its "transposed weight"
-    [G, K, N] is rhs itself, whose 128 x 128 blocks (and scales) are those of the forward's."""
-    return grouped_matmul_fp8_blockwise(*quantize_rows(dout), *quantize(rhs, WEIGHT_BLOCK),
-                                        group_sizes)
-
-
-def _emulated_dlhs(dout, rhs, group_sizes, recipe, matmul):
-    """The matmul's own transpose (for nodrop's: the grouped matmul against rhs[g].T) on the
-    operands quantised along its contraction axis, N."""
+def _emulated_forward(lhs, rhs, group_sizes, recipe, matmul):
     rows_block, weights_block = _operand_blocks(recipe)
+    return matmul(_qdq(_rows_in_groups(lhs, group_sizes), rows_block),
+                  _qdq(rhs, weights_block), group_sizes),
+
+
+def _kernel_backward(lhs, rhs, dout, group_sizes):
+    """Both gradients on the engine's FP8 kernels, dout quantised once for both (its rows for
+    the input gradient, its transposed copy for the weight gradient). The input gradient
+    dout @ rhs[g].T runs on the forward's kernel: its "transposed weight" [G, K, N] is rhs
+    itself, whose 128 x 128 blocks (and scales) are those of the forward's. The weight
+    gradient is the FP8 ragged contraction, both operands quantised in blocks of 128 rows
+    within each group. Rows past the groups need no zeroing: neither kernel nor quantisation
+    of the transposed copies reads them."""
+    dout_q, dout_scales, dout_t, dout_t_scales = quantize_rows_and_transposed(dout, group_sizes)
+    dlhs = grouped_matmul_fp8_blockwise(dout_q, dout_scales, *quantize(rhs, WEIGHT_BLOCK),
+                                        group_sizes)
+    drhs = grouped_matmul_fp8_blockwise_contract(
+        *quantize_transposed(lhs, group_sizes), dout_t, dout_t_scales, group_sizes,
+        num_rows=lhs.shape[0])
+    return dlhs, drhs
+
+
+def _emulated_backward(lhs, rhs, dout, group_sizes, recipe, matmul):
+    """The matmul's own transposes on the operands quantised along their contraction axes:
+    the input gradient (for nodrop's matmul: the grouped matmul against rhs[g].T) with dout in
+    1 x 128 blocks along N, the weight gradient (the ragged contraction) with lhs and dout in
+    blocks of rows within each group."""
+    rows_block, weights_block = _operand_blocks(recipe)
+    dout = _rows_in_groups(dout, group_sizes)
     rhs_q = _qdq(rhs, weights_block)
     dlhs, = jax.linear_transpose(lambda a: matmul(a, rhs_q, group_sizes),
                                  jax.ShapeDtypeStruct((dout.shape[0], rhs.shape[1]),
                                                       jnp.float32))(_qdq(dout, rows_block))
-    return dlhs
-
-
-def _kernel_drhs(lhs, dout, group_sizes):
-    """The blockwise weight gradient on the engine's FP8 ragged contraction, both operands
-    quantised in blocks of 128 rows within each group. Rows past the groups need no zeroing:
-    the quantisation reads none of them."""
-    return grouped_matmul_fp8_blockwise_contract(
-        *quantize_transposed(lhs, group_sizes), *quantize_transposed(dout, group_sizes),
-        group_sizes, num_rows=lhs.shape[0])
-
-
-def _emulated_drhs(lhs, dout, group_sizes, recipe, matmul):
-    """The matmul's own transpose in its weights (for nodrop's: the ragged contraction) on the
-    operands quantised in blocks of rows within each group."""
     lhs_q = _qdq_group_rows(_rows_in_groups(lhs, group_sizes), group_sizes, recipe)
-    shape = (group_sizes.shape[0], lhs.shape[1], dout.shape[1])
     drhs, = jax.linear_transpose(lambda w: matmul(lhs_q, w, group_sizes),
-                                 jax.ShapeDtypeStruct(shape, jnp.float32))(
+                                 jax.ShapeDtypeStruct(rhs.shape, jnp.float32))(
         _qdq_group_rows(dout, group_sizes, recipe))
-    return drhs
+    return dlhs, drhs
 
 
-def _kernel_or_emulated(kernel, emulated, rows, other, group_sizes, recipe, matmul, forward,
-                        dtype):
-    """kernel(rows, other, group_sizes) where `forward` puts the blockwise recipe on the
-    engine's kernels, else emulated(..., recipe, matmul) (see fp8_grouped_matmul's `forward`);
-    the result in `dtype` either way."""
+def _kernel_or_emulated(kernel, emulated, operands, recipe, matmul, forward, dtypes):
+    """kernel(*operands) where `forward` puts the blockwise recipe on the engine's kernels,
+    else emulated(*operands, recipe, matmul) (see fp8_grouped_matmul's `forward`); the results
+    in `dtypes` either way. The first operand (lhs) decides "auto"."""
+    def cast(results):
+        return tuple(r.astype(d) for r, d in zip(results, dtypes))
+
     if recipe != "blockwise" or forward == "emulated":
-        out = emulated(rows, other, group_sizes, recipe, matmul)
+        results = emulated(*operands, recipe, matmul)
     elif forward == "kernel":
-        out = kernel(rows, other, group_sizes)
-    elif rows.dtype == jnp.bfloat16:  # "auto": the kernel where it runs on the GPU
-        out = _ffi.on_platform(
-            rows, other, group_sizes,
-            cpu=lambda *args: emulated(*args, recipe, matmul).astype(dtype),
-            cuda=lambda *args: kernel(*args).astype(dtype))
+        results = kernel(*operands)
+    elif operands[0].dtype == jnp.bfloat16:  # "auto": the kernels where they run on the GPU
+        results = _ffi.on_platform(
+            *operands,
+            cpu=lambda *args: cast(emulated(*args, recipe, matmul)),
+            cuda=lambda *args: cast(kernel(*args)))
     else:
-        out = emulated(rows, other, group_sizes, recipe, matmul)
-    return out.astype(dtype)
+        results = emulated(*operands, recipe, matmul)
+    return cast(results)
 
 
 def _forward(lhs, rhs, group_sizes, recipe, matmul, forward):
-    out = _kernel_or_emulated(_kernel_forward, _emulated_forward, lhs, rhs, group_sizes, recipe,
-                              matmul, forward, lhs.dtype)
+    out, = _kernel_or_emulated(_kernel_forward, _emulated_forward, (lhs, rhs, group_sizes),
+                               recipe, matmul, forward, (lhs.dtype,))
     return out, (lhs, rhs, group_sizes)
 
 
 def _backward(recipe, matmul, forward, residuals, dout):
     lhs, rhs, group_sizes = residuals
-    dout = _rows_in_groups(dout.astype(lhs.dtype), group_sizes)
-    dlhs = _kernel_or_emulated(_kernel_dlhs, _emulated_dlhs, dout, rhs, group_sizes, recipe,
-                               matmul, forward, lhs.dtype)
-    # The weight gradient, decided on lhs as the forward is.
-    drhs = _kernel_or_emulated(_kernel_drhs, _emulated_drhs, lhs, dout, group_sizes, recipe,
-                               matmul, forward, rhs.dtype)
+    dlhs, drhs = _kernel_or_emulated(
+        _kernel_backward, _emulated_backward, (lhs, rhs, dout.astype(lhs.dtype), group_sizes),
+        recipe, matmul, forward, (lhs.dtype, rhs.dtype))
     return dlhs, drhs, None
 
 
@@ -546,6 +548,48 @@ _quantize_transposed_p = _primitives.define(
             (x, group_sizes), (_contract_blocks(x.shape[0], group_sizes.shape[0]), x.shape[1]),
             jnp.float32)),
     lower=_quantize_transposed_lowering, multiple_results=True)
+
+
+def quantize_rows_and_transposed(x: ArrayLike, group_sizes: ArrayLike
+                                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """`(*quantize_rows(x), *quantize_transposed(x, group_sizes))` in one engine call, the same
+    bytes: (q [M, C], scale [M, ceil(C / 128)], q_t [C, P], scale_t [PB, C]). The output
+    gradient's two operands in the blockwise backward (the input gradient reads its rows, the
+    weight gradient its transposed copy); the CUDA engine reads x once for both. Where XLA
+    partitions the call over several devices it runs as the two ops, each partitioned as
+    they are. Not differentiable."""
+    x, group_sizes = jnp.asarray(x), _checks.as_array(group_sizes)
+    _checks.require_rank("x", x, 2, "[M, C]")
+    _checks.require_float("x", x)
+    _checks.require_rank("group_sizes", group_sizes, 1, "[G]")
+    group_sizes = _checks.as_int32("group_sizes", group_sizes)
+    return tuple(_quantize_rows_and_transposed_p.bind(*_ffi.match_vma(x, group_sizes),
+                                                      checked=_checks.checks_enabled()))
+
+
+def _quantize_rows_and_transposed_lowering(x, group_sizes, *, checked, partition):
+    if partition:
+        return (*_quantize_lowering(x, block=BLOCK, partition=True),
+                *_quantize_transposed_lowering(x, group_sizes, checked=checked, partition=True))
+    return _ffi.call("nodrop_quantize_fp8_rows_and_transposed",
+                     _rows_and_transposed_shapes(x, group_sizes), x, group_sizes,
+                     checked=_checks.attr_bool(checked))
+
+
+def _rows_and_transposed_shapes(x, group_sizes):
+    (num_rows, cols), blocks = x.shape, _contract_blocks(x.shape[0], group_sizes.shape[0])
+    return (jax.ShapeDtypeStruct((num_rows, cols), E4M3),
+            jax.ShapeDtypeStruct((num_rows, -(-cols // BLOCK)), jnp.float32),
+            jax.ShapeDtypeStruct((cols, BLOCK * blocks), E4M3),
+            jax.ShapeDtypeStruct((blocks, cols), jnp.float32))
+
+
+_quantize_rows_and_transposed_p = _primitives.define(
+    "nodrop_quantize_fp8_rows_and_transposed",
+    abstract_eval=lambda x, group_sizes, *, checked: tuple(
+        _primitives.result_aval((x, group_sizes), s.shape, s.dtype)
+        for s in _rows_and_transposed_shapes(x, group_sizes)),
+    lower=_quantize_rows_and_transposed_lowering, multiple_results=True)
 
 
 def grouped_matmul_fp8_blockwise_contract(lhs_t: ArrayLike, lhs_scales: ArrayLike,

@@ -16,7 +16,7 @@ import pytest
 from conftest import needs_train
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-PROGRAMS = ("batch_invariance", "cpu_grouped_matmul", "ep_scaling", "gpu_moe",
+PROGRAMS = ("batch_invariance", "cpu_grouped_matmul", "ep_scaling", "gpu_fp8", "gpu_moe",
             "gpu_gemm_sustained", "gpu_profile", "gemm_tiles_table", "ncu_stall_regions")
 MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 
@@ -218,6 +218,64 @@ def test_a_missing_tokamax_is_recorded_not_raised(monkeypatch, tiny_shapes):
     failed = {key for key, value in statuses.items() if value != "ok"}
     assert {key[3] for key in failed} == {"tokamax"} and len(failed) == 5
     assert all(status in c["detail"] for c in cases if c["impl"] == "tokamax")
+
+
+@needs_train  # its plot: matplotlib
+def test_gpu_fp8_dry_run_on_the_cpu(tmp_path, monkeypatch):
+    """bench/gpu_fp8.py --dry-run: nodrop's FP8 GEMM and forward (on the CPU engine) checked
+    against their dequantised operands and timed, uniform and Zipf; torch's cases n/a with the
+    reason (no GPU here); tables and plot."""
+    import gpu_fp8
+    import timing
+
+    monkeypatch.setattr(timing, "HEAT_S", 0.0)
+    monkeypatch.setenv(MEM_FRACTION, "restored after the test")
+    assert gpu_fp8.main(["--out", str(tmp_path), "--dry-run", "--iters", "1"]) == 0
+    written = {p.name for p in tmp_path.iterdir()}
+    assert written == {"gpu-fp8.json", "gpu-fp8.md", "gpu-fp8.png"}
+    results = json.loads((tmp_path / "gpu-fp8.json").read_text())
+    cases = results["cases"]
+    assert [(c["group_sizes"], c["impl"]) for c in cases] == [
+        (kind, impl) for kind in ("uniform", "zipf") for impl in gpu_fp8.IMPL_LABELS]
+    for case in cases:
+        if case["impl"].startswith("nodrop"):
+            assert case["status"] == "ok" and np.isfinite(case["tflops"]) and case["tflops"] > 0
+            assert case["check"] <= gpu_fp8.CHECK_TOLERANCE, case
+            assert 0 < case["error_vs_bf16"] < 0.1  # E4M3's rounding, not a broken layout
+        else:
+            assert case["status"] == "n/a" and case["detail"] == results["torch"]
+    assert [row["sizes"] for row in results["summary"]] == [[64] * 4, [125, 61, 40, 30]]
+    markdown = (tmp_path / "gpu-fp8.md").read_text()
+    assert "## Accuracy" in markdown and "4 of 4 pass" in markdown
+
+
+def test_gpu_fp8_targets_take_the_faster_checked_torch():
+    """The vs-torch target compares nodrop's GEMM with the faster torch variant whose output
+    passed its check; DeepGEMM's shapes have the TFLOP/s target instead; group sizes rounded
+    for --row-multiple keep their sum."""
+    import gpu_fp8
+
+    def case(shape, impl, tflops, check=1e-3):
+        return dict(shape=shape, dims=[1, 1, 1, 1], group_sizes="uniform", impl=impl,
+                    status="ok", ms=1.0, tflops=tflops, check=check, error_vs_bf16=0.03,
+                    detail="")
+
+    mixtral, deepgemm = "Mixtral-8x7B", "DeepGEMM-N7168-K2048"
+    cases = [case(mixtral, "nodrop_gemm", 900.0), case(mixtral, "nodrop_forward", 700.0),
+             case(mixtral, "torch", 850.0), case(mixtral, "torch_fast_accum", 950.0, check=0.5),
+             case(deepgemm, "nodrop_gemm", 1250.0), case(deepgemm, "nodrop_forward", 1000.0),
+             case(deepgemm, "torch", 1300.0), case(deepgemm, "torch_fast_accum", 1400.0)]
+    rows = gpu_fp8.summary(cases)
+    first, second = rows
+    assert first["torch_best"] == "torch"  # the fast-accum variant failed its check
+    assert first["ratios"]["nodrop_gemm"] == pytest.approx(900 / 850)
+    assert first["targets"]["vs torch"]["verdict"] == "PASS"
+    assert second["torch_best"] == "torch_fast_accum"
+    assert "vs torch" not in second["targets"]
+    assert second["targets"]["TFLOP/s"]["verdict"] == "PASS"
+    assert not any("FAIL" in line for line in gpu_fp8.target_lines(rows))
+    sizes = gpu_fp8.rounded_sizes(np.array([125, 61, 40, 30]), 16)
+    assert sizes.tolist() == [160, 48, 32, 16]
 
 
 def test_ncu_stall_regions(tmp_path, monkeypatch, capsys):

@@ -1,9 +1,13 @@
-// FP8 (E4M3) quantisation on the GPU. quantize_fp8: one warp per block of a row, the block's
-// amax reduced with warp shuffles (max is exact, so the order does not matter).
-// quantize_fp8_transposed: one thread block per 128-row block and 64 columns, staged in shared
-// memory, each column's amax reduced over the block's rows and written as one 128-byte run of the
-// transposed copy. Both scale and round every element alike (block_scale, to_e4m3): by the
-// hardware's float32 -> E4M3 conversion (nearest even, saturating).
+// FP8 (E4M3) quantisation on the GPU, at the memory's speed: every thread reads 16-byte vectors
+// and issues all of its loads before it reduces anything.
+// - quantize_fp8, blocks of 128 (the recipe's): half a warp per block, each lane 8 elements, four
+//   blocks per half warp in flight; other blocks: one warp per block, lanes striding.
+// - quantize_fp8_transposed (and, from the same read, quantize_fp8's rows): one thread block per
+//   128-row block of a group, looping over 128-column tiles. Each thread holds 8 rows x 8 columns
+//   of the tile; column amaxes are reduced across the block, row amaxes across a half warp, and
+//   the transposed codes pass through shared memory so that q_t is written in 128-byte runs.
+// All scale and round every element alike (block_scale, to_e4m3), by the hardware's float32 ->
+// E4M3 conversion (nearest even, saturating), so they are bitwise the CPU engine.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -22,6 +26,10 @@ namespace {
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kE4M3Max = 448.0f;
 constexpr int kWarpsPerBlock = 8;
+constexpr int kThreads = 32 * kWarpsPerBlock;
+constexpr int kBlock = static_cast<int>(kFp8Block);
+constexpr int kChunk = 8;                       // elements a thread reads as one chunk
+constexpr int kLanesPerBlock = kBlock / kChunk;  // 16: half a warp covers a block of a row
 
 __device__ float to_float(float v) { return v; }
 __device__ float to_float(__half v) { return __half2float(v); }
@@ -34,6 +42,16 @@ __device__ float block_scale(float amax, bool finite) {
   return !finite ? __int_as_float(0x7fc00000) : (s > 0.0f ? s : 1.0f);
 }
 
+// |v| as an unsigned key whose maximum is the amax (non-negative floats order as their bits),
+// or kNonFinite, above every finite key, for a NaN or an inf: one max reduces both at once.
+constexpr uint32_t kNonFinite = 0xffffffffu;
+__device__ uint32_t amax_key(float v) {
+  return isfinite(v) ? __float_as_uint(fabsf(v)) : kNonFinite;
+}
+__device__ float key_scale(uint32_t key) {
+  return key == kNonFinite ? block_scale(0.0f, false) : block_scale(__uint_as_float(key), true);
+}
+
 // v times the reciprocal of its block's scale, saturated to +-448 (a NaN stays NaN), in E4M3.
 __device__ uint8_t to_e4m3(float v, float inverse) {
   v = __fmul_rn(v, inverse);
@@ -41,234 +59,362 @@ __device__ uint8_t to_e4m3(float v, float inverse) {
   return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
 }
 
-// Four consecutive elements as float32, in one 8-byte (16-bit types) or 16-byte load; p must be
-// aligned to 4 elements.
-__device__ void load4(const float* p, float v[4]) {
-  const float4 a = *reinterpret_cast<const float4*>(p);
-  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
-}
+// Eight consecutive elements of one row, as read: one 16-byte vector (two for float32). Zero
+// bits are 0.0 in every element type.
 template <typename T>
-__device__ void load4(const T* p, float v[4]) {  // __half, __nv_bfloat16
-  const uint2 a = *reinterpret_cast<const uint2*>(p);
-  const T* h = reinterpret_cast<const T*>(&a);
-  for (int i = 0; i < 4; ++i) v[i] = to_float(h[i]);
+struct Chunk {
+  static constexpr int kVectors = kChunk * int(sizeof(T)) / 16;
+  uint4 raw[kVectors];
+
+  __device__ void clear() {
+#pragma unroll
+    for (int v = 0; v < kVectors; ++v) raw[v] = make_uint4(0, 0, 0, 0);
+  }
+  // p aligned to 16 bytes.
+  __device__ void load(const T* p) {
+#pragma unroll
+    for (int v = 0; v < kVectors; ++v) raw[v] = reinterpret_cast<const uint4*>(p)[v];
+  }
+  // The first `count` elements one by one (no alignment), the rest zero.
+  __device__ void load_partial(const T* p, int count) {
+    clear();
+    for (int j = 0; j < count; ++j) reinterpret_cast<T*>(raw)[j] = p[j];
+  }
+  __device__ float operator[](int j) const { return to_float(reinterpret_cast<const T*>(raw)[j]); }
+};
+
+// Eight codes as one 8-byte word, element j in byte j.
+template <typename Value>
+__device__ uint2 pack_codes(Value value) {
+  uint32_t lo = 0, hi = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    lo |= uint32_t(value(j)) << (8 * j);
+    hi |= uint32_t(value(j + 4)) << (8 * j);
+  }
+  return make_uint2(lo, hi);
 }
 
-// True when every 4-element group starting at a multiple of 4 of x's rows of C elements is one
-// aligned vector: C % 4 == 0 and x aligned to 4 elements.
-bool vectorizable(const void* x, DType dtype, int64_t C) {
-  return C % 4 == 0 && reinterpret_cast<uintptr_t>(x) % (4 * dtype_size(dtype)) == 0;
+// The largest key over a half warp (xor offsets below 16 stay inside it).
+__device__ uint32_t half_warp_max(uint32_t key) {
+#pragma unroll
+  for (int offset = kLanesPerBlock / 2; offset > 0; offset /= 2) {
+    key = max(key, __shfl_xor_sync(kFullMask, key, offset));
+  }
+  return key;
 }
 
-// One warp per block of a row. kVector (block 128, vectorizable x, q 4-byte aligned): each lane
-// holds 4 consecutive elements, read in one load and written as 4 bytes; else the lanes stride
-// over the block.
-template <typename T, bool kVector>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock)
-quantize_fp8_kernel(const T* __restrict__ x, int64_t M, int64_t C, int64_t block,
-                    int64_t blocks_per_row, uint8_t* __restrict__ q, float* __restrict__ scale) {
-  const int64_t warp = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.y;
+// quantize_fp8 with blocks of 128, C % 8 == 0, x 16-byte and q 8-byte aligned. Half warp h of
+// warp w takes blocks 8w + 2u + h, u < kBlocksInFlight: each load instruction reads two
+// neighbouring blocks, and all four loads are issued before the first reduction.
+constexpr int kBlocksInFlight = 4;
+constexpr int kBlocksPerWarp = 2 * kBlocksInFlight;
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+quantize_fp8_rows_kernel(const T* __restrict__ x, int64_t M, int64_t C, int64_t blocks_per_row,
+                         uint8_t* __restrict__ q, float* __restrict__ scale) {
+  const int lane = threadIdx.x % 32, half = lane / kLanesPerBlock;
+  const int column = kChunk * (lane % kLanesPerBlock);
+  const int64_t warp = (int64_t(blockIdx.x) * kThreads + threadIdx.x) / 32;
+  const int64_t blocks = M * blocks_per_row;
+  Chunk<T> chunk[kBlocksInFlight];
+  int64_t begin[kBlocksInFlight];
+  bool mine[kBlocksInFlight];  // this lane has 8 elements of block u
+#pragma unroll
+  for (int u = 0; u < kBlocksInFlight; ++u) {
+    const int64_t block = warp * kBlocksPerWarp + 2 * u + half;
+    const int64_t row = block / blocks_per_row, b = block % blocks_per_row;
+    begin[u] = row * C + b * kBlock + column;
+    mine[u] = block < blocks && b * kBlock + column < C;  // C % 8 == 0: all 8 or none
+    if (mine[u]) chunk[u].load(x + begin[u]); else chunk[u].clear();
+  }
+#pragma unroll
+  for (int u = 0; u < kBlocksInFlight; ++u) {
+    uint32_t key = 0;
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) key = max(key, amax_key(chunk[u][j]));
+    const float s = key_scale(half_warp_max(key));
+    const int64_t block = warp * kBlocksPerWarp + 2 * u + half;
+    if (block < blocks && lane % kLanesPerBlock == 0) scale[block] = s;
+    const float inverse = __frcp_rn(s);
+    if (mine[u]) {
+      *reinterpret_cast<uint2*>(q + begin[u]) =
+          pack_codes([&](int j) { return to_e4m3(chunk[u][j], inverse); });
+    }
+  }
+}
+
+// Any other block size or alignment: one warp per block of a row, the lanes striding over it.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+quantize_fp8_any_block_kernel(const T* __restrict__ x, int64_t M, int64_t C, int64_t block,
+                              int64_t blocks_per_row, uint8_t* __restrict__ q,
+                              float* __restrict__ scale) {
+  const int64_t warp = (int64_t(blockIdx.x) * kThreads + threadIdx.x) / 32;
   if (warp >= M * blocks_per_row) return;
-  const int lane = threadIdx.x;
+  const int lane = threadIdx.x % 32;
   const int64_t row = warp / blocks_per_row, b = warp % blocks_per_row;
   const int64_t begin = row * C + b * block;
   const int64_t size = min(block, C - b * block);
-  float amax = 0.0f;
-  bool finite = true;
-  float v[4] = {};
-  if constexpr (kVector) {
-    if (4 * lane < size) load4(x + begin + 4 * lane, v);  // size is a multiple of 4
-    for (int i = 0; i < 4; ++i) {
-      finite = finite && isfinite(v[i]);
-      amax = fmaxf(amax, fabsf(v[i]));
-    }
-  } else {
-    for (int64_t i = lane; i < size; i += 32) {
-      const float value = to_float(x[begin + i]);
-      finite = finite && isfinite(value);
-      amax = fmaxf(amax, fabsf(value));
-    }
-  }
+  uint32_t key = 0;
+  for (int64_t i = lane; i < size; i += 32) key = max(key, amax_key(to_float(x[begin + i])));
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
-    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
+    key = max(key, __shfl_xor_sync(kFullMask, key, offset));
   }
-  const float s = block_scale(amax, __all_sync(kFullMask, finite));
+  const float s = key_scale(key);
   if (lane == 0) scale[warp] = s;
   const float inverse = __frcp_rn(s);
-  if constexpr (kVector) {
-    if (4 * lane < size) {
-      uint32_t codes = 0;
-      for (int i = 0; i < 4; ++i) codes |= uint32_t(to_e4m3(v[i], inverse)) << (8 * i);
-      *reinterpret_cast<uint32_t*>(q + begin + 4 * lane) = codes;
-    }
-  } else {
-    for (int64_t i = lane; i < size; i += 32) {
-      q[begin + i] = to_e4m3(to_float(x[begin + i]), inverse);
-    }
-  }
+  for (int64_t i = lane; i < size; i += 32) q[begin + i] = to_e4m3(to_float(x[begin + i]), inverse);
 }
 
-// quantize_fp8_transposed: 128 rows (one block of the contraction) by kColumns columns per
-// thread block; each column is handled by kParts threads of kRowsPerPart rows each.
-constexpr int kBlockRows = static_cast<int>(kFp8Block);
-constexpr int kColumns = 64;
-constexpr int kTransposeThreads = detail::kSetupThreads;  // scan_groups' block size
-constexpr int kParts = kTransposeThreads / kColumns;
-constexpr int kRowsPerPart = kBlockRows / kParts;
-static_assert(kRowsPerPart % 16 == 0, "each thread writes whole 16-byte runs of E4M3");
+// quantize_fp8_transposed, and with kRows quantize_fp8's rows (blocks of 128) from the same read.
+// Thread block b owns 128-row block b of the groups (engine.h numbers them); the blocks past the
+// groups' write scale 1 and zero codes, and with kRows also quantise the rows past the groups,
+// 128 at a time (there are enough of them: fp8_contract_blocks). Thread t holds rows 8 * (t / 16)
+// + i and columns 8 * (t % 16) + j of a tile, i, j < 8: a half warp covers 8 whole rows of it.
+constexpr int kRowsPerThread = 8;
+constexpr int kTileColumns = kChunk * kLanesPerBlock;  // 128
+constexpr int kTilesPerThreadBlock = 4;               // tiles per group scan
+static_assert(kThreads / kLanesPerBlock * kRowsPerThread == kBlock, "a tile is 128 rows");
+static_assert(kThreads == detail::kSetupThreads, "scan_groups runs on the same threads");
 
-template <typename T, bool kVector>
-__global__ void __launch_bounds__(kTransposeThreads)
-quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restrict__ group_sizes,
-                               int64_t M, int64_t C, int64_t G, int64_t P,
-                               uint8_t* __restrict__ q_t, float* __restrict__ scale) {
+template <typename T, bool kVector, bool kRows>
+__global__ void __launch_bounds__(kThreads)
+quantize_fp8_tile_kernel(const T* __restrict__ x, const int32_t* __restrict__ group_sizes,
+                         int64_t M, int64_t C, int64_t G, int64_t P, uint8_t* __restrict__ q_t,
+                         float* __restrict__ scale_t, uint8_t* __restrict__ q,
+                         float* __restrict__ scale) {
   __shared__ detail::GroupScanStorage scan_storage;
-  __shared__ int64_t block_begin, block_rows;
-  __shared__ float tile[kBlockRows][kColumns + 1];  // + 1: the column reads spread over banks
-  __shared__ float part_amax[kParts][kColumns];
-  __shared__ bool part_finite[kParts][kColumns];
-  const int64_t b = blockIdx.x, c0 = int64_t(blockIdx.y) * kColumns;
-  const int t = threadIdx.x;
+  __shared__ int64_t block_begin, block_rows, total_rows, used_blocks;
+  __shared__ alignas(16) uint32_t part_key[kWarpsPerBlock][kTileColumns];
+  __shared__ float column_inverse[kTileColumns];
+  // The tile's transposed codes: column c's 128 rows in 16 runs of 8 bytes, run r stored at
+  // r ^ (c / 8) so that both the writes (a half warp: 16 columns 8 apart, one run) and the reads
+  // (8 lanes: one column's 8 16-byte pairs of runs) touch every bank once.
+  __shared__ alignas(16) uint8_t codes_t[kTileColumns][kBlock];
+  const int64_t b = blockIdx.x;
+  const int t = threadIdx.x, warp = t / 32;
+  const int cg = t % kLanesPerBlock, rg = t / kLanesPerBlock;  // column and row group
 
-  // Which rows block b holds (none past the groups' blocks).
-  if (t == 0) block_rows = 0;
+  if (t == 0) block_begin = 0, block_rows = 0, total_rows = 0, used_blocks = 0;
   __syncthreads();
   detail::scan_groups(group_sizes, G, M, scan_storage,
-                      [&](int64_t, int64_t begin, int64_t end, int64_t first_block) {
-                        const int64_t blocks = (end - begin + kBlockRows - 1) / kBlockRows;
+                      [&](int64_t g, int64_t begin, int64_t end, int64_t first_block) {
+                        const int64_t blocks = (end - begin + kBlock - 1) / kBlock;
                         if (b >= first_block && b < first_block + blocks) {
-                          block_begin = begin + (b - first_block) * kBlockRows;
-                          block_rows = min(int64_t(kBlockRows), end - block_begin);
+                          block_begin = begin + (b - first_block) * kBlock;
+                          block_rows = min(int64_t(kBlock), end - block_begin);
                         }
+                        if (g == G - 1) total_rows = end, used_blocks = first_block + blocks;
                       });
   __syncthreads();
-  const int64_t rows = block_rows, begin = block_begin;
+  const bool in_groups = b < used_blocks;
+  // The rows read: the block's, or (kRows, past the groups) 128 of the rows no group owns.
+  int64_t begin = block_begin, rows = block_rows;
+  if (!in_groups) {
+    begin = total_rows + (b - used_blocks) * kBlock;
+    rows = kRows ? max(int64_t(0), min(int64_t(kBlock), M - begin)) : 0;
+  }
+  const int transposed_rows = in_groups ? int(rows) : 0;
+  const int64_t row_blocks = (C + kBlock - 1) / kBlock;  // scale's columns
+  const int64_t tiles = row_blocks;
 
-  // Rows in, 64 consecutive columns per row (128-byte reads of bfloat16); kVector (x
-  // vectorizable): 4 columns per load.
-  if constexpr (kVector) {
-    constexpr int kVectors = kColumns / 4;
-    for (int i = t; i < kBlockRows * kVectors; i += kTransposeThreads) {
-      const int r = i / kVectors, c = 4 * (i % kVectors);
-      float v[4] = {};
-      if (r < rows && c0 + c < C) load4(x + (begin + r) * C + c0 + c, v);  // C % 4 == 0
-      for (int j = 0; j < 4; ++j) tile[r][c + j] = v[j];
+  for (int64_t tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
+    const int64_t c0 = tile * kTileColumns + kChunk * cg;  // this thread's first column
+    const int columns = int(max(int64_t(0), min(int64_t(kChunk), C - c0)));
+    Chunk<T> chunk[kRowsPerThread];
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int r = kRowsPerThread * rg + i;
+      const T* p = x + (begin + r) * C + c0;
+      if (r >= rows || columns == 0) {
+        chunk[i].clear();
+      } else if (kVector) {
+        chunk[i].load(p);  // C % 8 == 0: all 8 columns
+      } else {
+        chunk[i].load_partial(p, columns);
+      }
     }
-  } else {
-    for (int i = t; i < kBlockRows * kColumns; i += kTransposeThreads) {
-      const int r = i / kColumns, c = i % kColumns;
-      tile[r][c] = r < rows && c0 + c < C ? to_float(x[(begin + r) * C + c0 + c]) : 0.0f;
-    }
-  }
-  __syncthreads();
 
-  // A warp takes 32 consecutive columns of one part: conflict-free column reads.
-  const int c = t % kColumns, part = t / kColumns, r0 = part * kRowsPerPart;
-  float amax = 0.0f;
-  bool finite = true;
-  for (int r = r0; r < r0 + kRowsPerPart; ++r) {
-    finite = finite && isfinite(tile[r][c]);
-    amax = fmaxf(amax, fabsf(tile[r][c]));
-  }
-  part_amax[part][c] = amax;
-  part_finite[part][c] = finite;
-  __syncthreads();
-  for (int p = 0; p < kParts; ++p) {
-    amax = fmaxf(amax, part_amax[p][c]);
-    finite = finite && part_finite[p][c];
-  }
-  if (c0 + c >= C) return;
-  const float s = block_scale(amax, finite);
-  if (part == 0) scale[b * C + c0 + c] = s;
-  const float inverse = __frcp_rn(s);
-  // The part's rows of column c, one run of q_t's row c; rows past the block are 0 (even where
-  // the scale is NaN).
-  alignas(16) uint8_t codes[kRowsPerPart];
+    // Column amaxes over the block's rows: the thread's 8 rows, its warp's 16, then all 128.
+    uint32_t column_key[kChunk];
 #pragma unroll
-  for (int j = 0; j < kRowsPerPart; ++j) {
-    codes[j] = r0 + j < rows ? to_e4m3(tile[r0 + j][c], inverse) : uint8_t{0};
-  }
-  uint4* out = reinterpret_cast<uint4*>(q_t + (c0 + c) * P + b * kBlockRows + r0);
+    for (int j = 0; j < kChunk; ++j) {
+      uint32_t key = 0;
 #pragma unroll
-  for (int v = 0; v < kRowsPerPart / 16; ++v) out[v] = reinterpret_cast<const uint4*>(codes)[v];
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        if (kRowsPerThread * rg + i < transposed_rows) key = max(key, amax_key(chunk[i][j]));
+      }
+      column_key[j] = max(key, __shfl_xor_sync(kFullMask, key, kLanesPerBlock));
+    }
+    if (t % 32 < kLanesPerBlock) {
+      uint4* part = reinterpret_cast<uint4*>(&part_key[warp][kChunk * cg]);
+      part[0] = make_uint4(column_key[0], column_key[1], column_key[2], column_key[3]);
+      part[1] = make_uint4(column_key[4], column_key[5], column_key[6], column_key[7]);
+    }
+
+    if constexpr (kRows) {  // row amaxes over the tile's 128 columns: a half warp
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        uint32_t key = 0;
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) key = max(key, amax_key(chunk[i][j]));
+        const float s = key_scale(half_warp_max(key));
+        const int r = kRowsPerThread * rg + i;
+        if (r >= rows) continue;
+        const int64_t row = begin + r;
+        if (cg == 0) scale[row * row_blocks + tile] = s;
+        const float inverse = __frcp_rn(s);
+        uint8_t* out = q + row * C + c0;
+        if (kVector && columns == kChunk) {
+          *reinterpret_cast<uint2*>(out) =
+              pack_codes([&](int j) { return to_e4m3(chunk[i][j], inverse); });
+        } else {
+          for (int j = 0; j < columns; ++j) out[j] = to_e4m3(chunk[i][j], inverse);
+        }
+      }
+    }
+    __syncthreads();
+
+    if (t < kTileColumns) {
+      uint32_t key = 0;
+#pragma unroll
+      for (int w = 0; w < kWarpsPerBlock; ++w) key = max(key, part_key[w][t]);
+      const float s = key_scale(key);
+      column_inverse[t] = __frcp_rn(s);
+      const int64_t c = tile * kTileColumns + t;
+      if (c < C) scale_t[b * C + c] = s;
+    }
+    __syncthreads();
+
+    // The thread's 8 rows of each of its columns as one run; rows past the block are 0 (even
+    // where the scale is NaN).
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      const int c = kChunk * cg + j;
+      const float inverse = column_inverse[c];
+      const uint2 run = pack_codes([&](int i) {
+        return kRowsPerThread * rg + i < transposed_rows ? to_e4m3(chunk[i][j], inverse)
+                                                         : uint8_t{0};
+      });
+      *reinterpret_cast<uint2*>(&codes_t[c][kRowsPerThread * (rg ^ cg)]) = run;
+    }
+    __syncthreads();
+
+    // q_t's rows: 8 lanes write one column's 128 codes of this block.
+    constexpr int kPairs = kBlock / 16;  // 16-byte pairs of runs per column
+#pragma unroll
+    for (int u = 0; u < kTileColumns * kPairs / kThreads; ++u) {
+      const int c = (u * kThreads + t) / kPairs, pair = t % kPairs;
+      const int column_group = c / kChunk;
+      uint4 v = *reinterpret_cast<const uint4*>(&codes_t[c][16 * (pair ^ (column_group >> 1))]);
+      if (column_group & 1) v = make_uint4(v.z, v.w, v.x, v.y);  // runs 2 pair + 1, 2 pair
+      const int64_t column = tile * kTileColumns + c;
+      if (column < C) {
+        *reinterpret_cast<uint4*>(q_t + column * P + b * kBlock + 16 * pair) = v;
+      }
+    }
+    __syncthreads();  // the shared arrays are the next tile's
+  }
 }
 
-Status fail(const std::string& what) { return Status::Error("quantize_fp8: " + what); }
-
-}  // namespace
-
-Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t block, uint8_t* q,
-                    float* scale, cudaStream_t stream) {
-  if (M < 0 || C < 0) return fail("negative shape");
-  if (block < 1) return fail("block must be at least 1, got " + std::to_string(block));
-  const int64_t blocks_per_row = (C + block - 1) / block;
-  const int64_t warps = M * blocks_per_row;
-  if (warps == 0) return Status::Ok();
-  if (x == nullptr || q == nullptr || scale == nullptr) return fail("a buffer is null");
-  const dim3 threads(32, kWarpsPerBlock);
-  const unsigned grid = unsigned((warps + kWarpsPerBlock - 1) / kWarpsPerBlock);
-  const bool vector = block == 128 && vectorizable(x, dtype, C) &&
-                      reinterpret_cast<uintptr_t>(q) % 4 == 0;
-  auto launch = [&](auto typed_x) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed_x)>>;
-    if (vector) {
-      quantize_fp8_kernel<T, true>
-          <<<grid, threads, 0, stream>>>(typed_x, M, C, block, blocks_per_row, q, scale);
-    } else {
-      quantize_fp8_kernel<T, false>
-          <<<grid, threads, 0, stream>>>(typed_x, M, C, block, blocks_per_row, q, scale);
-    }
-  };
+// f(static_cast<const T*>(x)) for x's element type T.
+template <typename F>
+void with_element_type(const void* x, DType dtype, F f) {
   switch (dtype) {
-    case DType::kFloat32: launch(static_cast<const float*>(x)); break;
-    case DType::kFloat16: launch(static_cast<const __half*>(x)); break;
-    case DType::kBFloat16: launch(static_cast<const __nv_bfloat16*>(x)); break;
+    case DType::kFloat32: f(static_cast<const float*>(x)); break;
+    case DType::kFloat16: f(static_cast<const __half*>(x)); break;
+    case DType::kBFloat16: f(static_cast<const __nv_bfloat16*>(x)); break;
   }
-  const cudaError_t error = cudaGetLastError();
-  return error == cudaSuccess ? Status::Ok() : fail(cudaGetErrorString(error));
 }
 
-Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_sizes, int64_t M,
-                               int64_t C, int64_t G, uint8_t* q_t, float* scale,
-                               cudaStream_t stream) {
-  auto fail = [](const std::string& what) {
-    return Status::Error("quantize_fp8_transposed: " + what);
-  };
+bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+Status launched(const char* name) {
+  const cudaError_t error = cudaGetLastError();
+  return error == cudaSuccess ? Status::Ok()
+                              : Status::Error(std::string(name) + ": " + cudaGetErrorString(error));
+}
+
+// quantize_fp8_transposed, and with q (not null) quantize_fp8's rows in blocks of 128 too.
+Status quantize_tiles(const char* name, const void* x, DType dtype, const int32_t* group_sizes,
+                      int64_t M, int64_t C, int64_t G, uint8_t* q_t, float* scale_t, uint8_t* q,
+                      float* scale, cudaStream_t stream) {
+  auto fail = [name](const std::string& what) { return Status::Error(name + (": " + what)); };
   if (M < 0 || C < 0 || G < 0) {
     return fail("M, C and G must not be negative, got M = " + std::to_string(M) + ", C = " +
                 std::to_string(C) + ", G = " + std::to_string(G));
   }
   const int64_t PB = fp8_contract_blocks(M, G), P = PB * kFp8Block;
   if (PB == 0 || C == 0) return Status::Ok();
-  if (q_t == nullptr || scale == nullptr) return fail("q_t or scale is null");
+  const bool rows = q != nullptr || scale != nullptr;
+  if (q_t == nullptr || scale_t == nullptr) return fail("q_t or its scale is null");
+  if (rows && M > 0 && (q == nullptr || scale == nullptr)) return fail("q or its scale is null");
   if (M > 0 && x == nullptr) return fail("x is null");
   if (G > 0 && group_sizes == nullptr) return fail("group_sizes is null");
-  if (reinterpret_cast<uintptr_t>(q_t) % 16 != 0) return fail("q_t must be 16-byte aligned");
-  const int64_t column_tiles = (C + kColumns - 1) / kColumns;
-  if (PB > INT32_MAX || column_tiles > 65535) {
-    return fail("too large: " + std::to_string(PB) + " row blocks by " +
-                std::to_string(column_tiles) + " column tiles (at most 65535)");
-  }
-  const dim3 grid{static_cast<unsigned>(PB), static_cast<unsigned>(column_tiles)};
-  const bool vector = vectorizable(x, dtype, C);
-  auto launch = [&](auto typed_x) {
+  if (!aligned(q_t, 16)) return fail("q_t must be 16-byte aligned");
+  if (PB > INT32_MAX) return fail("too large: " + std::to_string(PB) + " row blocks");
+  const int64_t tiles = (C + kTileColumns - 1) / kTileColumns;
+  const int64_t tile_groups = (tiles + kTilesPerThreadBlock - 1) / kTilesPerThreadBlock;
+  const dim3 grid{static_cast<unsigned>(PB), static_cast<unsigned>(min(tile_groups, int64_t(65535)))};
+  const bool vector = C % kChunk == 0 && aligned(x, 16) && (!rows || aligned(q, 8));
+  with_element_type(x, dtype, [&](auto typed_x) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed_x)>>;
+    auto kernel = rows ? (vector ? quantize_fp8_tile_kernel<T, true, true>
+                                 : quantize_fp8_tile_kernel<T, false, true>)
+                       : (vector ? quantize_fp8_tile_kernel<T, true, false>
+                                 : quantize_fp8_tile_kernel<T, false, false>);
+    kernel<<<grid, kThreads, 0, stream>>>(typed_x, group_sizes, M, C, G, P, q_t, scale_t, q,
+                                          scale);
+  });
+  return launched(name);
+}
+
+}  // namespace
+
+Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t block, uint8_t* q,
+                    float* scale, cudaStream_t stream) {
+  auto fail = [](const std::string& what) { return Status::Error("quantize_fp8: " + what); };
+  if (M < 0 || C < 0) return fail("negative shape");
+  if (block < 1) return fail("block must be at least 1, got " + std::to_string(block));
+  const int64_t blocks_per_row = (C + block - 1) / block;
+  const int64_t blocks = M * blocks_per_row;
+  if (blocks == 0) return Status::Ok();
+  if (x == nullptr || q == nullptr || scale == nullptr) return fail("a buffer is null");
+  const bool vector = block == kBlock && C % kChunk == 0 && aligned(x, 16) && aligned(q, 8);
+  with_element_type(x, dtype, [&](auto typed_x) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed_x)>>;
     if (vector) {
-      quantize_fp8_transposed_kernel<T, true>
-          <<<grid, kTransposeThreads, 0, stream>>>(typed_x, group_sizes, M, C, G, P, q_t, scale);
+      const int64_t per_thread_block = int64_t(kBlocksPerWarp) * kWarpsPerBlock;
+      const unsigned grid = unsigned((blocks + per_thread_block - 1) / per_thread_block);
+      quantize_fp8_rows_kernel<T>
+          <<<grid, kThreads, 0, stream>>>(typed_x, M, C, blocks_per_row, q, scale);
     } else {
-      quantize_fp8_transposed_kernel<T, false>
-          <<<grid, kTransposeThreads, 0, stream>>>(typed_x, group_sizes, M, C, G, P, q_t, scale);
+      const unsigned grid = unsigned((blocks + kWarpsPerBlock - 1) / kWarpsPerBlock);
+      quantize_fp8_any_block_kernel<T>
+          <<<grid, kThreads, 0, stream>>>(typed_x, M, C, block, blocks_per_row, q, scale);
     }
-  };
-  switch (dtype) {
-    case DType::kFloat32: launch(static_cast<const float*>(x)); break;
-    case DType::kFloat16: launch(static_cast<const __half*>(x)); break;
-    case DType::kBFloat16: launch(static_cast<const __nv_bfloat16*>(x)); break;
+  });
+  return launched("quantize_fp8");
+}
+
+Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_sizes, int64_t M,
+                               int64_t C, int64_t G, uint8_t* q_t, float* scale,
+                               cudaStream_t stream) {
+  return quantize_tiles("quantize_fp8_transposed", x, dtype, group_sizes, M, C, G, q_t, scale,
+                        nullptr, nullptr, stream);
+}
+
+Status quantize_fp8_rows_and_transposed(const void* x, DType dtype, const int32_t* group_sizes,
+                                        int64_t M, int64_t C, int64_t G, uint8_t* q, float* scale,
+                                        uint8_t* q_t, float* scale_t, cudaStream_t stream) {
+  if (M > 0 && C > 0 && (q == nullptr || scale == nullptr)) {
+    return Status::Error("quantize_fp8_rows_and_transposed: q or its scale is null");
   }
-  const cudaError_t error = cudaGetLastError();
-  return error == cudaSuccess ? Status::Ok() : fail(cudaGetErrorString(error));
+  return quantize_tiles("quantize_fp8_rows_and_transposed", x, dtype, group_sizes, M, C, G, q_t,
+                        scale_t, q, scale, stream);
 }
 
 }  // namespace nodrop::cuda

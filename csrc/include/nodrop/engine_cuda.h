@@ -224,14 +224,22 @@ Status topk_router_grad(const float* logits, const int32_t* ids, const float* gr
 // ---- FP8 (fp8.cu) ------------------------------------------------------------------------------
 
 // x [M, C] -> q [M, C] E4M3 bytes, scale [M, ceil(C / block)] float32: bitwise the CPU's
-// quantize_fp8 (the same float32 operations; E4M3 rounding to nearest even). One warp a block.
+// quantize_fp8 (the same float32 operations; E4M3 rounding to nearest even). Blocks of 128 with
+// C % 8 == 0 (the recipe's): 16-byte loads, four blocks per half warp in flight.
 Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t block, uint8_t* q,
                     float* scale, cudaStream_t stream);
 
 // engine_cpu.h's quantize_fp8_transposed (bitwise the same q_t and scale): one thread block per
-// 128-row block and 64 columns, read row by row and written transposed.
+// 128-row block and 128-column tiles, read row by row and written transposed through shared
+// memory.
 Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_sizes, int64_t M,
                                int64_t C, int64_t G, uint8_t* q_t, float* scale,
                                cudaStream_t stream);
+
+// Both of the above from one read of x: quantize_fp8(x, ..., 128, q, scale) and
+// quantize_fp8_transposed(x, ..., q_t, scale_t), bitwise (the output gradient's two operands).
+Status quantize_fp8_rows_and_transposed(const void* x, DType dtype, const int32_t* group_sizes,
+                                        int64_t M, int64_t C, int64_t G, uint8_t* q, float* scale,
+                                        uint8_t* q_t, float* scale_t, cudaStream_t stream);
 
 }  // namespace nodrop::cuda

@@ -31,13 +31,9 @@ Writes DIR/gpu-fp8.json (every number), DIR/gpu-fp8.md (the tables) and DIR/gpu-
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import importlib.metadata
 import json
-import os
 import pathlib
-import platform
 import time
 
 import jax
@@ -50,7 +46,7 @@ from nodrop.demo import positive_int
 from nodrop.ops.fp8 import (ACTIVATION_BLOCK, E4M3_MAX, WEIGHT_BLOCK, dequantize, quantize,
                             quantize_rows)
 from shapes import DEEPGEMM_SHAPES, GEMM_SHAPES, GROUP_SIZE_KINDS, group_sizes
-from timing import CASE_BUDGET_S, DEFAULT_ITERS, HEAT_S, REPEATS, WARMUP
+from timing import CASE_BUDGET_S, DEFAULT_ITERS, gpu_run_metadata
 from torch_peer import load_torch, share_gpu_with_torch, torch_sync
 
 DTYPE = jnp.bfloat16
@@ -441,28 +437,11 @@ def plot(meta: dict, rows: list[dict], path: pathlib.Path) -> None:
 
 
 def metadata(torch, torch_status: str, iters: int, row_multiple: int) -> dict:
-    def version(package):
-        try:
-            return importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    return dict(
-        date=datetime.date.today().isoformat(),
-        time=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        device=dict(jax=jax.devices()[0].device_kind,
-                    torch=torch.cuda.get_device_name(0) if torch else None),
-        torch=torch_status or "torch._scaled_grouped_mm available",
-        versions=dict(python=platform.python_version(), jax=jax.__version__,
-                      jaxlib=version("jaxlib"), nodrop=nodrop.__version__,
-                      numpy=np.__version__, torch=torch.__version__ if torch else None),
-        nodrop_engines=nodrop.backends(),
-        xla_mem_fraction=os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"],
-        row_multiple=row_multiple,
-        timing=dict(warmup=WARMUP, heat_s=HEAT_S, repeats=REPEATS, iters=iters,
-                    case_budget_s=CASE_BUDGET_S),
-        targets=dict(min_vs_torch=MIN_VS_TORCH, min_tflops=MIN_TFLOPS,
-                     check_tolerance=CHECK_TOLERANCE))
+    return dict(gpu_run_metadata(torch, iters),
+                torch=torch_status or "torch._scaled_grouped_mm available",
+                row_multiple=row_multiple,
+                targets=dict(min_vs_torch=MIN_VS_TORCH, min_tflops=MIN_TFLOPS,
+                             check_tolerance=CHECK_TOLERANCE))
 
 
 def load_scaled_grouped_mm():

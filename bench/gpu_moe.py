@@ -27,13 +27,9 @@ Writes DIR/gpu-moe.json (every number), DIR/gpu-moe.md (the tables) and DIR/gpu-
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import importlib.metadata
 import json
-import os
 import pathlib
-import platform
 import time
 
 import jax
@@ -48,7 +44,8 @@ from nodrop.moe import MoEBlock
 from nodrop.moe.capacity import capacity_rows
 from shapes import (GEMM_SHAPES, GROUP_SIZE_KINDS, LAYER_SEED, LAYER_SHAPES, group_sizes,
                     layer_config)
-from timing import CASE_BUDGET_S, DEFAULT_ITERS, HEAT_S, PASSES, REPEATS, WARMUP, side_by_side
+from timing import (CASE_BUDGET_S, DEFAULT_ITERS, PASSES, gpu_run_metadata, package_version,
+                    side_by_side)
 from tokamax_peer import MOE_OPS, load_tokamax, tokamax_ops
 from torch_peer import load_torch, share_gpu_with_torch, torch_grouped_mm_steps, torch_sync
 
@@ -597,28 +594,10 @@ def plot(meta: dict, gemm_rows: list[dict], path: pathlib.Path) -> None:
 
 
 def metadata(torch, torch_status: str, tokamax_status: str, iters: int) -> dict:
-    def version(package):
-        try:
-            return importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
+    meta = gpu_run_metadata(torch, iters, ragged_dot_max_forward_s=RAGGED_DOT_MAX_FORWARD_S)
+    meta["versions"]["tokamax"] = package_version("tokamax")
     return dict(
-        date=datetime.date.today().isoformat(),
-        time=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        device=dict(jax=jax.devices()[0].device_kind,
-                    torch=torch.cuda.get_device_name(0) if torch else None),
-        torch=torch_status or "torch._grouped_mm available",
-        tokamax=tokamax_status,
-        versions=dict(python=platform.python_version(), jax=jax.__version__,
-                      jaxlib=version("jaxlib"), nodrop=nodrop.__version__,
-                      numpy=np.__version__, torch=torch.__version__ if torch else None,
-                      tokamax=version("tokamax")),
-        nodrop_engines=nodrop.backends(),
-        xla_mem_fraction=os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"],
-        timing=dict(warmup=WARMUP, heat_s=HEAT_S, repeats=REPEATS, iters=iters,
-                    case_budget_s=CASE_BUDGET_S,
-                    ragged_dot_max_forward_s=RAGGED_DOT_MAX_FORWARD_S),
+        meta, torch=torch_status or "torch._grouped_mm available", tokamax=tokamax_status,
         targets=dict(min_vs_torch=MIN_VS_TORCH, min_vs_dense=MIN_VS_DENSE,
                      min_vs_ragged_dot=MIN_VS_RAGGED_DOT, min_layer_speedup=MIN_LAYER_SPEEDUP,
                      min_memory_saving=MIN_MEMORY_SAVING, check_tolerance=CHECK_TOLERANCE))

@@ -7,11 +7,17 @@ step, implementations taking turns so that each meets the card in the same state
 
 from __future__ import annotations
 
+import datetime
+import importlib.metadata
+import os
+import platform
 import statistics
 import time
 
 import jax
+import numpy as np
 
+import nodrop
 from nodrop import demo
 
 
@@ -98,3 +104,30 @@ def side_by_side(runs: dict, iters: int) -> dict:
             samples[name].append(window(name))
         order.reverse()
     return {name: (statistics.median(samples[name]), calls[name]) for name in runs}
+
+
+# --- what a GPU benchmark's results record about its run -----------------------------------------
+
+
+def package_version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def gpu_run_metadata(torch, iters: int, **timing_extra) -> dict:
+    """Date, devices, versions (and `torch`, the module or None), nodrop's engines and the
+    timing loop's settings, for a GPU benchmark's JSON; each benchmark adds its own fields."""
+    return dict(
+        date=datetime.date.today().isoformat(),
+        time=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        device=dict(jax=jax.devices()[0].device_kind,
+                    torch=torch.cuda.get_device_name(0) if torch else None),
+        versions=dict(python=platform.python_version(), jax=jax.__version__,
+                      jaxlib=package_version("jaxlib"), nodrop=nodrop.__version__,
+                      numpy=np.__version__, torch=torch.__version__ if torch else None),
+        nodrop_engines=nodrop.backends(),
+        xla_mem_fraction=os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"],
+        timing=dict(warmup=WARMUP, heat_s=HEAT_S, repeats=REPEATS, iters=iters,
+                    case_budget_s=CASE_BUDGET_S, **timing_extra))

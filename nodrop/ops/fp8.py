@@ -259,12 +259,6 @@ def _fp8_grouped_matmul(lhs, rhs, group_sizes, recipe, matmul, forward):
     return _forward(lhs, rhs, group_sizes, recipe, matmul, forward)[0]
 
 
-def _emulated_forward(lhs, rhs, group_sizes, recipe, matmul):
-    rows_block, weights_block = _operand_blocks(recipe)
-    return matmul(_qdq(_rows_in_groups(lhs, group_sizes), rows_block),
-                  _qdq(rhs, weights_block), group_sizes)
-
-
 def _kernel_forward(lhs, rhs, group_sizes):
     """The blockwise forward on the engine's FP8 kernel. Rows past the groups need no zeroing:
     the kernel reads no row past the groups, and their scales scale nothing."""
@@ -509,13 +503,17 @@ def quantize_transposed(x: ArrayLike, group_sizes: ArrayLike) -> tuple[jax.Array
     these (Hopper's FP8 wgmma wants both operands contraction-major, hence the transpose).
     Columns partition locally under sharding; the rows are gathered. Not differentiable.
     """
+    return tuple(_quantize_transposed_p.bind(*_grouped_rows(x, group_sizes),
+                                             checked=_checks.checks_enabled()))
+
+
+def _grouped_rows(x, group_sizes):
+    """x [M, C] (float) and group_sizes [G] (int32), checked, as one op's operands."""
     x, group_sizes = jnp.asarray(x), _checks.as_array(group_sizes)
     _checks.require_rank("x", x, 2, "[M, C]")
     _checks.require_float("x", x)
     _checks.require_rank("group_sizes", group_sizes, 1, "[G]")
-    group_sizes = _checks.as_int32("group_sizes", group_sizes)
-    return tuple(_quantize_transposed_p.bind(*_ffi.match_vma(x, group_sizes),
-                                             checked=_checks.checks_enabled()))
+    return _ffi.match_vma(x, _checks.as_int32("group_sizes", group_sizes))
 
 
 def _quantize_transposed_lowering(x, group_sizes, *, checked, partition):
@@ -558,12 +556,7 @@ def quantize_rows_and_transposed(x: ArrayLike, group_sizes: ArrayLike
     weight gradient its transposed copy); the CUDA engine reads x once for both. Where XLA
     partitions the call over several devices it runs as the two ops, each partitioned as
     they are. Not differentiable."""
-    x, group_sizes = jnp.asarray(x), _checks.as_array(group_sizes)
-    _checks.require_rank("x", x, 2, "[M, C]")
-    _checks.require_float("x", x)
-    _checks.require_rank("group_sizes", group_sizes, 1, "[G]")
-    group_sizes = _checks.as_int32("group_sizes", group_sizes)
-    return tuple(_quantize_rows_and_transposed_p.bind(*_ffi.match_vma(x, group_sizes),
+    return tuple(_quantize_rows_and_transposed_p.bind(*_grouped_rows(x, group_sizes),
                                                       checked=_checks.checks_enabled()))
 
 

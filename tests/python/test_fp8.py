@@ -699,19 +699,6 @@ def test_quantize_rows_and_transposed_under_vmap_and_checked_mode():
         jax.block_until_ready(fp8.quantize_rows_and_transposed(x[0], int32([10, 40])))
 
 
-@pytest.mark.parametrize("args, error, message", [
-    ((jnp.ones((4,), jnp.float32), int32([4])), ValueError, "x must have rank 2 ([M, C])"),
-    ((jnp.ones((4, 4), jnp.int32), int32([4])), TypeError, "x must be"),
-    ((jnp.ones((4, 4), jnp.float32), int32([[4]])), ValueError,
-     "group_sizes must have rank 1 ([G]), got shape (1, 1)"),
-    ((jnp.ones((4, 4), jnp.float32), jnp.ones((1,), jnp.float32)), TypeError,
-     "group_sizes must have an integer dtype, got float32"),
-])
-def test_quantize_rows_and_transposed_refuses_bad_input(args, error, message):
-    with pytest.raises(error, match=re.escape(message)):
-        fp8.quantize_rows_and_transposed(*args)
-
-
 def untransposed(q_t, scale, sizes, m):
     """The rows of quantize_transposed's blocks put back: [M, C] float32, zero past the groups."""
     values = as_f64(fp8.dequantize(jnp.swapaxes(q_t, 0, 1), scale, fp8.WGRAD_BLOCK))
@@ -894,6 +881,7 @@ def test_grouped_matmul_fp8_blockwise_contract_refuses_bad_input(changes, error,
     ((jnp.ones((4, 4), jnp.float32), jnp.ones((1,), jnp.float32)), TypeError,
      "group_sizes must have an integer dtype, got float32"),
 ])
-def test_quantize_transposed_refuses_bad_input(args, error, message):
+@pytest.mark.parametrize("quantise", [fp8.quantize_transposed, fp8.quantize_rows_and_transposed])
+def test_the_grouped_quantisations_refuse_bad_input(quantise, args, error, message):
     with pytest.raises(error, match=re.escape(message)):
-        fp8.quantize_transposed(*args)
+        quantise(*args)

@@ -29,7 +29,6 @@ TARGETS = {
     "nodrop_quantize_fp8": "NodropQuantizeFp8",
     "nodrop_grouped_matmul_fp8_blockwise": "NodropGroupedMatmulFp8Blockwise",
     "nodrop_quantize_fp8_transposed": "NodropQuantizeFp8Transposed",
-    "nodrop_quantize_fp8_rows_and_transposed": "NodropQuantizeFp8RowsAndTransposed",
     "nodrop_grouped_matmul_fp8_blockwise_contract": "NodropGroupedMatmulFp8BlockwiseContract",
 }
 CPU_TARGETS = {target: symbol + "Cpu" for target, symbol in TARGETS.items()}

@@ -258,20 +258,6 @@ struct Problem {
     CHECK(nodrop::cuda::quantize_fp8_transposed(dout16, nodrop::DType::kBFloat16, sizes, s.M,
                                                 s.N, s.G, dout8_t, dout_t_scales, stream));
   }
-  // What the blockwise recipe runs: lhs in rows (forward) and transposed (weight gradient),
-  // dout both ways from one read.
-  void quantize_layer(cudaStream_t stream) const {
-    CHECK(nodrop::cuda::quantize_fp8(lhs16, nodrop::DType::kBFloat16, s.M, s.K, 128, lhs8,
-                                     lhs_scales, stream));
-    CHECK(nodrop::cuda::quantize_fp8_transposed(lhs16, nodrop::DType::kBFloat16, sizes, s.M, s.K,
-                                                s.G, lhs8_t, lhs_t_scales, stream));
-    quantize_dout_both(stream);
-  }
-  void quantize_dout_both(cudaStream_t stream) const {
-    CHECK(nodrop::cuda::quantize_fp8_rows_and_transposed(
-        dout16, nodrop::DType::kBFloat16, sizes, s.M, s.N, s.G, dout8, dout_scales, dout8_t,
-        dout_t_scales, stream));
-  }
   void run_fp8_dgrad(cudaStream_t stream) const {
     CHECK(nodrop::cuda::grouped_matmul_fp8_blockwise(dout8, dout_scales, rhs8_t, rhs_scales,
                                                      sizes, s.M, s.N, s.K, s.G, out, ws8,
@@ -310,13 +296,11 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
   using nodrop::cuda::GemmRaster;
   struct Bandwidth {
     const Shape* shape;
-    double rows_gbs, transposed_gbs, both_gbs, copy_gbs;
+    double rows_gbs, transposed_gbs, copy_gbs;
   };
   std::vector<Bandwidth> bandwidths;
   std::printf("Forward, input gradient and weight gradient of one layer (ms; FP8 with its "
-              "activation and output-gradient quantisation, as the recipe runs it: the "
-              "activations in rows and transposed, the output gradient both ways in one "
-              "pass):\n\n");
+              "activation and output-gradient quantisation):\n\n");
   std::printf("| shape | M | K | N | G | bf16 fwd | bf16 dgrad | bf16 wgrad | bf16 total | "
               "fp8 quantise | fp8 fwd | fp8 dgrad | fp8 wgrad | fp8 wgrad kernel | fp8 total | "
               "fp8 wgrad TFLOP/s | fp8 vs bf16 |\n");
@@ -332,8 +316,6 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
     const double bf16_wgrad = time([&] { problem.run_bf16_wgrad(stream); });
     const double rows_ms = time([&] { problem.quantize_rows(stream); });
     const double transposed_ms = time([&] { problem.quantize_transposed(stream); });
-    const double layer_quantise_ms = time([&] { problem.quantize_layer(stream); });
-    const double both_ms = time([&] { problem.quantize_dout_both(stream); });
     const double fp8_fwd = time([&] { problem.run_fp8(Fp8GemmSchedule{}, stream); });
     const double fp8_dgrad = time([&] { problem.run_fp8_dgrad(stream); });
     // The weight gradient's kernels: the automatic one, or all of them in two orders.
@@ -353,7 +335,7 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
     const double bf16_total = bf16_fwd + bf16_dgrad + bf16_wgrad;
     for (const Fp8GemmSchedule& schedule : candidates) {
       const double fp8_wgrad = time([&] { problem.run_fp8_wgrad(schedule, stream); });
-      const double fp8_total = layer_quantise_ms + fp8_fwd + fp8_dgrad + fp8_wgrad;
+      const double fp8_total = rows_ms + transposed_ms + fp8_fwd + fp8_dgrad + fp8_wgrad;
       const std::string name =
           schedule.tile == nodrop::cuda::Fp8GemmTile::kAuto
               ? "auto: " + schedule_name(automatic)
@@ -362,7 +344,7 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
                   "%.3f | %.3f | %s | %.3f | %.0f | %.2fx |\n",
                   s.id, static_cast<long long>(s.M), static_cast<long long>(s.K),
                   static_cast<long long>(s.N), static_cast<long long>(s.G), bf16_fwd, bf16_dgrad,
-                  bf16_wgrad, bf16_total, layer_quantise_ms, fp8_fwd, fp8_dgrad, fp8_wgrad,
+                  bf16_wgrad, bf16_total, rows_ms + transposed_ms, fp8_fwd, fp8_dgrad, fp8_wgrad,
                   name.c_str(), fp8_total, tflop / (fp8_wgrad * 1e-3), bf16_total / fp8_total);
       std::fflush(stdout);
     }
@@ -371,8 +353,6 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
     const double rows_bytes = in_bytes + s.M * (s.K + s.N) * (1.0 + 4.0 / 128);
     const double P = double(problem.P), PB = P / 128;
     const double transposed_bytes = in_bytes + (s.K + s.N) * (P + 4.0 * PB);
-    const double both_bytes =
-        2.0 * s.M * s.N + s.M * s.N * (1.0 + 4.0 / 128) + s.N * (P + 4.0 * PB);
     void* copy = device_alloc(static_cast<size_t>(in_bytes));
     const double copy_ms = time([&] {
       CHECK(cudaMemcpyAsync(copy, problem.lhs16, 2 * s.M * s.K, cudaMemcpyDeviceToDevice, stream));
@@ -381,17 +361,17 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
     });
     CHECK(cudaFree(copy));
     bandwidths.push_back({&s, rows_bytes / (rows_ms * 1e6), transposed_bytes / (transposed_ms * 1e6),
-                          both_bytes / (both_ms * 1e6), 2 * in_bytes / (copy_ms * 1e6)});
+                          2 * in_bytes / (copy_ms * 1e6)});
   }
   std::printf("\nQuantisers of the activations and output gradients (GB/s read + written; copy: "
               "cudaMemcpyAsync of the same bf16 inputs):\n\n");
-  std::printf("| shape | rows (1 x 128) | transposed (weight gradient) | dout both (one read) | "
-              "copy | rows / copy | transposed / copy | both / copy |\n");
-  std::printf("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+  std::printf("| shape | rows (1 x 128) | transposed (weight gradient) | copy | rows / copy | "
+              "transposed / copy |\n");
+  std::printf("| --- | ---: | ---: | ---: | ---: | ---: |\n");
   for (const Bandwidth& b : bandwidths) {
-    std::printf("| %s | %.0f | %.0f | %.0f | %.0f | %.2f | %.2f | %.2f |\n", b.shape->id,
-                b.rows_gbs, b.transposed_gbs, b.both_gbs, b.copy_gbs, b.rows_gbs / b.copy_gbs,
-                b.transposed_gbs / b.copy_gbs, b.both_gbs / b.copy_gbs);
+    std::printf("| %s | %.0f | %.0f | %.0f | %.2f | %.2f |\n", b.shape->id, b.rows_gbs,
+                b.transposed_gbs, b.copy_gbs, b.rows_gbs / b.copy_gbs,
+                b.transposed_gbs / b.copy_gbs);
   }
 }
 

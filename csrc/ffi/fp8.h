@@ -61,10 +61,10 @@ struct QuantizeTransposedCall {
 };
 
 // x [M, C] (float), group_sizes [G] -> q_t [C, P] float8_e4m3fn, scale [PB, C] float32,
-// PB = fp8_contract_blocks(M, G), P = 128 * PB. Errors name the scale scale_name.
+// PB = fp8_contract_blocks(M, G), P = 128 * PB.
 inline ffi::ErrorOr<QuantizeTransposedCall> decode_quantize_fp8_transposed(
     const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& group_sizes, const ffi::AnyBuffer& q_t,
-    const ffi::Buffer<ffi::F32>& scale, const char* scale_name = "scale") {
+    const ffi::Buffer<ffi::F32>& scale) {
   auto dtype = require_float("x", x);
   if (!dtype) return dtype.error();
   NODROP_RETURN_IF_ERROR(require_rank("x", x, 2));
@@ -75,9 +75,9 @@ inline ffi::ErrorOr<QuantizeTransposedCall> decode_quantize_fp8_transposed(
   NODROP_RETURN_IF_ERROR(require_rank("q_t", q_t, 2));
   NODROP_RETURN_IF_ERROR(require_dim("q_t", q_t, 0, C));
   NODROP_RETURN_IF_ERROR(require_dim("q_t", q_t, 1, kFp8Block * PB));
-  NODROP_RETURN_IF_ERROR(require_rank(scale_name, scale, 2));
-  NODROP_RETURN_IF_ERROR(require_dim(scale_name, scale, 0, PB));
-  NODROP_RETURN_IF_ERROR(require_dim(scale_name, scale, 1, C));
+  NODROP_RETURN_IF_ERROR(require_rank("scale", scale, 2));
+  NODROP_RETURN_IF_ERROR(require_dim("scale", scale, 0, PB));
+  NODROP_RETURN_IF_ERROR(require_dim("scale", scale, 1, C));
   return QuantizeTransposedCall{*dtype, M, C, G};
 }
 
@@ -88,32 +88,6 @@ auto bind_quantize_fp8_transposed(Binding binding) {
   return std::move(binding)
       .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::Buffer<ffi::F32>>()
-      .template Attr<bool>("checked");
-}
-
-// x [M, C] (float), group_sizes [G] -> q [M, C] and scale [M, ceil(C / 128)] (as
-// decode_quantize_fp8 with block 128), q_t [C, P] and scale_t [PB, C] (as
-// decode_quantize_fp8_transposed).
-inline ffi::ErrorOr<QuantizeTransposedCall> decode_quantize_fp8_rows_and_transposed(
-    const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& group_sizes, const ffi::AnyBuffer& q,
-    const ffi::Buffer<ffi::F32>& scale, const ffi::AnyBuffer& q_t,
-    const ffi::Buffer<ffi::F32>& scale_t) {
-  auto rows = decode_quantize_fp8(x, q, scale, kFp8Block);
-  if (!rows) return rows.error();
-  return decode_quantize_fp8_transposed(x, group_sizes, q_t, scale_t, "scale_t");
-}
-
-// The operands after the platform's context: x, group_sizes -> q, scale, q_t, scale_t; the
-// attribute checked.
-template <typename Binding>
-auto bind_quantize_fp8_rows_and_transposed(Binding binding) {
-  return std::move(binding)
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::Buffer<ffi::F32>>()
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::Buffer<ffi::F32>>()
       .template Attr<bool>("checked");

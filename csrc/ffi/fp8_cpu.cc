@@ -44,21 +44,6 @@ ffi::Error QuantizeFp8Transposed(ffi::ThreadPool pool, ffi::AnyBuffer x,
       static_cast<uint8_t*>(q_t->untyped_data()), scale->typed_data(), checked, &runner));
 }
 
-ffi::Error QuantizeFp8RowsAndTransposed(ffi::ThreadPool pool, ffi::AnyBuffer x,
-                                       ffi::Buffer<ffi::S32> group_sizes,
-                                       ffi::Result<ffi::AnyBuffer> q,
-                                       ffi::Result<ffi::Buffer<ffi::F32>> scale,
-                                       ffi::Result<ffi::AnyBuffer> q_t,
-                                       ffi::Result<ffi::Buffer<ffi::F32>> scale_t, bool checked) {
-  auto call = decode_quantize_fp8_rows_and_transposed(x, group_sizes, *q, *scale, *q_t, *scale_t);
-  if (!call) return call.error();
-  XlaThreadPoolRunner runner(pool);
-  return to_ffi_error(cpu::quantize_fp8_rows_and_transposed(
-      x.untyped_data(), call->dtype, group_sizes.typed_data(), call->M, call->C, call->G,
-      static_cast<uint8_t*>(q->untyped_data()), scale->typed_data(),
-      static_cast<uint8_t*>(q_t->untyped_data()), scale_t->typed_data(), checked, &runner));
-}
-
 ffi::Error GroupedMatmulFp8BlockwiseContract(ffi::ThreadPool pool, ffi::AnyBuffer lhs_t,
                                              ffi::Buffer<ffi::F32> lhs_scales,
                                              ffi::AnyBuffer rhs_t,
@@ -92,9 +77,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropQuantizeFp8Cpu, QuantizeFp8,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     NodropQuantizeFp8TransposedCpu, QuantizeFp8Transposed,
     bind_quantize_fp8_transposed(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    NodropQuantizeFp8RowsAndTransposedCpu, QuantizeFp8RowsAndTransposed,
-    bind_quantize_fp8_rows_and_transposed(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
 }  // namespace nodrop::handlers

@@ -31,21 +31,6 @@ ffi::Error QuantizeFp8Transposed(cudaStream_t stream, ffi::AnyBuffer x,
       static_cast<uint8_t*>(q_t->untyped_data()), scale->typed_data(), stream));
 }
 
-ffi::Error QuantizeFp8RowsAndTransposed(cudaStream_t stream, ffi::AnyBuffer x,
-                                       ffi::Buffer<ffi::S32> group_sizes,
-                                       ffi::Result<ffi::AnyBuffer> q,
-                                       ffi::Result<ffi::Buffer<ffi::F32>> scale,
-                                       ffi::Result<ffi::AnyBuffer> q_t,
-                                       ffi::Result<ffi::Buffer<ffi::F32>> scale_t,
-                                       bool /*checked*/) {
-  auto call = decode_quantize_fp8_rows_and_transposed(x, group_sizes, *q, *scale, *q_t, *scale_t);
-  if (!call) return call.error();
-  return to_ffi_error(cuda::quantize_fp8_rows_and_transposed(
-      x.untyped_data(), call->dtype, group_sizes.typed_data(), call->M, call->C, call->G,
-      static_cast<uint8_t*>(q->untyped_data()), scale->typed_data(),
-      static_cast<uint8_t*>(q_t->untyped_data()), scale_t->typed_data(), stream));
-}
-
 ffi::Error GroupedMatmulFp8Blockwise(cudaStream_t stream, ffi::AnyBuffer lhs,
                                      ffi::Buffer<ffi::F32> lhs_scales, ffi::AnyBuffer rhs,
                                      ffi::Buffer<ffi::F32> rhs_scales,
@@ -95,11 +80,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropQuantizeFp8TransposedCuda, QuantizeFp8Transposed,
                               bind_quantize_fp8_transposed(ffi::Ffi::Bind().Ctx<Stream>()),
                               {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    NodropQuantizeFp8RowsAndTransposedCuda, QuantizeFp8RowsAndTransposed,
-    bind_quantize_fp8_rows_and_transposed(ffi::Ffi::Bind().Ctx<Stream>()),
-    {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     NodropGroupedMatmulFp8BlockwiseContractCuda, GroupedMatmulFp8BlockwiseContract,

@@ -273,19 +273,18 @@ def _emulated_forward(lhs, rhs, group_sizes, recipe, matmul):
 
 
 def _kernel_backward(lhs, rhs, dout, group_sizes):
-    """Both gradients on the engine's FP8 kernels, dout quantised once for both (its rows for
-    the input gradient, its transposed copy for the weight gradient). The input gradient
-    dout @ rhs[g].T runs on the forward's kernel: its "transposed weight" [G, K, N] is rhs
-    itself, whose 128 x 128 blocks (and scales) are those of the forward's. The weight
-    gradient is the FP8 ragged contraction, both operands quantised in blocks of 128 rows
-    within each group. Rows past the groups need no zeroing: neither kernel nor quantisation
-    of the transposed copies reads them."""
-    dout_q, dout_scales, dout_t, dout_t_scales = quantize_rows_and_transposed(dout, group_sizes)
-    dlhs = grouped_matmul_fp8_blockwise(dout_q, dout_scales, *quantize(rhs, WEIGHT_BLOCK),
+    """Both gradients on the engine's FP8 kernels. The input gradient dout @ rhs[g].T runs on
+    the forward's kernel: its "transposed weight" [G, K, N] is rhs itself, whose 128 x 128
+    blocks (and scales) are those of the forward's. The weight gradient is the FP8 ragged
+    contraction, both operands quantised in blocks of 128 rows within each group. Rows past the
+    groups need no zeroing: neither kernel nor the transposed quantisation reads them. (One
+    kernel writing dout's rows and its transposed copy from one read measured slower than the
+    two quantisers apart on the H200, 2026-12-03.)"""
+    dlhs = grouped_matmul_fp8_blockwise(*quantize_rows(dout), *quantize(rhs, WEIGHT_BLOCK),
                                         group_sizes)
     drhs = grouped_matmul_fp8_blockwise_contract(
-        *quantize_transposed(lhs, group_sizes), dout_t, dout_t_scales, group_sizes,
-        num_rows=lhs.shape[0])
+        *quantize_transposed(lhs, group_sizes), *quantize_transposed(dout, group_sizes),
+        group_sizes, num_rows=lhs.shape[0])
     return dlhs, drhs
 
 
@@ -503,17 +502,13 @@ def quantize_transposed(x: ArrayLike, group_sizes: ArrayLike) -> tuple[jax.Array
     these (Hopper's FP8 wgmma wants both operands contraction-major, hence the transpose).
     Columns partition locally under sharding; the rows are gathered. Not differentiable.
     """
-    return tuple(_quantize_transposed_p.bind(*_grouped_rows(x, group_sizes),
-                                             checked=_checks.checks_enabled()))
-
-
-def _grouped_rows(x, group_sizes):
-    """x [M, C] (float) and group_sizes [G] (int32), checked, as one op's operands."""
     x, group_sizes = jnp.asarray(x), _checks.as_array(group_sizes)
     _checks.require_rank("x", x, 2, "[M, C]")
     _checks.require_float("x", x)
     _checks.require_rank("group_sizes", group_sizes, 1, "[G]")
-    return _ffi.match_vma(x, _checks.as_int32("group_sizes", group_sizes))
+    group_sizes = _checks.as_int32("group_sizes", group_sizes)
+    return tuple(_quantize_transposed_p.bind(*_ffi.match_vma(x, group_sizes),
+                                             checked=_checks.checks_enabled()))
 
 
 def _quantize_transposed_lowering(x, group_sizes, *, checked, partition):
@@ -546,43 +541,6 @@ _quantize_transposed_p = _primitives.define(
             (x, group_sizes), (_contract_blocks(x.shape[0], group_sizes.shape[0]), x.shape[1]),
             jnp.float32)),
     lower=_quantize_transposed_lowering, multiple_results=True)
-
-
-def quantize_rows_and_transposed(x: ArrayLike, group_sizes: ArrayLike
-                                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """`(*quantize_rows(x), *quantize_transposed(x, group_sizes))` in one engine call, the same
-    bytes: (q [M, C], scale [M, ceil(C / 128)], q_t [C, P], scale_t [PB, C]). The output
-    gradient's two operands in the blockwise backward (the input gradient reads its rows, the
-    weight gradient its transposed copy); the CUDA engine reads x once for both. Where XLA
-    partitions the call over several devices it runs as the two ops, each partitioned as
-    they are. Not differentiable."""
-    return tuple(_quantize_rows_and_transposed_p.bind(*_grouped_rows(x, group_sizes),
-                                                      checked=_checks.checks_enabled()))
-
-
-def _quantize_rows_and_transposed_lowering(x, group_sizes, *, checked, partition):
-    if partition:
-        return (*_quantize_lowering(x, block=BLOCK, partition=True),
-                *_quantize_transposed_lowering(x, group_sizes, checked=checked, partition=True))
-    return _ffi.call("nodrop_quantize_fp8_rows_and_transposed",
-                     _rows_and_transposed_shapes(x, group_sizes), x, group_sizes,
-                     checked=_checks.attr_bool(checked))
-
-
-def _rows_and_transposed_shapes(x, group_sizes):
-    (num_rows, cols), blocks = x.shape, _contract_blocks(x.shape[0], group_sizes.shape[0])
-    return (jax.ShapeDtypeStruct((num_rows, cols), E4M3),
-            jax.ShapeDtypeStruct((num_rows, -(-cols // BLOCK)), jnp.float32),
-            jax.ShapeDtypeStruct((cols, BLOCK * blocks), E4M3),
-            jax.ShapeDtypeStruct((blocks, cols), jnp.float32))
-
-
-_quantize_rows_and_transposed_p = _primitives.define(
-    "nodrop_quantize_fp8_rows_and_transposed",
-    abstract_eval=lambda x, group_sizes, *, checked: tuple(
-        _primitives.result_aval((x, group_sizes), s.shape, s.dtype)
-        for s in _rows_and_transposed_shapes(x, group_sizes)),
-    lower=_quantize_rows_and_transposed_lowering, multiple_results=True)
 
 
 def grouped_matmul_fp8_blockwise_contract(lhs_t: ArrayLike, lhs_scales: ArrayLike,

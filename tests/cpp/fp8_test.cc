@@ -310,46 +310,6 @@ TEST(QuantizeFp8TransposedArgs, CheckedModeRefusesInvalidGroupSizes) {
   EXPECT_TRUE(status.ok()) << status.message();
 }
 
-// ---- quantize_fp8_rows_and_transposed -------------------------------------------------------
-
-// The same bytes as quantize_fp8 (blocks of 128) and quantize_fp8_transposed; the group sizes
-// checked before anything is written.
-TEST(QuantizeFp8RowsAndTransposed, IsBothQuantisations) {
-  const TransposedProblem p{300, 200, {129, 0, 100}};  // 71 rows past the groups
-  std::mt19937 rng(17);
-  const Array x = nodrop_test::random_array(DType::kBFloat16, p.M * p.C, rng, -3.0, 3.0);
-  const Transposed want_t = quantize_transposed(p, x, nullptr);
-  const int64_t row_blocks = (p.C + kBlock - 1) / kBlock;
-  std::vector<uint8_t> want_q(p.M * p.C);
-  std::vector<float> want_scale(p.M * row_blocks);
-  ASSERT_TRUE(nodrop::cpu::quantize_fp8(x.data(), x.dtype(), p.M, p.C, kBlock, want_q.data(),
-                                        want_scale.data()).ok());
-  Guarded<uint8_t> q(p.M * p.C, 0xab), q_t(p.C * p.P(), 0xab);
-  Guarded<float> scale(p.M * row_blocks, std::nanf("")), scale_t(p.PB() * p.C, std::nanf(""));
-  const Fenced x_in(x), sizes_in(p.sizes);
-  ThreadRunner runner(2);
-  const auto status = nodrop::cpu::quantize_fp8_rows_and_transposed(
-      x_in.data(), x.dtype(), sizes_in.as<int32_t>(), p.M, p.C, p.G(), q.data(), scale.data(),
-      q_t.data(), scale_t.data(), /*checked=*/true, &runner);
-  ASSERT_TRUE(status.ok()) << status.message();
-  EXPECT_TRUE(q.canaries_intact() && scale.canaries_intact() && q_t.canaries_intact() &&
-              scale_t.canaries_intact());
-  EXPECT_EQ(q.vec(), want_q);
-  EXPECT_EQ(scale.vec(), want_scale);  // no NaN here: == is bitwise
-  EXPECT_EQ(q_t.vec(), want_t.q_t);
-  EXPECT_EQ(scale_t.vec(), want_t.scale);
-
-  const std::vector<int32_t> over = {200, 200};
-  const Fenced over_in(over);
-  Guarded<uint8_t> untouched(p.M * p.C, 0xab);
-  const auto refused = nodrop::cpu::quantize_fp8_rows_and_transposed(
-      x_in.data(), x.dtype(), over_in.as<int32_t>(), p.M, p.C, 2, untouched.data(), scale.data(),
-      q_t.data(), scale_t.data(), /*checked=*/true, nullptr);
-  EXPECT_TRUE(mentions(refused, "group_sizes sum to 400 but there are only 300 rows"))
-      << refused.message();
-  EXPECT_EQ(untouched.vec(), std::vector<uint8_t>(p.M * p.C, 0xab));  // the rows not written
-}
-
 TEST(QuantizeFp8TransposedArgs, RejectsNegativeShapesAndNullBuffers) {
   std::vector<float> x(8, 1.0f), scale(4 * 2);
   std::vector<uint8_t> q_t(2 * 128 * 4);

@@ -830,8 +830,7 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, QuantizeFp8Gpu,
 
 class QuantizeFp8TransposedGpu : public testing::TestWithParam<DType> {};
 
-// The weight gradient's operand layout (engine.h), bitwise the CPU engine's, from
-// quantize_fp8_transposed and (with the rows too) quantize_fp8_rows_and_transposed: group sizes with an
+// The weight gradient's operand layout (engine.h), bitwise the CPU engine's: group sizes with an
 // empty group, one row, 130 and 200 rows and 69 rows past the groups; invalid sizes (clamped);
 // 300 groups, most of them tiny; C = 300 (a partial column tile), with a zero block, a NaN block
 // (whose padding must stay 0), an inf block and columns of large and small magnitudes.
@@ -861,14 +860,11 @@ TEST_P(QuantizeFp8TransposedGpu, MatchesTheCpuBitwise) {
         set_value(x, dtype, r * C + 31, small[r]);
       }
     }
-    Bytes want_q(C * P), want_rows_q(M * C);
-    Floats want_scale(blocks * C), want_rows_scale(M * ((C + 127) / 128));
+    Bytes want_q(C * P);
+    Floats want_scale(blocks * C);
     ASSERT_TRUE(nodrop::cpu::quantize_fp8_transposed(x.data(), dtype, sizes.data(), M, C, G,
                                                      want_q.data(), want_scale.data(),
                                                      /*checked=*/false)
-                    .ok());
-    ASSERT_TRUE(nodrop::cpu::quantize_fp8(x.data(), dtype, M, C, 128, want_rows_q.data(),
-                                          want_rows_scale.data())
                     .ok());
     const DeviceBuffer d_sizes(std::max<int64_t>(G, 1) * sizeof(int32_t), 0, sizes.data());
     // Aligned (the vector path) and not (element by element).
@@ -886,28 +882,6 @@ TEST_P(QuantizeFp8TransposedGpu, MatchesTheCpuBitwise) {
           << "M " << M << ", G " << G << ", shift " << shift;
       EXPECT_EQ(mismatch(download<uint32_t>(scale), as_bits(want_scale)), "")
           << "M " << M << ", G " << G << ", shift " << shift;
-
-      // quantize_fp8_rows_and_transposed: both from one read, the same bytes as the two calls
-      // (the rows past the groups quantised too).
-      const DeviceBuffer rows_q(std::max<int64_t>(M * C, 1)),
-          rows_scale(std::max<size_t>(want_rows_scale.size(), 1) * sizeof(float)), q_t(C * P),
-          scale_t(blocks * C * sizeof(float));
-      run_twice(
-          [&] {
-            return nodrop::cuda::quantize_fp8_rows_and_transposed(
-                d_x.get(), dtype, d_sizes.as<int32_t>(), M, C, G, rows_q.as<uint8_t>(),
-                rows_scale.as<float>(), q_t.as<uint8_t>(), scale_t.as<float>(), stream());
-          },
-          {&rows_q, &rows_scale, &q_t, &scale_t});
-      const std::string where = "fused, M " + std::to_string(M) + ", G " + std::to_string(G) +
-                                ", shift " + std::to_string(shift);
-      EXPECT_EQ(mismatch(download<uint8_t>(q_t), want_q), "") << where;
-      EXPECT_EQ(mismatch(download<uint32_t>(scale_t), as_bits(want_scale)), "") << where;
-      if (M > 0) {
-        EXPECT_EQ(mismatch(download<uint8_t>(rows_q), want_rows_q), "") << where;
-        EXPECT_EQ(mismatch(download<uint32_t>(rows_scale), as_bits(want_rows_scale)), "")
-            << where;
-      }
     }
   }
 }
@@ -928,12 +902,6 @@ TEST(QuantizeFp8TransposedGpuArgs, RejectsBadShapesAndDoesNothingWhenEmpty) {
   EXPECT_TRUE(nodrop::cuda::quantize_fp8_transposed(nullptr, DType::kFloat32, nullptr, 0, 4, 0,
                                                     nullptr, nullptr, stream())
                   .ok());
-  EXPECT_NE(nodrop::cuda::quantize_fp8_rows_and_transposed(
-                buffer.get(), DType::kFloat32, buffer.as<int32_t>(), 4, 4, 1, nullptr, nullptr,
-                buffer.as<uint8_t>(), buffer.as<float>(), stream())
-                .message()
-                .find("q or its scale is null"),
-            std::string::npos);
   CUDA_CHECK(cudaStreamSynchronize(stream()));
 }
 

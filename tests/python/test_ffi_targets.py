@@ -206,27 +206,6 @@ def check_quantize_fp8_transposed():
     np.testing.assert_allclose(back, want, rtol=2 ** -4)
 
 
-def check_quantize_fp8_rows_and_transposed():
-    # As check_quantize_fp8_transposed, and the rows in one block of 128 each (C = 2).
-    x = np.asarray([[1.0, -2.0], [0.0, 448.0], [3.0, 0.0]], np.float32)
-    q, scale, q_t, scale_t = ffi(
-        "nodrop_quantize_fp8_rows_and_transposed",
-        (jax.ShapeDtypeStruct((3, 2), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((3, 1), jnp.float32),
-         jax.ShapeDtypeStruct((2, 384), jnp.float8_e4m3fn),
-         jax.ShapeDtypeStruct((3, 2), jnp.float32)),
-        jnp.asarray(x), int32([1, 2]), checked=np.bool_(True))
-    want_scale = (np.abs(x).max(axis=1, keepdims=True) * np.float32(1 / 448)).astype(np.float32)
-    np.testing.assert_array_equal(np.asarray(scale), want_scale)
-    np.testing.assert_allclose(np.asarray(q, np.float32) * want_scale, x, rtol=2 ** -4)
-    amax = np.stack([np.abs(x[:1]).max(axis=0), np.abs(x[1:]).max(axis=0), [0, 0]])
-    want_scale_t = np.where(amax > 0, amax * np.float32(1 / 448), 1).astype(np.float32)
-    np.testing.assert_array_equal(np.asarray(scale_t), want_scale_t)
-    back = np.asarray(q_t, np.float32) * np.repeat(want_scale_t.T, 128, axis=1)
-    want = np.zeros((2, 384), np.float32)
-    want[:, 0], want[:, 128:130] = x[0], x[1:].T
-    np.testing.assert_allclose(back, want, rtol=2 ** -4)
-
-
 def check_grouped_matmul_fp8_blockwise_contract():
     # M = 3 rows in groups of 1 and 2: columns 0 and 128-129 of P = 128 * (1 + 2); K = 2, N = 8.
     rng = np.random.default_rng(8)
@@ -259,7 +238,6 @@ CHECKS = {
     "nodrop_quantize_fp8": check_quantize_fp8,
     "nodrop_grouped_matmul_fp8_blockwise": check_grouped_matmul_fp8_blockwise,
     "nodrop_quantize_fp8_transposed": check_quantize_fp8_transposed,
-    "nodrop_quantize_fp8_rows_and_transposed": check_quantize_fp8_rows_and_transposed,
     "nodrop_grouped_matmul_fp8_blockwise_contract": check_grouped_matmul_fp8_blockwise_contract,
 }
 
@@ -294,7 +272,6 @@ def test_ops_and_their_gradients_lower_to_every_registered_target():
     # Every target but the FP8 recipes' (test_fp8.py lowers those).
     assert set(re.findall(r"custom_call @(nodrop_\w+)", lowered)) == set(_ffi.CPU_TARGETS) - {
         "nodrop_quantize_fp8", "nodrop_grouped_matmul_fp8_blockwise",
-        "nodrop_quantize_fp8_transposed", "nodrop_quantize_fp8_rows_and_transposed",
-        "nodrop_grouped_matmul_fp8_blockwise_contract"}
+        "nodrop_quantize_fp8_transposed", "nodrop_grouped_matmul_fp8_blockwise_contract"}
     grads = jax.block_until_ready(grad_fn(x, params))
     assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))

@@ -531,22 +531,19 @@ def test_the_kernel_forward_and_gradients_are_the_emulated_ones(case):
 
 def test_both_gradients_run_on_the_fp8_kernels():
     """With forward="kernel": the FP8 kernel twice (forward, input gradient), the FP8
-    contraction once (the weight gradient); lhs quantised in rows for the forward and
-    transposed for the weight gradient, dout both ways in one call; none of nodrop's bf16
-    grouped matmuls: no float32 contraction of dequantised operands."""
+    contraction once on two transposed quantisations (the weight gradient), and none of
+    nodrop's bf16 grouped matmuls: no float32 contraction of dequantised operands."""
     lhs, rhs = jnp.ones((8, 128), jnp.bfloat16), jnp.ones((2, 128, 8), jnp.bfloat16)
     loss = lambda a, b: jnp.sum(jnp.sin(fp8.fp8_grouped_matmul(  # noqa: E731
         a, b, int32([3, 5]), forward="kernel").astype(jnp.float32)))
     text = jax.jit(jax.grad(loss, (0, 1))).lower(lhs, rhs).as_text()
     calls = {target: text.count(f"custom_call @{target}(") for target in (
         "nodrop_grouped_matmul_fp8_blockwise", "nodrop_grouped_matmul_fp8_blockwise_contract",
-        "nodrop_quantize_fp8", "nodrop_quantize_fp8_transposed",
-        "nodrop_quantize_fp8_rows_and_transposed", "nodrop_grouped_matmul",
+        "nodrop_quantize_fp8", "nodrop_quantize_fp8_transposed", "nodrop_grouped_matmul",
         "nodrop_grouped_matmul_contract")}
     assert calls == {"nodrop_grouped_matmul_fp8_blockwise": 2,
                      "nodrop_grouped_matmul_fp8_blockwise_contract": 1,
-                     "nodrop_quantize_fp8": 1, "nodrop_quantize_fp8_transposed": 1,
-                     "nodrop_quantize_fp8_rows_and_transposed": 1,
+                     "nodrop_quantize_fp8": 2, "nodrop_quantize_fp8_transposed": 2,
                      "nodrop_grouped_matmul": 0, "nodrop_grouped_matmul_contract": 0}
     # and the emulation's segment reductions of the weight gradient's blocks are gone
     assert "scatter" not in text
@@ -665,40 +662,6 @@ def test_quantize_transposed_is_bitwise_the_numpy_derivation(case, dtype):
     np.testing.assert_array_equal(bits(jitted[0]), bits(q_t))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("case", TRANSPOSED_CASES)
-def test_quantize_rows_and_transposed_is_both_quantisations(case, dtype):
-    """Bitwise quantize_rows and quantize_transposed, NaN, inf and zero blocks included, eager
-    and jitted."""
-    m, c, sizes = TRANSPOSED_CASES[case]
-    rng = np.random.default_rng(m + 2 * c)
-    x = rng.standard_normal((m, c)) * np.exp2(rng.integers(-12, 12, (1, c)))
-    x = jnp.asarray(x, dtype).at[:, 0].set(0)
-    if m > 140:
-        x = x.at[5, 1].set(jnp.nan).at[140, 2].set(-jnp.inf)
-    want = (*fp8.quantize_rows(x), *fp8.quantize_transposed(x, int32(sizes)))
-    for got in (fp8.quantize_rows_and_transposed(x, int32(sizes)),
-                jax.jit(fp8.quantize_rows_and_transposed)(x, int32(sizes))):
-        assert [(a.shape, a.dtype) for a in got] == [(a.shape, a.dtype) for a in want]
-        for name, a, b in zip(("q", "scale", "q_t", "scale_t"), got, want):
-            np.testing.assert_array_equal(bits(a) if a.dtype == fp8.E4M3 else np.asarray(a),
-                                          bits(b) if b.dtype == fp8.E4M3 else np.asarray(b),
-                                          err_msg=name)
-
-
-def test_quantize_rows_and_transposed_under_vmap_and_checked_mode():
-    m, c, sizes = 40, 16, int32([10, 30])
-    x = jax.random.normal(jax.random.key(1), (3, m, c), jnp.bfloat16)
-    got = jax.vmap(fp8.quantize_rows_and_transposed, in_axes=(0, None))(x, sizes)
-    for i, one in enumerate(x):
-        for a, b in zip(got, fp8.quantize_rows_and_transposed(one, sizes)):
-            np.testing.assert_array_equal(np.asarray(a[i].astype(jnp.float32)),
-                                          np.asarray(b.astype(jnp.float32)))
-    with nodrop.checks(), pytest.raises(jax.errors.JaxRuntimeError,
-                                        match=re.escape("group_sizes sum to 50")):
-        jax.block_until_ready(fp8.quantize_rows_and_transposed(x[0], int32([10, 40])))
-
-
 def untransposed(q_t, scale, sizes, m):
     """The rows of quantize_transposed's blocks put back: [M, C] float32, zero past the groups."""
     values = as_f64(fp8.dequantize(jnp.swapaxes(q_t, 0, 1), scale, fp8.WGRAD_BLOCK))
@@ -764,7 +727,7 @@ def test_the_fp8_contraction_is_the_emulated_weight_gradient(case):
     assert got.dtype == jnp.bfloat16 and got.shape == (len(sizes), k, n)
     assert_bf16_close(got, reference.grouped_matmul_fp8_blockwise_contract(
         *operands, int32(sizes), num_rows=m), "reference")
-    rhs = jnp.zeros((len(sizes), k, n), jnp.bfloat16)  # the weight's shape; not read
+    rhs = jnp.zeros((len(sizes), k, n), jnp.bfloat16)  # the weight gradient needs its shape only
     _, emulated = jax.jit(fp8._emulated_backward, static_argnums=(4, 5))(
         lhs, rhs, dout, int32(sizes), "blockwise", grouped_matmul)
     assert_bf16_close(got, emulated, "emulation")
@@ -881,7 +844,6 @@ def test_grouped_matmul_fp8_blockwise_contract_refuses_bad_input(changes, error,
     ((jnp.ones((4, 4), jnp.float32), jnp.ones((1,), jnp.float32)), TypeError,
      "group_sizes must have an integer dtype, got float32"),
 ])
-@pytest.mark.parametrize("quantise", [fp8.quantize_transposed, fp8.quantize_rows_and_transposed])
-def test_the_grouped_quantisations_refuse_bad_input(quantise, args, error, message):
+def test_quantize_transposed_refuses_bad_input(args, error, message):
     with pytest.raises(error, match=re.escape(message)):
-        quantise(*args)
+        fp8.quantize_transposed(*args)

@@ -317,8 +317,7 @@ def test_fp8_round_trip_under_jit_is_the_eager_one_on_the_gpu(block):
 def test_fp8_blockwise_recipe_runs_the_kernels_forward_and_both_gradients_on_the_gpu():
     """fp8_grouped_matmul's "auto" mode runs the FP8 kernels on the GPU for bfloat16: the
     blockwise GEMM for the forward and the input gradient (two calls), the FP8 contraction for
-    the weight gradient (one) with the output gradient quantised once for both, each within
-    bfloat16 rounding of the emulated result."""
+    the weight gradient (one), each within bfloat16 rounding of the emulated result."""
     from nodrop.ops import fp8
 
     m, k, n, g = 777, 256, 384, 8
@@ -334,9 +333,8 @@ def test_fp8_blockwise_recipe_runs_the_kernels_forward_and_both_gradients_on_the
         f = jax.jit(forward_and_grads)
         text = f.lower(lhs, rhs).as_text()
         calls = (text.count("custom_call @nodrop_grouped_matmul_fp8_blockwise("),
-                 text.count("custom_call @nodrop_grouped_matmul_fp8_blockwise_contract("),
-                 text.count("custom_call @nodrop_quantize_fp8_rows_and_transposed("))
-        assert calls == ((2, 1, 1) if forward == "auto" else (0, 0, 0)), (forward, calls)
+                 text.count("custom_call @nodrop_grouped_matmul_fp8_blockwise_contract("))
+        assert calls == ((2, 1) if forward == "auto" else (0, 0)), (forward, calls)
         results[forward] = f(lhs, rhs)
     assert rel_error(results["auto"][0], results["emulated"][0]) <= 2 ** -7
     (dlhs, drhs), (dlhs_emulated, drhs_emulated) = results["auto"][1], results["emulated"][1]
@@ -363,30 +361,6 @@ def test_fp8_quantize_transposed_is_bitwise_the_numpy_derivation_on_the_gpu(dtyp
         want_q, want_scale = numpy_quantize_transposed(x, np.asarray(sizes).tolist())
         np.testing.assert_array_equal(np.asarray(q_t.view(jnp.uint8)), want_q, err_msg=kind)
         np.testing.assert_array_equal(np.asarray(scale), want_scale, err_msg=kind)
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
-def test_fp8_quantize_rows_and_transposed_is_both_quantisations_on_the_gpu(dtype):
-    """The output gradient's one-read quantisation on the GPU: bitwise quantize_rows and the
-    numpy derivation of quantize_transposed (NaN, inf, zero blocks, rows past the groups); one
-    jit replayed with new group sizes."""
-    from nodrop.ops import fp8
-
-    m, c, g = 1000, 392, 8  # C: three 128-column tiles and a partial one
-    rng = np.random.default_rng(15)
-    x = rng.standard_normal((m, c)) * np.exp2(rng.integers(-12, 12, (1, c)))
-    x = jnp.asarray(x, dtype).at[:, 3].set(0).at[5, 7].set(jnp.nan).at[900, 300].set(jnp.inf)
-    both = jax.jit(fp8.quantize_rows_and_transposed)
-    want_q, want_scale = jax.jit(fp8.quantize_rows)(x)
-    for kind in SIZE_KINDS:
-        sizes = group_sizes(kind, m, g, rng)
-        q, scale, q_t, scale_t = both(x, sizes)
-        np.testing.assert_array_equal(np.asarray(q.view(jnp.uint8)),
-                                      np.asarray(want_q.view(jnp.uint8)), err_msg=kind)
-        np.testing.assert_array_equal(np.asarray(scale), np.asarray(want_scale), err_msg=kind)
-        want_q_t, want_scale_t = numpy_quantize_transposed(x, np.asarray(sizes).tolist())
-        np.testing.assert_array_equal(np.asarray(q_t.view(jnp.uint8)), want_q_t, err_msg=kind)
-        np.testing.assert_array_equal(np.asarray(scale_t), want_scale_t, err_msg=kind)
 
 
 @pytest.mark.parametrize("kind", SIZE_KINDS)

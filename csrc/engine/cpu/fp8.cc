@@ -113,15 +113,4 @@ Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_
   return Status::Ok();
 }
 
-Status quantize_fp8_rows_and_transposed(const void* x, DType dtype, const int32_t* group_sizes,
-                                        int64_t M, int64_t C, int64_t G, uint8_t* q, float* scale,
-                                        uint8_t* q_t, float* scale_t, bool checked,
-                                        ParallelRunner* runner) {
-  // The transposed copy first: it validates the group sizes (checked) before anything is written.
-  const Status status =
-      quantize_fp8_transposed(x, dtype, group_sizes, M, C, G, q_t, scale_t, checked, runner);
-  if (!status.ok()) return status;
-  return quantize_fp8(x, dtype, M, C, kFp8Block, q, scale, runner);
-}
-
 }  // namespace nodrop::cpu

@@ -2,10 +2,10 @@
 // and issues all of its loads before it reduces anything.
 // - quantize_fp8, blocks of 128 (the recipe's): half a warp per block, each lane 8 elements, four
 //   blocks per half warp in flight; other blocks: one warp per block, lanes striding.
-// - quantize_fp8_transposed (and, from the same read, quantize_fp8's rows): one thread block per
-//   128-row block of a group, looping over 128-column tiles. Each thread holds 8 rows x 8 columns
-//   of the tile; column amaxes are reduced across the block, row amaxes across a half warp, and
-//   the transposed codes pass through shared memory so that q_t is written in 128-byte runs.
+// - quantize_fp8_transposed: one thread block per 128-row block of a group, looping over
+//   128-column tiles. Each thread holds 8 rows x 8 columns of the tile; column amaxes are reduced
+//   across the block, and the transposed codes pass through shared memory so that q_t is
+//   written in 128-byte runs.
 // All scale and round every element alike (block_scale, to_e4m3), by the hardware's float32 ->
 // E4M3 conversion (nearest even, saturating), so they are bitwise the CPU engine.
 #include <cuda_bf16.h>
@@ -169,25 +169,23 @@ quantize_fp8_any_block_kernel(const T* __restrict__ x, int64_t M, int64_t C, int
   for (int64_t i = lane; i < size; i += 32) q[begin + i] = to_e4m3(to_float(x[begin + i]), inverse);
 }
 
-// quantize_fp8_transposed, and with kRows quantize_fp8's rows (blocks of 128) from the same read.
-// Thread block b owns 128-row block b of the groups (engine.h numbers them); the blocks past the
-// groups' write scale 1 and zero codes, and with kRows also quantise the rows past the groups,
-// 128 at a time (there are enough of them: fp8_contract_blocks). Thread t holds rows 8 * (t / 16)
-// + i and columns 8 * (t % 16) + j of a tile, i, j < 8: a half warp covers 8 whole rows of it.
+// quantize_fp8_transposed. Thread block b owns 128-row block b of the groups (engine.h numbers
+// them); the blocks past the groups' write scale 1 and zero codes. Thread t holds rows
+// 8 * (t / 16) + i and columns 8 * (t % 16) + j of a tile, i, j < 8: a half warp covers 8 whole
+// rows of it.
 constexpr int kRowsPerThread = 8;
 constexpr int kTileColumns = kChunk * kLanesPerBlock;  // 128
 constexpr int kTilesPerThreadBlock = 4;               // tiles per group scan
 static_assert(kThreads / kLanesPerBlock * kRowsPerThread == kBlock, "a tile is 128 rows");
 static_assert(kThreads == detail::kSetupThreads, "scan_groups runs on the same threads");
 
-template <typename T, bool kVector, bool kRows>
+template <typename T, bool kVector>
 __global__ void __launch_bounds__(kThreads)
-quantize_fp8_tile_kernel(const T* __restrict__ x, const int32_t* __restrict__ group_sizes,
-                         int64_t M, int64_t C, int64_t G, int64_t P, uint8_t* __restrict__ q_t,
-                         float* __restrict__ scale_t, uint8_t* __restrict__ q,
-                         float* __restrict__ scale) {
+quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restrict__ group_sizes,
+                               int64_t M, int64_t C, int64_t G, int64_t P,
+                               uint8_t* __restrict__ q_t, float* __restrict__ scale_t) {
   __shared__ detail::GroupScanStorage scan_storage;
-  __shared__ int64_t block_begin, block_rows, total_rows, used_blocks;
+  __shared__ int64_t block_begin, block_rows;
   __shared__ alignas(16) uint32_t part_key[kWarpsPerBlock][kTileColumns];
   __shared__ float column_inverse[kTileColumns];
   // The tile's transposed codes: column c's 128 rows in 16 runs of 8 bytes, run r stored at
@@ -198,28 +196,20 @@ quantize_fp8_tile_kernel(const T* __restrict__ x, const int32_t* __restrict__ gr
   const int t = threadIdx.x, warp = t / 32;
   const int cg = t % kLanesPerBlock, rg = t / kLanesPerBlock;  // column and row group
 
-  if (t == 0) block_begin = 0, block_rows = 0, total_rows = 0, used_blocks = 0;
+  if (t == 0) block_begin = 0, block_rows = 0;  // a block past the groups keeps 0 rows
   __syncthreads();
   detail::scan_groups(group_sizes, G, M, scan_storage,
-                      [&](int64_t g, int64_t begin, int64_t end, int64_t first_block) {
+                      [&](int64_t, int64_t begin, int64_t end, int64_t first_block) {
                         const int64_t blocks = (end - begin + kBlock - 1) / kBlock;
                         if (b >= first_block && b < first_block + blocks) {
                           block_begin = begin + (b - first_block) * kBlock;
                           block_rows = min(int64_t(kBlock), end - block_begin);
                         }
-                        if (g == G - 1) total_rows = end, used_blocks = first_block + blocks;
                       });
   __syncthreads();
-  const bool in_groups = b < used_blocks;
-  // The rows read: the block's, or (kRows, past the groups) 128 of the rows no group owns.
-  int64_t begin = block_begin, rows = block_rows;
-  if (!in_groups) {
-    begin = total_rows + (b - used_blocks) * kBlock;
-    rows = kRows ? max(int64_t(0), min(int64_t(kBlock), M - begin)) : 0;
-  }
-  const int transposed_rows = in_groups ? int(rows) : 0;
-  const int64_t row_blocks = (C + kBlock - 1) / kBlock;  // scale's columns
-  const int64_t tiles = row_blocks;
+  const int64_t begin = block_begin;
+  const int rows = int(block_rows);
+  const int64_t tiles = (C + kTileColumns - 1) / kTileColumns;
 
   for (int64_t tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
     const int64_t c0 = tile * kTileColumns + kChunk * cg;  // this thread's first column
@@ -245,7 +235,7 @@ quantize_fp8_tile_kernel(const T* __restrict__ x, const int32_t* __restrict__ gr
       uint32_t key = 0;
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) {
-        if (kRowsPerThread * rg + i < transposed_rows) key = max(key, amax_key(chunk[i][j]));
+        if (kRowsPerThread * rg + i < rows) key = max(key, amax_key(chunk[i][j]));
       }
       column_key[j] = max(key, __shfl_xor_sync(kFullMask, key, kLanesPerBlock));
     }
@@ -255,27 +245,6 @@ quantize_fp8_tile_kernel(const T* __restrict__ x, const int32_t* __restrict__ gr
       part[1] = make_uint4(column_key[4], column_key[5], column_key[6], column_key[7]);
     }
 
-    if constexpr (kRows) {  // row amaxes over the tile's 128 columns: a half warp
-#pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) {
-        uint32_t key = 0;
-#pragma unroll
-        for (int j = 0; j < kChunk; ++j) key = max(key, amax_key(chunk[i][j]));
-        const float s = key_scale(half_warp_max(key));
-        const int r = kRowsPerThread * rg + i;
-        if (r >= rows) continue;
-        const int64_t row = begin + r;
-        if (cg == 0) scale[row * row_blocks + tile] = s;
-        const float inverse = __frcp_rn(s);
-        uint8_t* out = q + row * C + c0;
-        if (kVector && columns == kChunk) {
-          *reinterpret_cast<uint2*>(out) =
-              pack_codes([&](int j) { return to_e4m3(chunk[i][j], inverse); });
-        } else {
-          for (int j = 0; j < columns; ++j) out[j] = to_e4m3(chunk[i][j], inverse);
-        }
-      }
-    }
     __syncthreads();
 
     if (t < kTileColumns) {
@@ -296,8 +265,7 @@ quantize_fp8_tile_kernel(const T* __restrict__ x, const int32_t* __restrict__ gr
       const int c = kChunk * cg + j;
       const float inverse = column_inverse[c];
       const uint2 run = pack_codes([&](int i) {
-        return kRowsPerThread * rg + i < transposed_rows ? to_e4m3(chunk[i][j], inverse)
-                                                         : uint8_t{0};
+        return kRowsPerThread * rg + i < rows ? to_e4m3(chunk[i][j], inverse) : uint8_t{0};
       });
       *reinterpret_cast<uint2*>(&codes_t[c][kRowsPerThread * (rg ^ cg)]) = run;
     }
@@ -338,40 +306,6 @@ Status launched(const char* name) {
                               : Status::Error(std::string(name) + ": " + cudaGetErrorString(error));
 }
 
-// quantize_fp8_transposed, and with q (not null) quantize_fp8's rows in blocks of 128 too.
-Status quantize_tiles(const char* name, const void* x, DType dtype, const int32_t* group_sizes,
-                      int64_t M, int64_t C, int64_t G, uint8_t* q_t, float* scale_t, uint8_t* q,
-                      float* scale, cudaStream_t stream) {
-  auto fail = [name](const std::string& what) { return Status::Error(name + (": " + what)); };
-  if (M < 0 || C < 0 || G < 0) {
-    return fail("M, C and G must not be negative, got M = " + std::to_string(M) + ", C = " +
-                std::to_string(C) + ", G = " + std::to_string(G));
-  }
-  const int64_t PB = fp8_contract_blocks(M, G), P = PB * kFp8Block;
-  if (PB == 0 || C == 0) return Status::Ok();
-  const bool rows = q != nullptr || scale != nullptr;
-  if (q_t == nullptr || scale_t == nullptr) return fail("q_t or its scale is null");
-  if (rows && M > 0 && (q == nullptr || scale == nullptr)) return fail("q or its scale is null");
-  if (M > 0 && x == nullptr) return fail("x is null");
-  if (G > 0 && group_sizes == nullptr) return fail("group_sizes is null");
-  if (!aligned(q_t, 16)) return fail("q_t must be 16-byte aligned");
-  if (PB > INT32_MAX) return fail("too large: " + std::to_string(PB) + " row blocks");
-  const int64_t tiles = (C + kTileColumns - 1) / kTileColumns;
-  const int64_t tile_groups = (tiles + kTilesPerThreadBlock - 1) / kTilesPerThreadBlock;
-  const dim3 grid{static_cast<unsigned>(PB), static_cast<unsigned>(min(tile_groups, int64_t(65535)))};
-  const bool vector = C % kChunk == 0 && aligned(x, 16) && (!rows || aligned(q, 8));
-  with_element_type(x, dtype, [&](auto typed_x) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed_x)>>;
-    auto kernel = rows ? (vector ? quantize_fp8_tile_kernel<T, true, true>
-                                 : quantize_fp8_tile_kernel<T, false, true>)
-                       : (vector ? quantize_fp8_tile_kernel<T, true, false>
-                                 : quantize_fp8_tile_kernel<T, false, false>);
-    kernel<<<grid, kThreads, 0, stream>>>(typed_x, group_sizes, M, C, G, P, q_t, scale_t, q,
-                                          scale);
-  });
-  return launched(name);
-}
-
 }  // namespace
 
 Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t block, uint8_t* q,
@@ -403,18 +337,32 @@ Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t bl
 Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_sizes, int64_t M,
                                int64_t C, int64_t G, uint8_t* q_t, float* scale,
                                cudaStream_t stream) {
-  return quantize_tiles("quantize_fp8_transposed", x, dtype, group_sizes, M, C, G, q_t, scale,
-                        nullptr, nullptr, stream);
-}
-
-Status quantize_fp8_rows_and_transposed(const void* x, DType dtype, const int32_t* group_sizes,
-                                        int64_t M, int64_t C, int64_t G, uint8_t* q, float* scale,
-                                        uint8_t* q_t, float* scale_t, cudaStream_t stream) {
-  if (M > 0 && C > 0 && (q == nullptr || scale == nullptr)) {
-    return Status::Error("quantize_fp8_rows_and_transposed: q or its scale is null");
+  auto fail = [](const std::string& what) {
+    return Status::Error("quantize_fp8_transposed: " + what);
+  };
+  if (M < 0 || C < 0 || G < 0) {
+    return fail("M, C and G must not be negative, got M = " + std::to_string(M) + ", C = " +
+                std::to_string(C) + ", G = " + std::to_string(G));
   }
-  return quantize_tiles("quantize_fp8_rows_and_transposed", x, dtype, group_sizes, M, C, G, q_t,
-                        scale_t, q, scale, stream);
+  const int64_t PB = fp8_contract_blocks(M, G), P = PB * kFp8Block;
+  if (PB == 0 || C == 0) return Status::Ok();
+  if (q_t == nullptr || scale == nullptr) return fail("q_t or scale is null");
+  if (M > 0 && x == nullptr) return fail("x is null");
+  if (G > 0 && group_sizes == nullptr) return fail("group_sizes is null");
+  if (!aligned(q_t, 16)) return fail("q_t must be 16-byte aligned");
+  if (PB > INT32_MAX) return fail("too large: " + std::to_string(PB) + " row blocks");
+  const int64_t tiles = (C + kTileColumns - 1) / kTileColumns;
+  const int64_t tile_groups = (tiles + kTilesPerThreadBlock - 1) / kTilesPerThreadBlock;
+  const dim3 grid{static_cast<unsigned>(PB),
+                  static_cast<unsigned>(min(tile_groups, int64_t(65535)))};
+  const bool vector = C % kChunk == 0 && aligned(x, 16);
+  with_element_type(x, dtype, [&](auto typed_x) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed_x)>>;
+    auto kernel = vector ? quantize_fp8_transposed_kernel<T, true>
+                         : quantize_fp8_transposed_kernel<T, false>;
+    kernel<<<grid, kThreads, 0, stream>>>(typed_x, group_sizes, M, C, G, P, q_t, scale);
+  });
+  return launched("quantize_fp8_transposed");
 }
 
 }  // namespace nodrop::cuda

@@ -87,14 +87,6 @@ Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_
                                int64_t C, int64_t G, uint8_t* q_t, float* scale, bool checked,
                                ParallelRunner* runner = nullptr);
 
-// Both operands of the output gradient (or of the activations) from one x: quantize_fp8(x, ...,
-// 128, q, scale) and quantize_fp8_transposed(x, group_sizes, ..., q_t, scale_t, checked), the
-// same bytes as the two calls. The CUDA engine reads x once for both.
-Status quantize_fp8_rows_and_transposed(const void* x, DType dtype, const int32_t* group_sizes,
-                                        int64_t M, int64_t C, int64_t G, uint8_t* q, float* scale,
-                                        uint8_t* q_t, float* scale_t, bool checked,
-                                        ParallelRunner* runner = nullptr);
-
 // FP8 blockwise-scaled grouped matmul (the DeepSeek-V3 recipe's forward), the CUDA engine's
 // grouped_matmul_fp8_blockwise on the CPU: the same layouts, rules and errors. KB = ceil(K/128),
 // NB = ceil(N/128):

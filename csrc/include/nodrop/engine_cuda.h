@@ -236,10 +236,5 @@ Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_
                                int64_t C, int64_t G, uint8_t* q_t, float* scale,
                                cudaStream_t stream);
 
-// Both of the above from one read of x: quantize_fp8(x, ..., 128, q, scale) and
-// quantize_fp8_transposed(x, ..., q_t, scale_t), bitwise (the output gradient's two operands).
-Status quantize_fp8_rows_and_transposed(const void* x, DType dtype, const int32_t* group_sizes,
-                                        int64_t M, int64_t C, int64_t G, uint8_t* q, float* scale,
-                                        uint8_t* q_t, float* scale_t, cudaStream_t stream);
 
 }  // namespace nodrop::cuda

@@ -785,22 +785,26 @@ std::vector<uint32_t> as_bits(const Floats& values) {
 
 class QuantizeFp8Gpu : public testing::TestWithParam<DType> {};
 
-// Bitwise the CPU engine's bytes: codes and scales, with a short last block (C = 300), an
-// all-zero block, a NaN block and an inf block, and an odd block size (rows of 7 blocks of 45);
-// x aligned and not (the vector path and the element-wise one).
+// Bitwise the CPU engine's bytes: codes and scales, with whole blocks (C = 256) and a short last
+// block (C = 300), an all-zero block, a NaN block and an inf block, rows of large, small and
+// subnormal magnitudes (a scale whose reciprocal is inf), and an odd block size (rows of 7
+// blocks of 45); x aligned and not (the vector path and the element-wise one).
 TEST_P(QuantizeFp8Gpu, MatchesTheCpuBitwise) {
   const DType dtype = GetParam();
-  for (const int64_t block : {int64_t{128}, int64_t{45}}) {
-    const int64_t M = 37, C = 300, blocks = (C + block - 1) / block;
+  for (const auto& [case_columns, case_block] :
+       {std::pair<int64_t, int64_t>{256, 128}, {300, 128}, {300, 45}}) {
+    const int64_t C = case_columns, block = case_block;  // named copies: a lambda captures them
+    const int64_t M = 37, blocks = (C + block - 1) / block;
     Bytes x = random_values(dtype, M * C, 41);
     for (int64_t i = 0; i < block; ++i) set_value(x, dtype, 3 * C + i, 0.0f);
     set_value(x, dtype, 5 * C + 200, std::nanf(""));
     set_value(x, dtype, 6 * C + 10, INFINITY);
     const Floats large = random_floats(C, 43, -3e4f, 3e4f);
     const Floats small = random_floats(C, 44, -1e-4f, 1e-4f);
-    for (int64_t i = 0; i < C; ++i) {  // rows of large and of small magnitudes
+    for (int64_t i = 0; i < C; ++i) {  // rows of large, small and subnormal magnitudes
       set_value(x, dtype, 9 * C + i, large[i]);
       set_value(x, dtype, 10 * C + i, small[i]);
+      set_value(x, dtype, 11 * C + i, small[i] * 1e-35f);
     }
     Bytes want_q(M * C);
     Floats want_scale(M * blocks);
@@ -816,10 +820,10 @@ TEST_P(QuantizeFp8Gpu, MatchesTheCpuBitwise) {
                                               scale.as<float>(), stream());
           },
           {&q, &scale});
-      EXPECT_EQ(mismatch(download<uint8_t>(q), want_q), "") << "block " << block << ", shift "
-                                                             << shift;
+      EXPECT_EQ(mismatch(download<uint8_t>(q), want_q), "")
+          << "C " << C << ", block " << block << ", shift " << shift;
       EXPECT_EQ(mismatch(download<uint32_t>(scale), as_bits(want_scale)), "")
-          << "block " << block << ", shift " << shift;
+          << "C " << C << ", block " << block << ", shift " << shift;
     }
   }
 }
@@ -833,7 +837,8 @@ class QuantizeFp8TransposedGpu : public testing::TestWithParam<DType> {};
 // The weight gradient's operand layout (engine.h), bitwise the CPU engine's: group sizes with an
 // empty group, one row, 130 and 200 rows and 69 rows past the groups; invalid sizes (clamped);
 // 300 groups, most of them tiny; C = 300 (a partial column tile), with a zero block, a NaN block
-// (whose padding must stay 0), an inf block and columns of large and small magnitudes.
+// (whose padding must stay 0), an inf block, a block of subnormals (a scale whose reciprocal is
+// inf) and columns of large and small magnitudes.
 TEST_P(QuantizeFp8TransposedGpu, MatchesTheCpuBitwise) {
   const DType dtype = GetParam();
   const int64_t C = 300;
@@ -850,7 +855,10 @@ TEST_P(QuantizeFp8TransposedGpu, MatchesTheCpuBitwise) {
     const int64_t blocks = nodrop::fp8_contract_blocks(M, G), P = blocks * nodrop::kFp8Block;
     Bytes x = random_values(dtype, std::max<int64_t>(M * C, 1), 47);
     if (M >= 300) {
-      for (int64_t r = 1; r < 131; ++r) set_value(x, dtype, r * C + 7, 0.0f);  // group 2's block
+      for (int64_t r = 1; r < 131; ++r) {  // group 2's blocks: zeros, and subnormals
+        set_value(x, dtype, r * C + 7, 0.0f);
+        set_value(x, dtype, r * C + 8, 1e-39f * float(r % 7 - 3));
+      }
       set_value(x, dtype, 140 * C + 20, std::nanf(""));
       set_value(x, dtype, 150 * C + 21, INFINITY);
       const Floats large = random_floats(C, 43, -3e4f, 3e4f);

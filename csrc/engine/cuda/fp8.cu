@@ -1,5 +1,8 @@
 // FP8 (E4M3) quantisation on the GPU, at the memory's speed: every thread reads 16-byte vectors
-// and issues all of its loads before it reduces anything.
+// and issues all of its loads before it reduces anything, and spends few instructions per element
+// (the amax as packed integer maxima of |v|'s bits, two conversions per instruction): at 3 bytes
+// moved per bfloat16 element, the H200's bandwidth leaves an SM only a handful of instructions
+// per element.
 // - quantize_fp8, blocks of 128 (the recipe's): half a warp per block, each lane 8 elements, four
 //   blocks per half warp in flight; other blocks: one warp per block, lanes striding.
 // - quantize_fp8_transposed: one thread block per 128-row block of a group, looping over
@@ -42,21 +45,24 @@ __device__ float block_scale(float amax, bool finite) {
   return !finite ? __int_as_float(0x7fc00000) : (s > 0.0f ? s : 1.0f);
 }
 
-// |v| as an unsigned key whose maximum is the amax (non-negative floats order as their bits),
-// or kNonFinite, above every finite key, for a NaN or an inf: one max reduces both at once.
-constexpr uint32_t kNonFinite = 0xffffffffu;
-__device__ uint32_t amax_key(float v) {
-  return isfinite(v) ? __float_as_uint(fabsf(v)) : kNonFinite;
-}
+// The bits of |v| as float32, a key whose maximum over a block gives its amax: non-negative
+// floats order as their bits, and an inf or a NaN lies at or above kInfKey, past every finite
+// value, so one max finds both the amax and whether the block is finite.
+constexpr uint32_t kInfKey = 0x7f800000u;
+__device__ uint32_t float_key(float v) { return __float_as_uint(v) & 0x7fffffffu; }
 __device__ float key_scale(uint32_t key) {
-  return key == kNonFinite ? block_scale(0.0f, false) : block_scale(__uint_as_float(key), true);
+  return block_scale(__uint_as_float(key), key < kInfKey);
 }
 
-// v times the reciprocal of its block's scale, saturated to +-448 (a NaN stays NaN), in E4M3.
+// v times the reciprocal of its block's scale in E4M3. The conversion rounds to nearest even and
+// saturates: past +-448 (inf included) to +-448, NaN to NaN, as the CPU engine's clamp.
 __device__ uint8_t to_e4m3(float v, float inverse) {
-  v = __fmul_rn(v, inverse);
-  v = isnan(v) ? v : fminf(fmaxf(v, -kE4M3Max), kE4M3Max);
-  return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+  return __nv_cvt_float_to_fp8(__fmul_rn(v, inverse), __NV_SATFINITE, __NV_E4M3);
+}
+// Two values in one conversion: a in the low byte, b in the high one.
+__device__ uint32_t to_e4m3_pair(float a, float b, float inverse) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(a, inverse), __fmul_rn(b, inverse)),
+                                  __NV_SATFINITE, __NV_E4M3);
 }
 
 // Eight consecutive elements of one row, as read: one 16-byte vector (two for float32). Zero
@@ -64,6 +70,7 @@ __device__ uint8_t to_e4m3(float v, float inverse) {
 template <typename T>
 struct Chunk {
   static constexpr int kVectors = kChunk * int(sizeof(T)) / 16;
+  static constexpr int kWords = 4 * kVectors;
   uint4 raw[kVectors];
 
   __device__ void clear() {
@@ -81,18 +88,65 @@ struct Chunk {
     for (int j = 0; j < count; ++j) reinterpret_cast<T*>(raw)[j] = p[j];
   }
   __device__ float operator[](int j) const { return to_float(reinterpret_cast<const T*>(raw)[j]); }
+  __device__ uint32_t word(int w) const { return reinterpret_cast<const uint32_t*>(raw)[w]; }
 };
 
-// Eight codes as one 8-byte word, element j in byte j.
-template <typename Value>
-__device__ uint2 pack_codes(Value value) {
-  uint32_t lo = 0, hi = 0;
+// The largest |v| keys of eight columns over the chunks added, kept as the chunks' words: one
+// key per float32 word; for 16-bit types two 16-bit keys per word, whose maxima one packed
+// instruction takes (the 16-bit formats' |v| bits order as their values too, inf and NaN
+// last), so the amax costs about one instruction per element.
+template <typename T>
+struct ColumnKeys {
+  static constexpr bool kPaired = sizeof(T) == 2;
+  uint32_t word[Chunk<T>::kWords];
+
+  __device__ ColumnKeys() {
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    lo |= uint32_t(value(j)) << (8 * j);
-    hi |= uint32_t(value(j + 4)) << (8 * j);
+    for (int w = 0; w < Chunk<T>::kWords; ++w) word[w] = 0;
   }
-  return make_uint2(lo, hi);
+  __device__ static uint32_t combine(uint32_t a, uint32_t b) {
+    return kPaired ? __vmaxu2(a, b) : max(a, b);
+  }
+  __device__ void add(const Chunk<T>& chunk) {
+#pragma unroll
+    for (int w = 0; w < Chunk<T>::kWords; ++w) {
+      word[w] = combine(word[w], chunk.word(w) & (kPaired ? 0x7fff7fffu : 0x7fffffffu));
+    }
+  }
+  // With the keys of the lane `offset` away (a butterfly step).
+  __device__ void add_lane_xor(int offset) {
+#pragma unroll
+    for (int w = 0; w < Chunk<T>::kWords; ++w) {
+      word[w] = combine(word[w], __shfl_xor_sync(kFullMask, word[w], offset));
+    }
+  }
+  // Column j's key as float32 bits (float_key of the column's largest |v|).
+  __device__ uint32_t column(int j) const {
+    if constexpr (!kPaired) {
+      return word[j];
+    } else {
+      const uint32_t bits = (word[j / 2] >> (16 * (j % 2))) & 0xffffu;
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        return bits << 16;
+      } else {
+        return float_key(__half2float(__ushort_as_half(static_cast<unsigned short>(bits))));
+      }
+    }
+  }
+  // The key of all eight columns.
+  __device__ uint32_t all() const {
+    uint32_t key = 0;
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) key = max(key, column(j));
+    return key;
+  }
+};
+
+// Eight codes as one 8-byte word, element j in byte j, from four pairs: pair(p) holds elements
+// 2p (low byte) and 2p + 1.
+template <typename Pair>
+__device__ uint2 pack_pairs(Pair pair) {
+  return make_uint2(pair(0) | (pair(1) << 16), pair(2) | (pair(3) << 16));
 }
 
 // The largest key over a half warp (xor offsets below 16 stay inside it).
@@ -106,11 +160,14 @@ __device__ uint32_t half_warp_max(uint32_t key) {
 
 // quantize_fp8 with blocks of 128, C % 8 == 0, x 16-byte and q 8-byte aligned. Half warp h of
 // warp w takes blocks 8w + 2u + h, u < kBlocksInFlight: each load instruction reads two
-// neighbouring blocks, and all four loads are issued before the first reduction.
+// neighbouring blocks, and all four loads are issued before the first reduction. kWholeRows
+// (C % 128 == 0, every training shape): block i is elements 128 i to 128 i + 127 of x, found
+// without the 64-bit division by blocks_per_row that otherwise costs more instructions than the
+// block's quantisation.
 constexpr int kBlocksInFlight = 4;
 constexpr int kBlocksPerWarp = 2 * kBlocksInFlight;
 
-template <typename T>
+template <typename T, bool kWholeRows>
 __global__ void __launch_bounds__(kThreads)
 quantize_fp8_rows_kernel(const T* __restrict__ x, int64_t M, int64_t C, int64_t blocks_per_row,
                          uint8_t* __restrict__ q, float* __restrict__ scale) {
@@ -124,23 +181,27 @@ quantize_fp8_rows_kernel(const T* __restrict__ x, int64_t M, int64_t C, int64_t 
 #pragma unroll
   for (int u = 0; u < kBlocksInFlight; ++u) {
     const int64_t block = warp * kBlocksPerWarp + 2 * u + half;
-    const int64_t row = block / blocks_per_row, b = block % blocks_per_row;
-    begin[u] = row * C + b * kBlock + column;
-    mine[u] = block < blocks && b * kBlock + column < C;  // C % 8 == 0: all 8 or none
+    if constexpr (kWholeRows) {
+      begin[u] = block * kBlock + column;
+      mine[u] = block < blocks;
+    } else {
+      const int64_t row = block / blocks_per_row, b = block % blocks_per_row;
+      begin[u] = row * C + b * kBlock + column;
+      mine[u] = block < blocks && b * kBlock + column < C;  // C % 8 == 0: all 8 or none
+    }
     if (mine[u]) chunk[u].load(x + begin[u]); else chunk[u].clear();
   }
 #pragma unroll
   for (int u = 0; u < kBlocksInFlight; ++u) {
-    uint32_t key = 0;
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) key = max(key, amax_key(chunk[u][j]));
-    const float s = key_scale(half_warp_max(key));
+    ColumnKeys<T> keys;
+    keys.add(chunk[u]);
+    const float s = key_scale(half_warp_max(keys.all()));
     const int64_t block = warp * kBlocksPerWarp + 2 * u + half;
     if (block < blocks && lane % kLanesPerBlock == 0) scale[block] = s;
     const float inverse = __frcp_rn(s);
     if (mine[u]) {
       *reinterpret_cast<uint2*>(q + begin[u]) =
-          pack_codes([&](int j) { return to_e4m3(chunk[u][j], inverse); });
+          pack_pairs([&](int p) { return to_e4m3_pair(chunk[u][2 * p], chunk[u][2 * p + 1], inverse); });
     }
   }
 }
@@ -158,7 +219,7 @@ quantize_fp8_any_block_kernel(const T* __restrict__ x, int64_t M, int64_t C, int
   const int64_t begin = row * C + b * block;
   const int64_t size = min(block, C - b * block);
   uint32_t key = 0;
-  for (int64_t i = lane; i < size; i += 32) key = max(key, amax_key(to_float(x[begin + i])));
+  for (int64_t i = lane; i < size; i += 32) key = max(key, float_key(to_float(x[begin + i])));
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
     key = max(key, __shfl_xor_sync(kFullMask, key, offset));
@@ -178,9 +239,14 @@ constexpr int kTileColumns = kChunk * kLanesPerBlock;  // 128
 constexpr int kTilesPerThreadBlock = 4;               // tiles per group scan
 static_assert(kThreads / kLanesPerBlock * kRowsPerThread == kBlock, "a tile is 128 rows");
 static_assert(kThreads == detail::kSetupThreads, "scan_groups runs on the same threads");
+// Thread blocks resident per SM that the register budget must allow: a thread block has no load
+// in flight while it reduces and writes a tile, so the others' loads must cover that time.
+// Without the bound the 16-bit kernels took 108 registers a thread (two thread blocks an SM).
+template <typename T>
+constexpr int kTransposedBlocksPerSm = sizeof(T) == 2 ? 3 : 2;
 
 template <typename T, bool kVector>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kTransposedBlocksPerSm<T>)
 quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restrict__ group_sizes,
                                int64_t M, int64_t C, int64_t G, int64_t P,
                                uint8_t* __restrict__ q_t, float* __restrict__ scale_t) {
@@ -209,6 +275,12 @@ quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restric
   __syncthreads();
   const int64_t begin = block_begin;
   const int rows = int(block_rows);
+  // Bytes of a run to keep: those of the thread's rows inside the block.
+  uint2 keep = make_uint2(0, 0);
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    if (kRowsPerThread * rg + i < rows) (i < 4 ? keep.x : keep.y) |= 0xffu << (8 * (i % 4));
+  }
   const int64_t tiles = (C + kTileColumns - 1) / kTileColumns;
 
   for (int64_t tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
@@ -228,21 +300,16 @@ quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restric
       }
     }
 
-    // Column amaxes over the block's rows: the thread's 8 rows, its warp's 16, then all 128.
-    uint32_t column_key[kChunk];
+    // Column amaxes over the block's rows (rows past it were read as zeros): the thread's 8
+    // rows, its warp's 16, then all 128.
+    ColumnKeys<T> keys;
 #pragma unroll
-    for (int j = 0; j < kChunk; ++j) {
-      uint32_t key = 0;
-#pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) {
-        if (kRowsPerThread * rg + i < rows) key = max(key, amax_key(chunk[i][j]));
-      }
-      column_key[j] = max(key, __shfl_xor_sync(kFullMask, key, kLanesPerBlock));
-    }
+    for (int i = 0; i < kRowsPerThread; ++i) keys.add(chunk[i]);
+    keys.add_lane_xor(kLanesPerBlock);
     if (t % 32 < kLanesPerBlock) {
       uint4* part = reinterpret_cast<uint4*>(&part_key[warp][kChunk * cg]);
-      part[0] = make_uint4(column_key[0], column_key[1], column_key[2], column_key[3]);
-      part[1] = make_uint4(column_key[4], column_key[5], column_key[6], column_key[7]);
+      part[0] = make_uint4(keys.column(0), keys.column(1), keys.column(2), keys.column(3));
+      part[1] = make_uint4(keys.column(4), keys.column(5), keys.column(6), keys.column(7));
     }
 
     __syncthreads();
@@ -264,10 +331,11 @@ quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restric
     for (int j = 0; j < kChunk; ++j) {
       const int c = kChunk * cg + j;
       const float inverse = column_inverse[c];
-      const uint2 run = pack_codes([&](int i) {
-        return kRowsPerThread * rg + i < rows ? to_e4m3(chunk[i][j], inverse) : uint8_t{0};
+      const uint2 run = pack_pairs([&](int p) {
+        return to_e4m3_pair(chunk[2 * p][j], chunk[2 * p + 1][j], inverse);
       });
-      *reinterpret_cast<uint2*>(&codes_t[c][kRowsPerThread * (rg ^ cg)]) = run;
+      *reinterpret_cast<uint2*>(&codes_t[c][kRowsPerThread * (rg ^ cg)]) =
+          make_uint2(run.x & keep.x, run.y & keep.y);
     }
     __syncthreads();
 
@@ -323,8 +391,9 @@ Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t bl
     if (vector) {
       const int64_t per_thread_block = int64_t(kBlocksPerWarp) * kWarpsPerBlock;
       const unsigned grid = unsigned((blocks + per_thread_block - 1) / per_thread_block);
-      quantize_fp8_rows_kernel<T>
-          <<<grid, kThreads, 0, stream>>>(typed_x, M, C, blocks_per_row, q, scale);
+      auto kernel = C % kBlock == 0 ? quantize_fp8_rows_kernel<T, true>
+                                    : quantize_fp8_rows_kernel<T, false>;
+      kernel<<<grid, kThreads, 0, stream>>>(typed_x, M, C, blocks_per_row, q, scale);
     } else {
       const unsigned grid = unsigned((blocks + kWarpsPerBlock - 1) / kWarpsPerBlock);
       quantize_fp8_any_block_kernel<T>

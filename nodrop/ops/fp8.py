@@ -42,6 +42,7 @@ from nodrop.ops.grouped_matmul import (
 
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = float(jnp.finfo(E4M3).max)  # 448
+_TINY = float(jnp.finfo(jnp.float32).tiny)  # float32's smallest normal number
 BLOCK = 128
 ACTIVATION_BLOCK = (1, BLOCK)
 WEIGHT_BLOCK = (BLOCK, BLOCK)
@@ -71,15 +72,20 @@ def _require_matrices(name: str, x) -> None:
 
 def _scale(amax, finite):
     """The float32 scale of blocks whose largest magnitude is amax: amax / 448, so the block's
-    largest value maps to E4M3's largest. A block of zeros (or one so small that the division
-    underflows) gets 1, never 0; a block holding NaN or +-inf (`finite` false) gets NaN, so
+    largest value maps to E4M3's largest. A block of zeros, or one so small (amax under 5.3e-36)
+    that amax / 448 falls below float32's smallest normal number, gets 1: never 0, nor a
+    subnormal whose reciprocal overflows to inf (and would turn the block's zeros into NaN);
+    under scale 1 its values round to (signed) zero, E4M3's smallest magnitude being 2^-9.
+    (XLA on the CPU flushes subnormals to zero, the kernels do not: the threshold makes them
+    agree.) A block holding
+    NaN or +-inf (`finite` false) gets NaN, so
     non-finite values spread over their block instead of being clipped to finite ones (an
     overflow stays visible in the loss, as it would without FP8). `finite` is counted apart:
     XLA's CPU max reductions do not always carry a NaN to amax."""
     # Times the float32 reciprocal, as in _cast: a division by a constant may be rewritten so
     # under jit and not eagerly.
     scale = amax * jnp.float32(1 / E4M3_MAX)
-    return jnp.where(finite, jnp.where(scale > 0, scale, 1.0), jnp.nan)
+    return jnp.where(finite, jnp.where(scale >= _TINY, scale, 1.0), jnp.nan)
 
 
 def _cast(x, scale):
@@ -118,7 +124,8 @@ def quantize(x: ArrayLike, block: Block, *, scale: ArrayLike | None = None
       "tensor": one scale over the last two axes ([..., 1, 1]; per expert for [G, K, N]).
     scale: the scales to use instead of amax / 448 (say, delayed scaling); values past 448 *
       scale saturate to +-448.
-    Each block's scale is amax(|x|) / 448 (1 for a block of zeros; NaN for a block holding NaN
+    Each block's scale is amax(|x|) / 448 (1 for a block of zeros or of magnitudes under
+    5.3e-36, whose scale would be subnormal; NaN for a block holding NaN
     or inf, whose q is then NaN too), and q = x * (1 / scale) (float32) rounded to nearest even
     in E4M3.
     """

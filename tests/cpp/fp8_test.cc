@@ -48,7 +48,8 @@ uint8_t e4m3_reference(float v) {
   return sign | best;
 }
 
-// The scale of a block: amax * float32(1 / 448), 1 where that is 0, NaN for a NaN or an inf.
+// The scale of a block: amax * float32(1 / 448), 1 where that is below float32's smallest normal
+// number, NaN for a NaN or an inf.
 float want_scale(const std::vector<float>& block) {
   float amax = 0.0f;
   bool finite = true;
@@ -57,7 +58,8 @@ float want_scale(const std::vector<float>& block) {
     amax = std::max(amax, std::fabs(v));
   }
   if (!finite) return std::nanf("");
-  return amax * (1.0f / kE4M3Max) > 0.0f ? amax * (1.0f / kE4M3Max) : 1.0f;
+  const float scale = amax * (1.0f / kE4M3Max);
+  return scale >= std::numeric_limits<float>::min() ? scale : 1.0f;
 }
 
 // The code of v in a block of scale s, saturated; NaN for a non-finite block's values.
@@ -109,6 +111,9 @@ TEST_P(QuantizeFp8, MatchesTheBruteForceEncoder) {
   for (int64_t r = 0; r < M; ++r)
     for (int64_t i = 0; i < C; ++i) x.set(r * C + i, x.at(r * C + i) * std::ldexp(1.0, r - 20));
   for (int64_t i = 0; i < 128; ++i) x.set(3 * C + i, 0.0);   // an all-zero block: scale 1
+  // A block whose amax / 448 is subnormal in float32 (zero in float16): scale 1 too, not a
+  // scale whose reciprocal is inf.
+  for (int64_t i = 0; i < 128; ++i) x.set(4 * C + i, 1e-37 * double(i % 5 - 2));
   x.set(5 * C + 200, std::numeric_limits<double>::quiet_NaN());  // a NaN block
   x.set(6 * C + 10, std::numeric_limits<double>::infinity());    // an inf block
   std::vector<uint8_t> q(M * C);
@@ -119,6 +124,7 @@ TEST_P(QuantizeFp8, MatchesTheBruteForceEncoder) {
   EXPECT_GT(runner.calls(), 0);
   expect_quantized(x, M, C, block, q, scale);
   EXPECT_EQ(scale[3 * 3], 1.0f);
+  EXPECT_EQ(scale[4 * 3], 1.0f);
   EXPECT_TRUE(std::isnan(scale[5 * 3 + 1]) && std::isnan(scale[6 * 3]));
   std::vector<uint8_t> alone(M * C);
   std::vector<float> alone_scale(M * 3);

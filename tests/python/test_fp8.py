@@ -103,6 +103,22 @@ def test_an_all_zero_block_has_scale_one_and_zeros(block):
     assert np.all(np.asarray(scale) == 1.0) and not np.any(np.asarray(q, np.float32))
 
 
+@pytest.mark.parametrize("block", [fp8.ACTIVATION_BLOCK, fp8.WEIGHT_BLOCK, "tensor"])
+def test_a_block_too_small_for_a_normal_scale_has_scale_one_and_no_nan(block):
+    # amax / 448 under float32's smallest normal number: a subnormal scale's reciprocal would be
+    # inf, and its zeros NaN.
+    x = jnp.zeros((130, 260), jnp.float32).at[0, :5].set([1e-37, -2e-37, 0.0, 3e-38, 1e-36])
+    q, scale = fp8.quantize(x, block)
+    assert np.all(np.asarray(scale) == 1.0)
+    np.testing.assert_array_equal(np.abs(np.asarray(q, np.float32)), 0.0)
+    assert np.signbit(np.asarray(q, np.float32)[0, 1])  # -2e-37 rounds to -0
+    if block == fp8.ACTIVATION_BLOCK:  # the engine's quantiser, bitwise
+        engine_q, engine_scale = fp8.quantize_rows(x)
+        np.testing.assert_array_equal(np.asarray(engine_scale), np.asarray(scale))
+        np.testing.assert_array_equal(np.asarray(engine_q).view(np.uint8),
+                                      np.asarray(q).view(np.uint8))
+
+
 def test_values_past_the_scale_saturate_instead_of_becoming_nan():
     x = jnp.asarray([[1.0, -1.0, 0.5, 1e30, -jnp.finfo(jnp.float32).max]], jnp.float32)
     q, _ = fp8.quantize(x, fp8.ACTIVATION_BLOCK, scale=jnp.full((1, 1), 1e-3, jnp.float32))

@@ -2,6 +2,7 @@
 // weight gradient's transposed operands block by block.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "engine/cpu/arguments.h"
@@ -15,11 +16,13 @@ namespace {
 
 constexpr float kE4M3Max = 448.0f;
 
-// The scale of a block whose largest magnitude is amax (finite: no NaN or inf seen).
+// The scale of a block whose largest magnitude is amax (finite: no NaN or inf seen); 1 where
+// amax / 448 is below float32's smallest normal number (a block of zeros, or one whose scale's
+// reciprocal would overflow).
 float block_scale(float amax, bool finite) {
   if (!finite) return std::nanf("");
   const float scale = amax * (1.0f / kE4M3Max);  // as nodrop.ops.fp8: times the reciprocal
-  return scale > 0.0f ? scale : 1.0f;
+  return scale >= std::numeric_limits<float>::min() ? scale : 1.0f;
 }
 
 // x * inverse (the reciprocal of its block's scale), saturated to +-448 and rounded to E4M3. NaN

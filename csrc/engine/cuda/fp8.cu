@@ -16,6 +16,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -39,10 +40,12 @@ __device__ float to_float(__half v) { return __half2float(v); }
 __device__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 
 // A block's scale from its amax, as the CPU engine and nodrop.ops.fp8: times the float32
-// reciprocal of 448; 1 for a block of zeros, NaN for a block holding a NaN or an inf.
+// reciprocal of 448; 1 where that is below float32's smallest normal number (a block of zeros,
+// or so small that the reciprocal of its scale would overflow), NaN for a block holding a NaN
+// or an inf.
 __device__ float block_scale(float amax, bool finite) {
   const float s = __fmul_rn(amax, 1.0f / kE4M3Max);
-  return !finite ? __int_as_float(0x7fc00000) : (s > 0.0f ? s : 1.0f);
+  return !finite ? __int_as_float(0x7fc00000) : (s >= FLT_MIN ? s : 1.0f);
 }
 
 // The bits of |v| as float32, a key whose maximum over a block gives its amax: non-negative

@@ -236,16 +236,6 @@ Status run_input(DType in_dtype, DType out_dtype, GemmTile tile, const GroupTabl
   return run_output<F, DType::kBFloat16>(out_dtype, tile, table, stream);
 }
 
-// CUTLASS's grouped kernels read part of their TMA descriptor workspace before writing it
-// (compute-sanitizer initcheck, H200, 2026-12-03): zero in a fresh allocation, but a workspace
-// that held other data (XLA reuses buffers) made the bf16 kernel stop with an illegal
-// instruction. Zeroing it first gives every call the state of a fresh one: a memset node,
-// graph-safe.
-Status clear_gemm_workspace(const char* fn, const GroupTable& table, cudaStream_t stream) {
-  return cuda_status(fn, "cudaMemsetAsync",
-                     cudaMemsetAsync(table.gemm_workspace, 0, table.gemm_workspace_bytes, stream));
-}
-
 Status run_gemm(GemmForm form, DType in_dtype, DType out_dtype, GemmTile tile,
                 const GroupTable& table, cudaStream_t stream) {
   switch (form) {
@@ -294,8 +284,6 @@ Status grouped_matmul(const void* lhs, const void* rhs, DType in_dtype, const in
       fn, "setup kernel",
       detail::launch_prepare_grouped_gemm(form, group_sizes, M, K, N, ops, table, stream));
   if (!status.ok()) return status;
-  status = clear_gemm_workspace(fn, table, stream);
-  if (!status.ok()) return status;
   return run_gemm(form, in_dtype, out_dtype, schedule.tile, table, stream);
 }
 
@@ -329,8 +317,6 @@ Status grouped_matmul_contract(const void* lhs, const void* rhs, DType in_dtype,
   status = cuda_status(fn, "setup kernel",
                        detail::launch_prepare_grouped_gemm(GemmForm::kContract, group_sizes, M, K,
                                                            N, ops, table, stream));
-  if (!status.ok()) return status;
-  status = clear_gemm_workspace(fn, table, stream);
   if (!status.ok()) return status;
   return run_gemm(GemmForm::kContract, in_dtype, out_dtype, schedule.tile, table, stream);
 }

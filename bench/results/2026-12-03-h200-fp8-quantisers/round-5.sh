@@ -1,7 +1,7 @@
 # GPU round 5 (2026-12-03): how many 128-column tiles a thread block of the transposed quantiser
 # should take (kTilesPerThreadBlock in fp8.cu: 4 at 1b29fd2; 1 and 2 built from the same tree
 # with only that constant changed, carried as build/gpulib/t1 and t2), each shape in its own
-# process; and the bf16 engine tests after the workspace memset's revert.
+# process.
 set -u
 start=$(date +%s); el() { echo "[$(( $(date +%s) - start ))s] $*"; }
 mkdir -p $OUT/r5/logs
@@ -15,5 +15,5 @@ for s in mixtral qwen3 dsv3 dsv3-down mixtral-gate-up mixtral-down; do
   done
 done
 for v in t4 t1 t2; do echo "tiles per thread block: $v"; grep -h "^| [a-z]" $L/training-$v-*.md | awk -F'|' 'NF<12' | sort; done
-timeout 150 $B/nodrop_cuda_tests --gtest_brief=1 2>&1 | tail -4; el "bf16 grouped matmul engine tests rc=${PIPESTATUS[0]}"
+
 tar czf $OUT/r5/logs.tgz -C $OUT/r5 logs && rm -rf $L; ls $OUT/r5

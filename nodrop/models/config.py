@@ -25,7 +25,7 @@ class ModelConfig:
     num_experts, k, expert_ffn, shared_ffn, score_function, num_groups, topk_groups, renormalize,
       scaling_factor, capacity_factor: each MoE layer, as in `nodrop.moe.MoEConfig`
       (expert_ffn is its `ffn`). moe_matmul: its `matmul`, "nodrop" or "ragged_dot". fp8:
-      its `fp8`, the experts' FP8 recipe ("off", "blockwise" or "tensorwise"; emulated).
+      its `fp8`, the experts' FP8 recipe ("off", "blockwise" or "tensorwise").
     moe_every, first_dense: layer i (0-based) is MoE iff i >= first_dense and
       (i - first_dense) % moe_every == 0; the first `first_dense` layers are dense.
     tie_embeddings: the LM head is the embedding table transposed (no separate head weights).

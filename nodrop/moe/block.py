@@ -77,8 +77,8 @@ class MoEConfig:
       "off" (the default), "blockwise" (DeepSeek-V3's 1x128 / 128x128 scales) or "tensorwise"
       (one scale per tensor), as `nodrop.fp8_grouped_matmul`. Emulated: the operands are
       quantised and dequantised, then multiplied in float32 by the block's matmul (or, with
-      capacity_factor, its einsum); on nodrop's ops on the GPU, in bfloat16, the blockwise
-      forward and both gradients run nodrop's FP8 kernels instead. The router, the shared
+      capacity_factor, its einsum); on nodrop's ops on the GPU, in bfloat16, the forward and
+      both gradients run nodrop's FP8 kernels instead. The router, the shared
       experts and everything outside the block stay as they are.
     """
 

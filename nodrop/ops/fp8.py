@@ -12,11 +12,12 @@ E4M3 (`float8_e4m3fn`, largest finite value 448) operands with float32 scales, o
 
 Emulated, the operands are quantised, dequantised to float32 and multiplied by an ordinary
 grouped matmul, which computes what FP8 kernels do up to float32 summation order; it is not
-faster than bf16. The blockwise recipe also runs for real, forward and both gradients, on the
-engine's FP8 grouped matmuls (CUTLASS on the GPU, plain-loop references on the CPU):
+faster than bf16. Both recipes also run for real, forward and both gradients, on the engine's
+FP8 grouped matmuls (CUTLASS on the GPU, plain-loop references on the CPU):
 `grouped_matmul_fp8_blockwise` (the forward, and the input gradient) on operands from
 `quantize_rows`, and `grouped_matmul_fp8_blockwise_contract` (the weight gradient) on operands
-from `quantize_transposed`; `fp8_grouped_matmul` uses them on the GPU for bfloat16 (`forward`).
+from `quantize_transposed`; the tensorwise recipe on the same kernels with its one scale repeated
+over every block. `fp8_grouped_matmul` uses them on the GPU for bfloat16 (`forward`).
 """
 
 from __future__ import annotations
@@ -227,18 +228,18 @@ def fp8_grouped_matmul(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *
       matmul: the grouped matmul over the dequantised float32 operands, (lhs, rhs, group_sizes)
         -> [M, N]: `nodrop.grouped_matmul` (the default), `nodrop.ops.reference.grouped_matmul`
         or `jax.lax.ragged_dot`. Its own transposes compute the gradients.
-      forward: how the blockwise recipe's forward and both gradients run. "kernel": on FP8
-        operands, the forward and the input gradient in `grouped_matmul_fp8_blockwise` (lhs,
-        or the output gradient, by `quantize_rows`; each expert's weight quantised in
-        128 x 128 blocks, transposed for the forward: a block of rhs[g] is a block of
-        rhs[g].T), the weight gradient in `grouped_matmul_fp8_blockwise_contract` (lhs and the
-        output gradient by `quantize_transposed`), whose results are rounded to bfloat16;
-        "emulated": as below, on `matmul`; "auto" (the default): the kernels on the GPU for
-        bfloat16 lhs, else emulated (the CPU engine's kernels are plain-loop references,
-        slower than the emulation on oneDNN, and a float32 or float16 lhs would lose its
-        precision to the kernels' bfloat16 outputs). The two differ only in where float32
-        rounds (and the kernels' bfloat16 outputs); the tensorwise recipe is always
-        emulated.
+      forward: how the forward and both gradients run. "kernel": on FP8 operands, the
+        forward and the input gradient in `grouped_matmul_fp8_blockwise` (lhs, or the output
+        gradient, by `quantize_rows`; each expert's weight quantised in 128 x 128 blocks,
+        transposed for the forward: a block of rhs[g] is a block of rhs[g].T), the weight
+        gradient in `grouped_matmul_fp8_blockwise_contract` (lhs and the output gradient by
+        `quantize_transposed`), whose results are rounded to bfloat16; the tensorwise recipe
+        runs on the same kernels, its one scale per tensor (per expert) repeated over every
+        block, its codes laid out as theirs; "emulated": as below, on `matmul`; "auto" (the
+        default): the kernels on the GPU for bfloat16 lhs, else emulated (the CPU engine's
+        kernels are plain-loop references, slower than the emulation on oneDNN, and a
+        float32 or float16 lhs would lose its precision to the kernels' bfloat16 outputs).
+        The two differ only in where float32 rounds (and the kernels' bfloat16 outputs).
 
     Forward: matmul(qdq(lhs, 1 x 128), qdq(rhs, 128 x 128 per expert)). Backward, with dout
     quantised too: dlhs = matmul(qdq(dout, 1 x 128), qdq(rhs)^T), and drhs[g] = qdq(lhs)^T @
@@ -266,11 +267,88 @@ def _fp8_grouped_matmul(lhs, rhs, group_sizes, recipe, matmul, forward):
     return _forward(lhs, rhs, group_sizes, recipe, matmul, forward)[0]
 
 
-def _kernel_forward(lhs, rhs, group_sizes):
-    """The blockwise forward on the engine's FP8 kernel. Rows past the groups need no zeroing:
-    the kernel reads no row past the groups, and their scales scale nothing."""
-    rhs_q_t, rhs_scales = quantize(jnp.swapaxes(rhs, 1, 2), WEIGHT_BLOCK)
-    return grouped_matmul_fp8_blockwise(*quantize_rows(lhs), rhs_q_t, rhs_scales, group_sizes),
+# The operands of the engine's FP8 kernels, per recipe: (rows(x, group_sizes), the forward's rows
+# [M, C] and their [M, ceil(C / 128)] scales; weights(w), an expert's [G, R, C] weight and its
+# [G, ceil(R / 128), ceil(C / 128)] scales; transposed(x, group_sizes), the weight gradient's
+# operand as quantize_transposed lays it out). The kernels multiply each 128-block by its scale,
+# so a tensorwise scale runs on them as that scale repeated over every block.
+
+
+def _blockwise_rows(x, group_sizes):
+    """Rows past the groups need no zeroing: no kernel reads them, and their scales scale
+    nothing."""
+    del group_sizes
+    return quantize_rows(x)
+
+
+def _blockwise_weights(w):
+    return quantize(w, WEIGHT_BLOCK)
+
+
+def _tensor_scale_per_block(q, scale):
+    """(q, a [..., 1, 1] scale repeated over q's 128 x 128 grid of blocks)."""
+    grid = (-(-q.shape[-2] // BLOCK), -(-q.shape[-1] // BLOCK))
+    return q, jnp.broadcast_to(scale, (*q.shape[:-2], *grid))
+
+
+def _tensorwise_rows(x, group_sizes):
+    """One scale over the rows in the groups (those past them zeroed first: the scale must not
+    see them), repeated over every 1 x 128 block."""
+    q, scale = quantize(_rows_in_groups(x, group_sizes), "tensor")
+    return q, jnp.broadcast_to(scale, (x.shape[0], -(-x.shape[1] // BLOCK)))
+
+
+def _tensorwise_weights(w):
+    return _tensor_scale_per_block(*quantize(w, "tensor"))
+
+
+def _contract_rows(group_sizes, num_rows: int):
+    """For each column of quantize_transposed's layout (P = 128 * PB of them), the row of x it
+    holds, or num_rows where it holds none (engine.h: each group cut into blocks of 128 rows from
+    its first row, the blocks numbered over the groups in order)."""
+    num_groups = group_sizes.shape[0]
+    num_blocks = _contract_blocks(num_rows, num_groups)
+    ends = _clamped_ends(group_sizes, num_rows)
+    starts = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
+    blocks_end = jnp.cumsum(-(-(ends - starts) // BLOCK))  # one past each group's last block
+    block = jnp.arange(num_blocks)
+    group = jnp.searchsorted(blocks_end, block, side="right")  # G past the groups' blocks
+    safe = jnp.minimum(group, num_groups - 1)
+    first_block = blocks_end[safe] - -(-(ends[safe] - starts[safe]) // BLOCK)
+    begin = starts[safe] + (block - first_block) * BLOCK
+    size = jnp.where(group < num_groups, jnp.minimum(ends[safe] - begin, BLOCK), 0)
+    j = jnp.arange(BLOCK)
+    rows = jnp.where(j[None, :] < size[:, None], begin[:, None] + j[None, :], num_rows)
+    return rows.reshape(-1)
+
+
+def _tensorwise_transposed(x, group_sizes):
+    """quantize_transposed's layout with one scale over the rows in the groups: the codes
+    gathered into their columns (zero where no row is), the scale repeated over every block."""
+    num_rows, cols = x.shape
+    num_blocks = _contract_blocks(num_rows, group_sizes.shape[0])
+    q, scale = quantize(_rows_in_groups(x, group_sizes), "tensor")
+    if group_sizes.shape[0] == 0:
+        return (jnp.zeros((cols, BLOCK * num_blocks), E4M3),
+                jnp.ones((num_blocks, cols), jnp.float32))
+    with_zero_row = jnp.concatenate([q, jnp.zeros((1, cols), E4M3)])
+    q_t = with_zero_row[_contract_rows(group_sizes, num_rows)].T
+    return q_t, jnp.broadcast_to(scale, (num_blocks, cols))
+
+
+def _kernel_quantisers(recipe: str):
+    """(rows, weights, transposed) of the recipe, as described above."""
+    if recipe == "blockwise":
+        return _blockwise_rows, _blockwise_weights, quantize_transposed
+    return _tensorwise_rows, _tensorwise_weights, _tensorwise_transposed
+
+
+def _kernel_forward(lhs, rhs, group_sizes, recipe):
+    """The forward on the engine's FP8 kernel: each expert's weight transposed (a block of rhs[g]
+    is a block of rhs[g].T)."""
+    rows, weights, _ = _kernel_quantisers(recipe)
+    return grouped_matmul_fp8_blockwise(*rows(lhs, group_sizes),
+                                        *weights(jnp.swapaxes(rhs, 1, 2)), group_sizes),
 
 
 def _emulated_forward(lhs, rhs, group_sizes, recipe, matmul):
@@ -279,19 +357,19 @@ def _emulated_forward(lhs, rhs, group_sizes, recipe, matmul):
                   _qdq(rhs, weights_block), group_sizes),
 
 
-def _kernel_backward(lhs, rhs, dout, group_sizes):
+def _kernel_backward(lhs, rhs, dout, group_sizes, recipe):
     """Both gradients on the engine's FP8 kernels. The input gradient dout @ rhs[g].T runs on
     the forward's kernel: its "transposed weight" [G, K, N] is rhs itself, whose 128 x 128
     blocks (and scales) are those of the forward's. The weight gradient is the FP8 ragged
-    contraction, both operands quantised in blocks of 128 rows within each group. Rows past the
-    groups need no zeroing: neither kernel nor the transposed quantisation reads them. (One
-    kernel writing dout's rows and its transposed copy from one read measured slower than the
-    two quantisers apart on the H200, 2026-12-03.)"""
-    dlhs = grouped_matmul_fp8_blockwise(*quantize_rows(dout), *quantize(rhs, WEIGHT_BLOCK),
-                                        group_sizes)
+    contraction, both operands laid out by group. Rows past the groups need no zeroing for the
+    blockwise recipe: neither kernel nor the transposed quantisation reads them. (One kernel
+    writing dout's rows and its transposed copy from one read measured slower than the two
+    quantisers apart on the H200, 2026-12-03.)"""
+    rows, weights, transposed = _kernel_quantisers(recipe)
+    dlhs = grouped_matmul_fp8_blockwise(*rows(dout, group_sizes), *weights(rhs), group_sizes)
     drhs = grouped_matmul_fp8_blockwise_contract(
-        *quantize_transposed(lhs, group_sizes), *quantize_transposed(dout, group_sizes),
-        group_sizes, num_rows=lhs.shape[0])
+        *transposed(lhs, group_sizes), *transposed(dout, group_sizes), group_sizes,
+        num_rows=lhs.shape[0])
     return dlhs, drhs
 
 
@@ -314,21 +392,21 @@ def _emulated_backward(lhs, rhs, dout, group_sizes, recipe, matmul):
 
 
 def _kernel_or_emulated(kernel, emulated, operands, recipe, matmul, forward, dtypes):
-    """kernel(*operands) where `forward` puts the blockwise recipe on the engine's kernels,
-    else emulated(*operands, recipe, matmul) (see fp8_grouped_matmul's `forward`); the results
-    in `dtypes` either way. The first operand (lhs) decides "auto"."""
+    """kernel(*operands, recipe) where `forward` puts the recipe on the engine's kernels, else
+    emulated(*operands, recipe, matmul) (see fp8_grouped_matmul's `forward`); the results in
+    `dtypes` either way. The first operand (lhs) decides "auto"."""
     def cast(results):
         return tuple(r.astype(d) for r, d in zip(results, dtypes))
 
-    if recipe != "blockwise" or forward == "emulated":
+    if forward == "emulated":
         results = emulated(*operands, recipe, matmul)
     elif forward == "kernel":
-        results = kernel(*operands)
+        results = kernel(*operands, recipe)
     elif operands[0].dtype == jnp.bfloat16:  # "auto": the kernels where they run on the GPU
         results = _ffi.on_platform(
             *operands,
             cpu=lambda *args: cast(emulated(*args, recipe, matmul)),
-            cuda=lambda *args: cast(kernel(*args)))
+            cuda=lambda *args: cast(kernel(*args, recipe)))
     else:
         results = emulated(*operands, recipe, matmul)
     return cast(results)

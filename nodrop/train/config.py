@@ -411,9 +411,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> No
     model.add_argument("--fp8", choices=FP8_MODES, default=S,
                        help="the experts' matmuls on FP8 (E4M3) operands: blockwise "
                             "(DeepSeek-V3's 1x128 and 128x128 scales), tensorwise (one scale "
-                            "per tensor) or off (the default). Emulated by quantising and "
-                            "dequantising, except the blockwise recipe on the GPU in bfloat16, "
-                            "whose forward and both gradients run nodrop's FP8 kernels")
+                            "per tensor) or off (the default). On the GPU in bfloat16 the "
+                            "forward and both gradients run nodrop's FP8 kernels; elsewhere "
+                            "emulated by quantising and dequantising")
     model.add_argument("--ep-buffer", type=_buffer_factor, default=S, metavar="F|worst",
                        dest="ep_buffer_factor",
                        help="expert parallelism's receive buffer, F x the balanced load "
@@ -538,7 +538,7 @@ MODEL_FIELD_HELP = {
     "remat": "recompute each layer's activations in the backward pass",
     "expert_parallel": "experts split over the mesh's expert axis (set by --mesh)",
     "ep_buffer_factor": "expert parallelism's receive buffer, x the balanced load (none: worst)",
-    "fp8": "the experts' FP8 recipe: off, blockwise or tensorwise (blockwise: GPU kernels)",
+    "fp8": "the experts' FP8 recipe: off, blockwise or tensorwise (GPU kernels in bfloat16)",
     "dtype": "compute dtype: float32, bfloat16 or float16",
     "param_dtype": "dtype of the master weights",
 }

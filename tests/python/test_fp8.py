@@ -520,16 +520,18 @@ def test_grouped_matmul_fp8_blockwise_matches_the_reference(case):
     np.testing.assert_array_equal(as_f64(jitted), as_f64(got))
 
 
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
 @pytest.mark.parametrize("case", FP8_GEMM_CASES)
-def test_the_kernel_forward_and_gradients_are_the_emulated_ones(case):
+def test_the_kernel_forward_and_gradients_are_the_emulated_ones(case, recipe):
     """Up to float32 summation order and the kernels' bfloat16 outputs, the weight gradient
-    (the FP8 contraction) included."""
+    (the FP8 contraction) included; the tensorwise recipe on the same kernels."""
     m, k, n, sizes = FP8_GEMM_CASES[case]
     lhs, rhs, _ = fp8_operands(m, k, n, len(sizes), seed=3)
     dout = jax.random.normal(jax.random.key(9), (m, n), jnp.bfloat16)
     results = {}
     for forward in ("kernel", "emulated"):
-        f = lambda a, b: fp8.fp8_grouped_matmul(a, b, int32(sizes), forward=forward)  # noqa: E731
+        f = lambda a, b: fp8.fp8_grouped_matmul(  # noqa: E731
+            a, b, int32(sizes), recipe=recipe, forward=forward)
         out, vjp = jax.vjp(f, lhs, rhs)
         results[forward] = out, vjp(dout)
     (kernel, kernel_grads), (emulated, emulated_grads) = results["kernel"], results["emulated"]
@@ -545,13 +547,15 @@ def test_the_kernel_forward_and_gradients_are_the_emulated_ones(case):
             assert not np.any(as_f64(kernel_grads[1][g])), f"empty group {g}'s gradient"
 
 
-def test_both_gradients_run_on_the_fp8_kernels():
+@pytest.mark.parametrize("recipe, engine_quantisers", [("blockwise", 2), ("tensorwise", 0)])
+def test_both_gradients_run_on_the_fp8_kernels(recipe, engine_quantisers):
     """With forward="kernel": the FP8 kernel twice (forward, input gradient), the FP8
     contraction once on two transposed quantisations (the weight gradient), and none of
-    nodrop's bf16 grouped matmuls: no float32 contraction of dequantised operands."""
+    nodrop's bf16 grouped matmuls: no float32 contraction of dequantised operands. The
+    blockwise recipe quantises on the engine; the tensorwise one in XLA (one amax per tensor)."""
     lhs, rhs = jnp.ones((8, 128), jnp.bfloat16), jnp.ones((2, 128, 8), jnp.bfloat16)
     loss = lambda a, b: jnp.sum(jnp.sin(fp8.fp8_grouped_matmul(  # noqa: E731
-        a, b, int32([3, 5]), forward="kernel").astype(jnp.float32)))
+        a, b, int32([3, 5]), recipe=recipe, forward="kernel").astype(jnp.float32)))
     text = jax.jit(jax.grad(loss, (0, 1))).lower(lhs, rhs).as_text()
     calls = {target: text.count(f"custom_call @{target}(") for target in (
         "nodrop_grouped_matmul_fp8_blockwise", "nodrop_grouped_matmul_fp8_blockwise_contract",
@@ -559,7 +563,8 @@ def test_both_gradients_run_on_the_fp8_kernels():
         "nodrop_grouped_matmul_contract")}
     assert calls == {"nodrop_grouped_matmul_fp8_blockwise": 2,
                      "nodrop_grouped_matmul_fp8_blockwise_contract": 1,
-                     "nodrop_quantize_fp8": 2, "nodrop_quantize_fp8_transposed": 2,
+                     "nodrop_quantize_fp8": engine_quantisers,
+                     "nodrop_quantize_fp8_transposed": engine_quantisers,
                      "nodrop_grouped_matmul": 0, "nodrop_grouped_matmul_contract": 0}
     # and the emulation's segment reductions of the weight gradient's blocks are gone
     assert "scatter" not in text
@@ -755,23 +760,24 @@ def test_the_fp8_contraction_is_the_emulated_weight_gradient(case):
                                   as_f64(got))
 
 
-@jax.jit
-def kernel_and_emulated_weight_gradients(lhs, dout, sizes):
+@functools.partial(jax.jit, static_argnums=3)
+def kernel_and_emulated_weight_gradients(lhs, dout, sizes, recipe):
     rhs = jnp.zeros((sizes.shape[0], lhs.shape[1], dout.shape[1]), lhs.dtype)
-    return (fp8._kernel_backward(lhs, rhs, dout, sizes)[1],
-            fp8._emulated_backward(lhs, rhs, dout, sizes, "blockwise", grouped_matmul)[1])
+    return (fp8._kernel_backward(lhs, rhs, dout, sizes, recipe)[1],
+            fp8._emulated_backward(lhs, rhs, dout, sizes, recipe, grouped_matmul)[1])
 
 
 @settings(max_examples=20)
 @given(sizes=st.one_of(valid_group_sizes(PROPERTY_SHAPE[0], PROPERTY_SHAPE[3]),
                        invalid_group_sizes(PROPERTY_SHAPE[0], PROPERTY_SHAPE[3])),
-       seed=seeds)
-def test_property_the_fp8_weight_gradient_is_the_emulated_one(sizes, seed):
-    """Any group sizes, invalid ones included (clamped alike by both)."""
+       seed=seeds, recipe=st.sampled_from(fp8.RECIPES))
+def test_property_the_fp8_weight_gradient_is_the_emulated_one(sizes, seed, recipe):
+    """Any group sizes, invalid ones included (clamped alike by both); the tensorwise recipe's
+    codes gathered into the kernel's layout by group."""
     m, k, n, _ = PROPERTY_SHAPE
     lhs = jax.random.normal(jax.random.key(seed), (m, k), jnp.bfloat16)
     dout = jax.random.normal(jax.random.key(seed + 1), (m, n), jnp.bfloat16)
-    got, emulated = kernel_and_emulated_weight_gradients(lhs, dout, int32(sizes))
+    got, emulated = kernel_and_emulated_weight_gradients(lhs, dout, int32(sizes), recipe)
     assert_bf16_close(got, emulated)
 
 

@@ -314,10 +314,12 @@ def test_fp8_round_trip_under_jit_is_the_eager_one_on_the_gpu(block):
     np.testing.assert_array_equal(np.asarray(jitted), np.asarray(eager))
 
 
-def test_fp8_blockwise_recipe_runs_the_kernels_forward_and_both_gradients_on_the_gpu():
+@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
+def test_fp8_recipe_runs_the_kernels_forward_and_both_gradients_on_the_gpu(recipe):
     """fp8_grouped_matmul's "auto" mode runs the FP8 kernels on the GPU for bfloat16: the
     blockwise GEMM for the forward and the input gradient (two calls), the FP8 contraction for
-    the weight gradient (one), each within bfloat16 rounding of the emulated result."""
+    the weight gradient (one), each within bfloat16 rounding of the emulated result; the
+    tensorwise recipe on the same kernels, its one scale repeated over the blocks."""
     from nodrop.ops import fp8
 
     m, k, n, g = 777, 256, 384, 8
@@ -326,8 +328,8 @@ def test_fp8_blockwise_recipe_runs_the_kernels_forward_and_both_gradients_on_the
     results = {}
     for forward in ("auto", "emulated"):
         def forward_and_grads(a, b, forward=forward):
-            out, vjp = jax.vjp(lambda a, b: fp8.fp8_grouped_matmul(a, b, sizes, forward=forward),
-                               a, b)
+            out, vjp = jax.vjp(lambda a, b: fp8.fp8_grouped_matmul(
+                a, b, sizes, recipe=recipe, forward=forward), a, b)
             return out, vjp(dout)
 
         f = jax.jit(forward_and_grads)

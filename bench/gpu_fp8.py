@@ -45,7 +45,7 @@ from gpu_moe import failure, measure
 from nodrop.demo import positive_int
 from nodrop.ops.fp8 import (ACTIVATION_BLOCK, E4M3_MAX, WEIGHT_BLOCK, dequantize, quantize,
                             quantize_rows)
-from shapes import DEEPGEMM_SHAPES, GEMM_SHAPES, GROUP_SIZE_KINDS, group_sizes
+from shapes import DEEPGEMM_SHAPES, GEMM_SHAPES, GROUP_SIZE_KINDS, group_sizes, shape_list
 from timing import CASE_BUDGET_S, DEFAULT_ITERS, gpu_run_metadata
 from torch_peer import load_torch, share_gpu_with_torch, torch_sync
 
@@ -457,24 +457,13 @@ def load_scaled_grouped_mm():
 SHAPES = GEMM_SHAPES | DEEPGEMM_SHAPES
 
 
-def shape_names(text: str) -> list[str]:
-    """argparse type: a comma list of shape names, in any case."""
-    known = {name.lower(): name for name in SHAPES}
-    names = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [name for name in names if name.lower() not in known]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown shape {', '.join(unknown)}; known: {', '.join(known.values())}")
-    return [known[name.lower()] for name in names]
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, required=True,
                         help="folder for gpu-fp8.json, gpu-fp8.md and gpu-fp8.png")
     parser.add_argument("--iters", type=positive_int, default=DEFAULT_ITERS,
                         help=f"timed calls per repeat (default: {DEFAULT_ITERS})")
-    parser.add_argument("--shapes", type=shape_names, default=None,
+    parser.add_argument("--shapes", type=shape_list(SHAPES), default=None,
                         help=f"comma list of shapes to run (default: all of {', '.join(SHAPES)})")
     parser.add_argument("--row-multiple", type=positive_int, default=1,
                         help="round every group's rows down to a multiple of this, the rest to "

@@ -43,7 +43,7 @@ from nodrop.demo import positive_int, relative_difference
 from nodrop.moe import MoEBlock
 from nodrop.moe.capacity import capacity_rows
 from shapes import (GEMM_SHAPES, GROUP_SIZE_KINDS, LAYER_SEED, LAYER_SHAPES, group_sizes,
-                    layer_config)
+                    layer_config, shape_list)
 from timing import (CASE_BUDGET_S, DEFAULT_ITERS, PASSES, gpu_run_metadata, package_version,
                     side_by_side)
 from tokamax_peer import MOE_OPS, load_tokamax, tokamax_ops
@@ -606,17 +606,6 @@ def metadata(torch, torch_status: str, tokamax_status: str, iters: int) -> dict:
 # --- command line -----------------------------------------------------------------------------
 
 
-def shape_names(text: str) -> list[str]:
-    """argparse type: a comma list of shape names, in any case."""
-    known = {name.lower(): name for name in (*GEMM_SHAPES, *LAYER_SHAPES)}
-    names = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [name for name in names if name.lower() not in known]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown shape {', '.join(unknown)}; known: {', '.join(known.values())}")
-    return [known[name.lower()] for name in names]
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, required=True,
@@ -625,7 +614,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"timed calls per repeat (default: {DEFAULT_ITERS})")
     parser.add_argument("--only", choices=("gemm", "layer", "all"), default="all",
                         help="run the grouped-matmul cases, the layer cases or both (default)")
-    parser.add_argument("--shapes", type=shape_names, default=None,
+    parser.add_argument("--shapes", type=shape_list((*GEMM_SHAPES, *LAYER_SHAPES)), default=None,
                         help="comma list of shape names to run (default: all of "
                              f"{', '.join(GEMM_SHAPES)})")
     return parser.parse_args(argv)

@@ -6,6 +6,9 @@ of the GPU shapes.
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable, Iterable
+
 import numpy as np
 
 from nodrop.moe import MoEConfig
@@ -54,3 +57,19 @@ def layer_config(name: str, **fields):
     _, hidden, ffn, experts, k = LAYER_SHAPES[name]
     return MoEConfig(num_experts=experts, k=k, hidden=hidden, ffn=ffn, dtype="bfloat16",
                      param_dtype="bfloat16", **fields)
+
+
+def shape_list(names: Iterable[str]) -> Callable[[str], list[str]]:
+    """An argparse type for --shapes: a comma list of the given shape names, in any case, as
+    they are spelled there."""
+    known = {name.lower(): name for name in names}
+
+    def parse(text: str) -> list[str]:
+        parts = [part.strip() for part in text.split(",") if part.strip()]
+        unknown = [part for part in parts if part.lower() not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown shape {', '.join(unknown)}; known: {', '.join(known.values())}")
+        return [known[part.lower()] for part in parts]
+
+    return parse

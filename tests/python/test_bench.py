@@ -51,6 +51,16 @@ def test_group_sizes_sum_to_the_rows(kind, rows, groups):
         assert (np.diff(sizes[1:]) <= 0).all() and sizes[0] > sizes[1]
 
 
+@pytest.mark.parametrize("program", ("gpu_fp8", "gpu_moe"))
+def test_shapes_are_named_in_any_case_and_unknown_ones_refused(program, capsys):
+    module = importlib.import_module(program)
+    args = module.parse_args(["--out", "x", "--shapes", "mixtral-8x7b, QWEN3-30B-A3B"])
+    assert args.shapes == ["Mixtral-8x7B", "Qwen3-30B-A3B"]
+    with pytest.raises(SystemExit):
+        module.parse_args(["--out", "x", "--shapes", "Mixtral-8x7B,Mixtral-8x22B"])
+    assert "unknown shape Mixtral-8x22B; known: Mixtral-8x7B" in capsys.readouterr().err
+
+
 def test_one_definition_of_the_shapes():
     import cpu_grouped_matmul
     import gpu_moe

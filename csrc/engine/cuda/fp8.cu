@@ -204,7 +204,9 @@ quantize_fp8_rows_kernel(const T* __restrict__ x, int64_t M, int64_t C, int64_t 
     const float inverse = __frcp_rn(s);
     if (mine[u]) {
       *reinterpret_cast<uint2*>(q + begin[u]) =
-          pack_pairs([&](int p) { return to_e4m3_pair(chunk[u][2 * p], chunk[u][2 * p + 1], inverse); });
+          pack_pairs([&](int p) {
+            return to_e4m3_pair(chunk[u][2 * p], chunk[u][2 * p + 1], inverse);
+          });
     }
   }
 }

@@ -570,13 +570,14 @@ def test_both_gradients_run_on_the_fp8_kernels(recipe, engine_quantisers):
     assert "scatter" not in text
 
 
-def test_the_kernel_forward_under_jit_remat_and_scan():
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_the_kernel_forward_under_jit_remat_and_scan(recipe):
     m, k, n, sizes = CASES["unaligned_groups_and_rows_past_them"]
     lhs, rhs, _ = fp8_operands(m, k, n, len(sizes), seed=5)
     sizes = int32(sizes)
 
     def loss(lhs, rhs):
-        out = fp8.fp8_grouped_matmul(lhs, rhs, sizes, forward="kernel")
+        out = fp8.fp8_grouped_matmul(lhs, rhs, sizes, recipe=recipe, forward="kernel")
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
     eager = jax.value_and_grad(loss, (0, 1))(lhs, rhs)

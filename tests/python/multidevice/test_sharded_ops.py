@@ -241,3 +241,28 @@ def test_fp8_weight_gradient_partitions_its_columns_locally():
     assert found == set() and tuple(out.sharding.spec) == (None, "x", "y")
     np.testing.assert_array_equal(np.asarray(out, np.float32),
                                   np.asarray(jax.jit(weight_gradient)(lhs, dout), np.float32))
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
+def test_fp8_recipes_on_the_kernels_give_the_one_device_values_under_sharding(recipe):
+    """The FP8 kernels' forward and both gradients (forward="kernel") with the rows split over
+    x and the weight's N over y: the one device's gradients, bit for bit (the loss, a sum over
+    shards, to float32 rounding): the tensorwise recipe's one scale per tensor is the amax
+    over every shard's rows, and its codes' gather into the weight gradient's layout crosses
+    the shards."""
+    from nodrop.ops import fp8
+
+    rng = np.random.default_rng(6)
+    lhs = random_normal(rng, (M, 16), jnp.bfloat16)
+    rhs = random_normal(rng, (len(SIZES), 16, 12), jnp.bfloat16)
+
+    def value_and_grads(a, b):
+        loss = lambda a, b: jnp.sum(jnp.sin(fp8.fp8_grouped_matmul(  # noqa: E731
+            a, b, SIZES, recipe=recipe, forward="kernel").astype(jnp.float32)))
+        return jax.value_and_grad(loss, argnums=(0, 1))(a, b)
+
+    (value, grads), _ = compiled(value_and_grads, put(lhs, P("x")), put(rhs, P(None, None, "y")))
+    one_device_value, one_device_grads = jax.jit(value_and_grads)(lhs, rhs)
+    np.testing.assert_allclose(float(value), float(one_device_value), rtol=1e-6)
+    for got, want in zip(grads, one_device_grads):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -1,5 +1,6 @@
 """round-4-quantisers.png from round-4-training-bench/: python3 plot_quantisers.py round-4-training-bench round-4-quantisers.png"""
-import re, sys, pathlib
+import pathlib
+import sys
 import matplotlib; matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np

@@ -169,6 +169,16 @@ def _qdq(x, block: Block):
     return dequantize(*quantize(x, block), block)
 
 
+def _group_blocks(group_sizes, num_rows: int):
+    """Each group's rows cut into blocks of 128 from its first row (the last one shorter), the
+    blocks numbered over the groups in order (engine.h): per group, (its first row, one past its
+    last, its first block's number, its block count), the sizes clamped as the engine clamps."""
+    ends = _clamped_ends(group_sizes, num_rows)
+    starts = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
+    blocks = -(-(ends - starts) // BLOCK)
+    return starts, ends, jnp.cumsum(blocks) - blocks, blocks
+
+
 def _qdq_group_rows(x, group_sizes, recipe: str):
     """The weight gradient's operand [M, C] (contracted over M), quantised and dequantised:
     blockwise in WGRAD_BLOCK blocks that restart at each group's first row; tensorwise as one
@@ -178,10 +188,7 @@ def _qdq_group_rows(x, group_sizes, recipe: str):
     num_rows, num_groups = x.shape[0], group_sizes.shape[0]
     if num_groups == 0:  # no block: the matmul reads no row
         return jnp.zeros(x.shape, jnp.float32)
-    ends = _clamped_ends(group_sizes, num_rows)
-    starts = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
-    blocks_per_group = -(-(ends - starts) // BLOCK)
-    first_block = jnp.cumsum(blocks_per_group) - blocks_per_group
+    starts, ends, first_block, _ = _group_blocks(group_sizes, num_rows)
     rows = jnp.arange(num_rows)
     group = jnp.searchsorted(ends, rows, side="right")  # G for rows past the groups
     # At most M // 128 + G blocks lie in groups (each group adds at most one short block); rows
@@ -285,12 +292,6 @@ def _blockwise_weights(w):
     return quantize(w, WEIGHT_BLOCK)
 
 
-def _tensor_scale_per_block(q, scale):
-    """(q, a [..., 1, 1] scale repeated over q's 128 x 128 grid of blocks)."""
-    grid = (-(-q.shape[-2] // BLOCK), -(-q.shape[-1] // BLOCK))
-    return q, jnp.broadcast_to(scale, (*q.shape[:-2], *grid))
-
-
 def _tensorwise_rows(x, group_sizes):
     """One scale over the rows in the groups (those past them zeroed first: the scale must not
     see them), repeated over every 1 x 128 block."""
@@ -299,23 +300,22 @@ def _tensorwise_rows(x, group_sizes):
 
 
 def _tensorwise_weights(w):
-    return _tensor_scale_per_block(*quantize(w, "tensor"))
+    """One scale per expert, repeated over its 128 x 128 blocks."""
+    q, scale = quantize(w, "tensor")
+    grid = (-(-w.shape[-2] // BLOCK), -(-w.shape[-1] // BLOCK))
+    return q, jnp.broadcast_to(scale, (w.shape[0], *grid))
 
 
 def _contract_rows(group_sizes, num_rows: int):
     """For each column of quantize_transposed's layout (P = 128 * PB of them), the row of x it
-    holds, or num_rows where it holds none (engine.h: each group cut into blocks of 128 rows from
-    its first row, the blocks numbered over the groups in order)."""
+    holds (_group_blocks numbers the blocks), or num_rows where it holds none."""
     num_groups = group_sizes.shape[0]
-    num_blocks = _contract_blocks(num_rows, num_groups)
-    ends = _clamped_ends(group_sizes, num_rows)
-    starts = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
-    blocks_end = jnp.cumsum(-(-(ends - starts) // BLOCK))  # one past each group's last block
-    block = jnp.arange(num_blocks)
-    group = jnp.searchsorted(blocks_end, block, side="right")  # G past the groups' blocks
+    starts, ends, first_block, blocks = _group_blocks(group_sizes, num_rows)
+    block = jnp.arange(_contract_blocks(num_rows, num_groups))
+    # the group of each block; G for the blocks past the groups'
+    group = jnp.searchsorted(first_block + blocks, block, side="right")
     safe = jnp.minimum(group, num_groups - 1)
-    first_block = blocks_end[safe] - -(-(ends[safe] - starts[safe]) // BLOCK)
-    begin = starts[safe] + (block - first_block) * BLOCK
+    begin = starts[safe] + (block - first_block[safe]) * BLOCK
     size = jnp.where(group < num_groups, jnp.minimum(ends[safe] - begin, BLOCK), 0)
     j = jnp.arange(BLOCK)
     rows = jnp.where(j[None, :] < size[:, None], begin[:, None] + j[None, :], num_rows)

@@ -148,8 +148,9 @@ struct Problem {
   uint8_t *lhs8, *rhs8;
   float *lhs_scales, *rhs_scales;
   __nv_bfloat16 *lhs16, *rhs16;
-  void* out;
+  void* out;  // [M, N] of the forward, [M, K] of the input gradient
   int32_t* sizes;
+  Sizes host_sizes;
   size_t ws8_bytes, ws16_bytes;
   void *ws8, *ws16;
   // --mode=training only: the output gradient [M, N] in both precisions, rhs [G, K, N] in FP8
@@ -169,7 +170,7 @@ struct Problem {
     rhs_scales = static_cast<float*>(device_alloc(s.G * NB * KB * sizeof(float)));
     lhs16 = static_cast<__nv_bfloat16*>(device_alloc(s.M * s.K * 2));
     rhs16 = static_cast<__nv_bfloat16*>(device_alloc(s.G * s.N * s.K * 2));
-    out = device_alloc(s.M * s.N * 2);
+    out = device_alloc(s.M * std::max(s.N, s.K) * 2);
     sizes = static_cast<int32_t*>(device_alloc(s.G * sizeof(int32_t)));
     ws8_bytes = nodrop::cuda::grouped_matmul_fp8_blockwise_workspace_bytes(s.G);
     ws16_bytes = nodrop::cuda::grouped_matmul_workspace_bytes(s.G);
@@ -182,7 +183,7 @@ struct Problem {
     fill_bf16<<<1024, 256, 0, stream>>>(lhs16, s.M * s.K, 3);
     fill_bf16<<<1024, 256, 0, stream>>>(rhs16, s.G * s.N * s.K, 4);
     CHECK(cudaGetLastError());
-    const Sizes host_sizes =
+    host_sizes =
         s.equal_groups ? Sizes(s.G, static_cast<int32_t>(s.M / s.G)) : router_like_sizes(s.M, s.G);
     CHECK(cudaMemcpyAsync(sizes, host_sizes.data(), s.G * sizeof(int32_t),
                           cudaMemcpyHostToDevice, stream));
@@ -205,9 +206,17 @@ struct Problem {
       quantize_rows(stream);
       quantize_transposed(stream);
     }
-    CHECK(cudaStreamSynchronize(stream));  // host_sizes goes out of scope
+    CHECK(cudaStreamSynchronize(stream));
   }
   ~Problem() {
+    // A kernel writing past its output would overwrite the allocations after it; the group sizes
+    // are the one input whose corruption changes what the timed kernels do.
+    Sizes after(s.G);
+    CHECK(cudaMemcpy(after.data(), sizes, s.G * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    if (after != host_sizes) {
+      std::fprintf(stderr, "shape %s: the group sizes changed while it ran\n", s.id);
+      std::abort();
+    }
     for (void* p : {static_cast<void*>(lhs8), static_cast<void*>(rhs8),
                     static_cast<void*>(lhs_scales), static_cast<void*>(rhs_scales),
                     static_cast<void*>(lhs16), static_cast<void*>(rhs16), out,

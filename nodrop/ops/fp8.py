@@ -10,6 +10,13 @@ E4M3 (`float8_e4m3fn`, largest finite value 448) operands with float32 scales, o
   ends with a shorter block. Each scale then multiplies one K-block's float32 partial sum.
 - "tensorwise": one scale per tensor (per expert for the weights), current scaling.
 
+Either recipe may leave the weight gradient unquantised (`weight_gradient="unquantised"`, as
+Transformer Engine's `override_linear_precision` does): the forward and the input gradient on
+FP8 operands, the weight gradient the grouped matmul's own on the unquantised activations and
+output gradient. It skips the transposed quantisations, and on the H200 the bf16 contraction
+kernel was as fast as or faster than the FP8 one with its quantisations at every benchmark shape
+but the widest (docs/performance.md).
+
 Emulated, the operands are quantised, dequantised to float32 and multiplied by an ordinary
 grouped matmul, which computes what FP8 kernels do up to float32 summation order; it is not
 faster than bf16. Both recipes also run for real, forward and both gradients, on the engine's
@@ -49,6 +56,7 @@ ACTIVATION_BLOCK = (1, BLOCK)
 WEIGHT_BLOCK = (BLOCK, BLOCK)
 WGRAD_BLOCK = (BLOCK, 1)
 RECIPES = ("blockwise", "tensorwise")
+WEIGHT_GRADIENTS = ("fp8", "unquantised")
 FORWARDS = ("auto", "kernel", "emulated")
 
 Block = tuple[int, int] | str
@@ -224,7 +232,7 @@ def _operand_blocks(recipe: str) -> tuple[Block, Block]:
 def fp8_grouped_matmul(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *,
                        recipe: str = "blockwise",
                        matmul: Callable[..., jax.Array] = grouped_matmul,
-                       forward: str = "auto") -> jax.Array:
+                       forward: str = "auto", weight_gradient: str = "fp8") -> jax.Array:
     """The grouped matmul `matmul(lhs, rhs, group_sizes)` on FP8 operands, emulated or (the
     blockwise recipe, `forward`) on nodrop's FP8 kernels.
 
@@ -247,6 +255,10 @@ def fp8_grouped_matmul(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *
         kernels are plain-loop references, slower than the emulation on oneDNN, and a
         float32 or float16 lhs would lose its precision to the kernels' bfloat16 outputs).
         The two differ only in where float32 rounds (and the kernels' bfloat16 outputs).
+      weight_gradient: "fp8" (the default), the weight gradient on FP8 operands as below; or
+        "unquantised": on lhs and the output gradient as they are, by `matmul`'s transpose in
+        float32 when emulated, by nodrop's grouped matmul (its contraction kernel, in lhs's
+        dtype) on the kernels.
 
     Forward: matmul(qdq(lhs, 1 x 128), qdq(rhs, 128 x 128 per expert)). Backward, with dout
     quantised too: dlhs = matmul(qdq(dout, 1 x 128), qdq(rhs)^T), and drhs[g] = qdq(lhs)^T @
@@ -266,12 +278,15 @@ def fp8_grouped_matmul(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
     if forward not in FORWARDS:
         raise ValueError(f"forward must be one of {FORWARDS}, got {forward!r}")
-    return _fp8_grouped_matmul(lhs, rhs, group_sizes, recipe, matmul, forward)
+    if weight_gradient not in WEIGHT_GRADIENTS:
+        raise ValueError(f"weight_gradient must be one of {WEIGHT_GRADIENTS}, "
+                         f"got {weight_gradient!r}")
+    return _fp8_grouped_matmul(lhs, rhs, group_sizes, recipe, matmul, forward, weight_gradient)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _fp8_grouped_matmul(lhs, rhs, group_sizes, recipe, matmul, forward):
-    return _forward(lhs, rhs, group_sizes, recipe, matmul, forward)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fp8_grouped_matmul(lhs, rhs, group_sizes, recipe, matmul, forward, weight_gradient):
+    return _forward(lhs, rhs, group_sizes, recipe, matmul, forward, weight_gradient)[0]
 
 
 # The operands of the engine's FP8 kernels, per recipe: (rows(x, group_sizes), the forward's rows
@@ -343,21 +358,32 @@ def _kernel_quantisers(recipe: str):
     return _tensorwise_rows, _tensorwise_weights, _tensorwise_transposed
 
 
-def _kernel_forward(lhs, rhs, group_sizes, recipe):
+def _kernel_forward(lhs, rhs, group_sizes, recipe, weight_gradient):
     """The forward on the engine's FP8 kernel: each expert's weight transposed (a block of rhs[g]
     is a block of rhs[g].T)."""
+    del weight_gradient
     rows, weights, _ = _kernel_quantisers(recipe)
     return grouped_matmul_fp8_blockwise(*rows(lhs, group_sizes),
                                         *weights(jnp.swapaxes(rhs, 1, 2)), group_sizes),
 
 
-def _emulated_forward(lhs, rhs, group_sizes, recipe, matmul):
+def _emulated_forward(lhs, rhs, group_sizes, recipe, weight_gradient, matmul):
+    del weight_gradient
     rows_block, weights_block = _operand_blocks(recipe)
     return matmul(_qdq(_rows_in_groups(lhs, group_sizes), rows_block),
                   _qdq(rhs, weights_block), group_sizes),
 
 
-def _kernel_backward(lhs, rhs, dout, group_sizes, recipe):
+def _unquantised_weight_gradient(lhs, dout, group_sizes, rhs_shape, matmul, dtype):
+    """drhs[g] = lhs_g^T @ dout_g on the unquantised operands in `dtype`: matmul's transpose in
+    rhs."""
+    lhs = lhs.astype(dtype)
+    drhs, = jax.linear_transpose(lambda w: matmul(lhs, w, group_sizes),
+                                 jax.ShapeDtypeStruct(rhs_shape, dtype))(dout.astype(dtype))
+    return drhs
+
+
+def _kernel_backward(lhs, rhs, dout, group_sizes, recipe, weight_gradient):
     """Both gradients on the engine's FP8 kernels. The input gradient dout @ rhs[g].T runs on
     the forward's kernel: its "transposed weight" [G, K, N] is rhs itself, whose 128 x 128
     blocks (and scales) are those of the forward's. The weight gradient is the FP8 ragged
@@ -367,62 +393,70 @@ def _kernel_backward(lhs, rhs, dout, group_sizes, recipe):
     quantisers apart on the H200, 2026-12-03.)"""
     rows, weights, transposed = _kernel_quantisers(recipe)
     dlhs = grouped_matmul_fp8_blockwise(*rows(dout, group_sizes), *weights(rhs), group_sizes)
+    if weight_gradient == "unquantised":  # nodrop's contraction reads only the groups' rows
+        return dlhs, _unquantised_weight_gradient(lhs, dout, group_sizes, rhs.shape,
+                                                  grouped_matmul, lhs.dtype)
     drhs = grouped_matmul_fp8_blockwise_contract(
         *transposed(lhs, group_sizes), *transposed(dout, group_sizes), group_sizes,
         num_rows=lhs.shape[0])
     return dlhs, drhs
 
 
-def _emulated_backward(lhs, rhs, dout, group_sizes, recipe, matmul):
+def _emulated_backward(lhs, rhs, dout, group_sizes, recipe, weight_gradient, matmul):
     """The matmul's own transposes on the operands quantised along their contraction axes:
     the input gradient (for nodrop's matmul: the grouped matmul against rhs[g].T) with dout in
     1 x 128 blocks along N, the weight gradient (the ragged contraction) with lhs and dout in
-    blocks of rows within each group."""
+    blocks of rows within each group, or unquantised."""
     rows_block, weights_block = _operand_blocks(recipe)
     dout = _rows_in_groups(dout, group_sizes)
     rhs_q = _qdq(rhs, weights_block)
     dlhs, = jax.linear_transpose(lambda a: matmul(a, rhs_q, group_sizes),
                                  jax.ShapeDtypeStruct((dout.shape[0], rhs.shape[1]),
                                                       jnp.float32))(_qdq(dout, rows_block))
-    lhs_q = _qdq_group_rows(_rows_in_groups(lhs, group_sizes), group_sizes, recipe)
+    lhs = _rows_in_groups(lhs, group_sizes)
+    if weight_gradient == "unquantised":
+        return dlhs, _unquantised_weight_gradient(lhs, dout, group_sizes, rhs.shape, matmul,
+                                                  jnp.float32)
+    lhs_q = _qdq_group_rows(lhs, group_sizes, recipe)
     drhs, = jax.linear_transpose(lambda w: matmul(lhs_q, w, group_sizes),
                                  jax.ShapeDtypeStruct(rhs.shape, jnp.float32))(
         _qdq_group_rows(dout, group_sizes, recipe))
     return dlhs, drhs
 
 
-def _kernel_or_emulated(kernel, emulated, operands, recipe, matmul, forward, dtypes):
-    """kernel(*operands, recipe) where `forward` puts the recipe on the engine's kernels, else
-    emulated(*operands, recipe, matmul) (see fp8_grouped_matmul's `forward`); the results in
-    `dtypes` either way. The first operand (lhs) decides "auto"."""
+def _kernel_or_emulated(kernel, emulated, operands, options, matmul, forward, dtypes):
+    """kernel(*operands, *options) where `forward` puts the recipe on the engine's kernels, else
+    emulated(*operands, *options, matmul) (see fp8_grouped_matmul's `forward`); options is
+    (recipe, weight_gradient); the results in `dtypes` either way. The first operand (lhs)
+    decides "auto"."""
     def cast(results):
         return tuple(r.astype(d) for r, d in zip(results, dtypes))
 
     if forward == "emulated":
-        results = emulated(*operands, recipe, matmul)
+        results = emulated(*operands, *options, matmul)
     elif forward == "kernel":
-        results = kernel(*operands, recipe)
+        results = kernel(*operands, *options)
     elif operands[0].dtype == jnp.bfloat16:  # "auto": the kernels where they run on the GPU
         results = _ffi.on_platform(
             *operands,
-            cpu=lambda *args: cast(emulated(*args, recipe, matmul)),
-            cuda=lambda *args: cast(kernel(*args, recipe)))
+            cpu=lambda *args: cast(emulated(*args, *options, matmul)),
+            cuda=lambda *args: cast(kernel(*args, *options)))
     else:
-        results = emulated(*operands, recipe, matmul)
+        results = emulated(*operands, *options, matmul)
     return cast(results)
 
 
-def _forward(lhs, rhs, group_sizes, recipe, matmul, forward):
+def _forward(lhs, rhs, group_sizes, recipe, matmul, forward, weight_gradient):
     out, = _kernel_or_emulated(_kernel_forward, _emulated_forward, (lhs, rhs, group_sizes),
-                               recipe, matmul, forward, (lhs.dtype,))
+                               (recipe, weight_gradient), matmul, forward, (lhs.dtype,))
     return out, (lhs, rhs, group_sizes)
 
 
-def _backward(recipe, matmul, forward, residuals, dout):
+def _backward(recipe, matmul, forward, weight_gradient, residuals, dout):
     lhs, rhs, group_sizes = residuals
     dlhs, drhs = _kernel_or_emulated(
         _kernel_backward, _emulated_backward, (lhs, rhs, dout.astype(lhs.dtype), group_sizes),
-        recipe, matmul, forward, (lhs.dtype, rhs.dtype))
+        (recipe, weight_gradient), matmul, forward, (lhs.dtype, rhs.dtype))
     return dlhs, drhs, None
 
 

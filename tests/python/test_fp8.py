@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (F32_TOL, as_f64, assert_close, group_offsets, int32, invalid_group_sizes,
-                      numpy_quantize_transposed,
-                      needs_train, random_normal, relative_error, seeds, valid_group_sizes)
+from conftest import (F32_TOL, as_f64, assert_close, f64, group_offsets, int32,
+                      invalid_group_sizes, needs_train, numpy_quantize_transposed,
+                      random_normal, relative_error, seeds, valid_group_sizes)
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -385,12 +385,43 @@ def test_moe_block_with_fp8_is_close_to_without(capacity_factor):
             assert err < 0.15, (recipe, name, err)
 
 
+def test_moe_block_with_unquantised_weight_gradients():
+    """fp8_weight_gradient="unquantised" changes only the experts' weight gradients: the output
+    and the router's gradient are bitwise the FP8 ones, the experts' weight gradients closer to
+    the unquantised block's."""
+    x = random_normal(np.random.default_rng(2), (2, 96, BLOCK.hidden))
+    outputs, grads = {}, {}
+    for fp8_mode, weight_gradient in [("off", "fp8"), ("blockwise", "fp8"),
+                                      ("blockwise", "unquantised")]:
+        block = MoEBlock(dataclasses.replace(BLOCK, fp8=fp8_mode,
+                                             fp8_weight_gradient=weight_gradient),
+                         rngs=nnx.Rngs(0))
+        key = fp8_mode, weight_gradient
+        outputs[key] = nnx.jit(lambda b: b(x)[0])(block)
+        grads[key] = nnx.jit(nnx.grad(lambda b: jnp.sum(b(x)[0] ** 2)))(block)
+    fp8_run, unquantised_run, off = (("blockwise", "fp8"), ("blockwise", "unquantised"),
+                                     ("off", "fp8"))
+    np.testing.assert_array_equal(outputs[unquantised_run], outputs[fp8_run])
+    np.testing.assert_array_equal(grads[unquantised_run]["router"][...],
+                                  grads[fp8_run]["router"][...])
+    for name in ("gate_up", "down"):
+        want = grads[off][name][...]
+        errors = [float(jnp.linalg.norm(grads[run][name][...] - want) / jnp.linalg.norm(want))
+                  for run in (unquantised_run, fp8_run)]
+        assert 0 < errors[0] < errors[1], (name, errors)
+
+
 def test_fp8_outside_the_recipes_is_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"^MoEConfig\.fp8 must be one of \('off', 'blockwise', "
                                          r"'tensorwise'\), got 'fp16'$"):
         dataclasses.replace(BLOCK, fp8="fp16")
     with pytest.raises(ValueError, match=r"^ModelConfig\.fp8 must be one of .*got 'e5m2'$"):
         ModelConfig(fp8="e5m2")
+    with pytest.raises(ValueError, match=r"^MoEConfig\.fp8_weight_gradient must be one of "
+                                         r"\('fp8', 'unquantised'\), got 'bf16'$"):
+        dataclasses.replace(BLOCK, fp8_weight_gradient="bf16")
+    with pytest.raises(ValueError, match=r"^ModelConfig\.fp8_weight_gradient must be one of "):
+        ModelConfig(fp8_weight_gradient=None)
 
 
 def test_bad_operands_are_refused_naming_them():
@@ -398,6 +429,9 @@ def test_bad_operands_are_refused_naming_them():
     with pytest.raises(ValueError, match=r"recipe must be one of \('blockwise', 'tensorwise'\), "
                                          "got 'off'"):
         nodrop.fp8_grouped_matmul(lhs, rhs, int32([4, 4]), recipe="off")
+    with pytest.raises(ValueError, match=r"weight_gradient must be one of \('fp8', "
+                                         r"'unquantised'\), got 'bf16'"):
+        nodrop.fp8_grouped_matmul(lhs, rhs, int32([4, 4]), weight_gradient="bf16")
     with pytest.raises(ValueError, match="rhs has 5 rows along axis 1 .* but expected 4"):
         nodrop.fp8_grouped_matmul(lhs, jnp.ones((2, 5, 3), jnp.float32), int32([4, 4]))
     with pytest.raises(ValueError, match="group_sizes has 3 groups but rhs has 2"):
@@ -547,6 +581,39 @@ def test_the_kernel_forward_and_gradients_are_the_emulated_ones(case, recipe):
             assert not np.any(as_f64(kernel_grads[1][g])), f"empty group {g}'s gradient"
 
 
+@pytest.mark.parametrize("forward", ["kernel", "emulated"])
+@RECIPES
+@pytest.mark.parametrize("case", CASES)
+def test_an_unquantised_weight_gradient_is_the_matmuls_own(case, recipe, forward):
+    """weight_gradient="unquantised": the output and the input gradient are bitwise the FP8
+    recipe's; the weight gradient is the grouped matmul's own on the unquantised operands (on
+    the kernels: bitwise nodrop.grouped_matmul's, the engine's contraction; emulated: within
+    float32 summation order and bfloat16's rounding of the float64 reference)."""
+    m, k, n, sizes = CASES[case]
+    lhs, rhs, _ = fp8_operands(m, k, n, len(sizes), seed=4)
+    dout = jax.random.normal(jax.random.key(8), (m, n), jnp.bfloat16)
+    sizes = int32(sizes)
+    results = {}
+    for weight_gradient in fp8.WEIGHT_GRADIENTS:
+        out, vjp = jax.vjp(lambda a, b: fp8.fp8_grouped_matmul(  # noqa: B023
+            a, b, sizes, recipe=recipe, forward=forward, weight_gradient=weight_gradient),
+            lhs, rhs)
+        results[weight_gradient] = out, *vjp(dout)
+    (out, dlhs, drhs), (fp8_out, fp8_dlhs, fp8_drhs) = (results["unquantised"], results["fp8"])
+    np.testing.assert_array_equal(as_f64(out), as_f64(fp8_out))
+    np.testing.assert_array_equal(as_f64(dlhs), as_f64(fp8_dlhs))
+    assert drhs.dtype == jnp.bfloat16 and drhs.shape == rhs.shape
+    if forward == "kernel":
+        _, vjp = jax.vjp(lambda b: grouped_matmul(lhs, b, sizes), rhs)
+        np.testing.assert_array_equal(as_f64(drhs), as_f64(vjp(dout)[0]))
+    _, vjp = jax.vjp(lambda b: reference.grouped_matmul(f64(lhs), b, sizes), f64(rhs))
+    want = vjp(f64(dout))[0]
+    assert_bf16_close(drhs, want)
+    if np.any(as_f64(want)):  # the FP8 weight gradient is further from it
+        assert np.max(np.abs(as_f64(fp8_drhs) - as_f64(want))) > np.max(
+            np.abs(as_f64(drhs) - as_f64(want)))
+
+
 @pytest.mark.parametrize("recipe, engine_quantisers", [("blockwise", 2), ("tensorwise", 0)])
 def test_both_gradients_run_on_the_fp8_kernels(recipe, engine_quantisers):
     """With forward="kernel": the FP8 kernel twice (forward, input gradient), the FP8
@@ -568,6 +635,24 @@ def test_both_gradients_run_on_the_fp8_kernels(recipe, engine_quantisers):
                      "nodrop_grouped_matmul": 0, "nodrop_grouped_matmul_contract": 0}
     # and the emulation's segment reductions of the weight gradient's blocks are gone
     assert "scatter" not in text
+
+
+@RECIPES
+def test_an_unquantised_weight_gradient_runs_the_bf16_contraction(recipe):
+    """With weight_gradient="unquantised" on the kernels: the FP8 kernel for the forward and the
+    input gradient, nodrop's bf16 contraction for the weight gradient, and no transposed
+    quantisation."""
+    lhs, rhs = jnp.ones((8, 128), jnp.bfloat16), jnp.ones((2, 128, 8), jnp.bfloat16)
+    loss = lambda a, b: jnp.sum(jnp.sin(fp8.fp8_grouped_matmul(  # noqa: E731
+        a, b, int32([3, 5]), recipe=recipe, forward="kernel",
+        weight_gradient="unquantised").astype(jnp.float32)))
+    text = jax.jit(jax.grad(loss, (0, 1))).lower(lhs, rhs).as_text()
+    calls = {target: text.count(f"custom_call @{target}(") for target in (
+        "nodrop_grouped_matmul_fp8_blockwise", "nodrop_grouped_matmul_fp8_blockwise_contract",
+        "nodrop_quantize_fp8_transposed", "nodrop_grouped_matmul_contract")}
+    assert calls == {"nodrop_grouped_matmul_fp8_blockwise": 2,
+                     "nodrop_grouped_matmul_fp8_blockwise_contract": 0,
+                     "nodrop_quantize_fp8_transposed": 0, "nodrop_grouped_matmul_contract": 1}
 
 
 @pytest.mark.parametrize("recipe", fp8.RECIPES)
@@ -750,8 +835,8 @@ def test_the_fp8_contraction_is_the_emulated_weight_gradient(case):
     assert_bf16_close(got, reference.grouped_matmul_fp8_blockwise_contract(
         *operands, int32(sizes), num_rows=m), "reference")
     rhs = jnp.zeros((len(sizes), k, n), jnp.bfloat16)  # the weight gradient needs its shape only
-    _, emulated = jax.jit(fp8._emulated_backward, static_argnums=(4, 5))(
-        lhs, rhs, dout, int32(sizes), "blockwise", grouped_matmul)
+    _, emulated = jax.jit(fp8._emulated_backward, static_argnums=(4, 5, 6))(
+        lhs, rhs, dout, int32(sizes), "blockwise", "fp8", grouped_matmul)
     assert_bf16_close(got, emulated, "emulation")
     for g, size in enumerate(np.diff(group_offsets(sizes, m))):
         if size == 0:
@@ -764,8 +849,8 @@ def test_the_fp8_contraction_is_the_emulated_weight_gradient(case):
 @functools.partial(jax.jit, static_argnums=3)
 def kernel_and_emulated_weight_gradients(lhs, dout, sizes, recipe):
     rhs = jnp.zeros((sizes.shape[0], lhs.shape[1], dout.shape[1]), lhs.dtype)
-    return (fp8._kernel_backward(lhs, rhs, dout, sizes, recipe)[1],
-            fp8._emulated_backward(lhs, rhs, dout, sizes, recipe, grouped_matmul)[1])
+    return (fp8._kernel_backward(lhs, rhs, dout, sizes, recipe, "fp8")[1],
+            fp8._emulated_backward(lhs, rhs, dout, sizes, recipe, "fp8", grouped_matmul)[1])
 
 
 @settings(max_examples=20)

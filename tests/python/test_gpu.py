@@ -314,29 +314,38 @@ def test_fp8_round_trip_under_jit_is_the_eager_one_on_the_gpu(block):
     np.testing.assert_array_equal(np.asarray(jitted), np.asarray(eager))
 
 
+@pytest.mark.parametrize("weight_gradient", ["fp8", "unquantised"])
 @pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
-def test_fp8_recipe_runs_the_kernels_forward_and_both_gradients_on_the_gpu(recipe):
+def test_fp8_recipe_runs_the_kernels_forward_and_both_gradients_on_the_gpu(recipe,
+                                                                            weight_gradient):
     """fp8_grouped_matmul's "auto" mode runs the FP8 kernels on the GPU for bfloat16: the
     blockwise GEMM for the forward and the input gradient (two calls), the FP8 contraction for
-    the weight gradient (one), each within bfloat16 rounding of the emulated result; the
-    tensorwise recipe on the same kernels, its one scale repeated over the blocks."""
+    the weight gradient (one; with weight_gradient="unquantised" nodrop's bf16 contraction
+    instead), each within bfloat16 rounding of the emulated result; the tensorwise recipe on the
+    same kernels, its one scale repeated over the blocks."""
     from nodrop.ops import fp8
 
     m, k, n, g = 777, 256, 384, 8
     lhs, rhs, dout = inputs((m, k, n, g), jnp.bfloat16, seed=12)
     sizes = group_sizes("zipf", m, g, np.random.default_rng(12))
     results = {}
+    fp8_contractions = 1 if weight_gradient == "fp8" else 0
     for forward in ("auto", "emulated"):
         def forward_and_grads(a, b, forward=forward):
             out, vjp = jax.vjp(lambda a, b: fp8.fp8_grouped_matmul(
-                a, b, sizes, recipe=recipe, forward=forward), a, b)
+                a, b, sizes, recipe=recipe, forward=forward, weight_gradient=weight_gradient),
+                a, b)
             return out, vjp(dout)
 
         f = jax.jit(forward_and_grads)
         text = f.lower(lhs, rhs).as_text()
         calls = (text.count("custom_call @nodrop_grouped_matmul_fp8_blockwise("),
-                 text.count("custom_call @nodrop_grouped_matmul_fp8_blockwise_contract("))
-        assert calls == ((2, 1) if forward == "auto" else (0, 0)), (forward, calls)
+                 text.count("custom_call @nodrop_grouped_matmul_fp8_blockwise_contract("),
+                 text.count("custom_call @nodrop_grouped_matmul_contract("))
+        if forward == "auto":
+            assert calls == (2, fp8_contractions, 1 - fp8_contractions), calls
+        else:
+            assert calls[:2] == (0, 0), calls
         results[forward] = f(lhs, rhs)
     assert rel_error(results["auto"][0], results["emulated"][0]) <= 2 ** -7
     (dlhs, drhs), (dlhs_emulated, drhs_emulated) = results["auto"][1], results["emulated"][1]

@@ -15,6 +15,7 @@ import jax
 import nodrop
 from nodrop import _deps, _ffi, _gpu, demo
 from nodrop.ops.fp8 import RECIPES as FP8_RECIPES
+from nodrop.ops.fp8 import WEIGHT_GRADIENTS as FP8_WEIGHT_GRADIENTS
 from nodrop.parallel import distributed
 
 
@@ -128,6 +129,7 @@ def compare(args: argparse.Namespace) -> int:
             raise config.ConfigError("give --seed or --seeds, not both")
         comparison.run(overrides, out, capacity_factors=args.capacity_factors,
                        with_ragged_dot=args.with_ragged_dot, fp8_recipes=args.fp8_recipes,
+                       fp8_weight_gradients=args.fp8_weight_gradients,
                        seeds=args.seeds,
                        progress=False if getattr(args, "no_progress", False) else None)
         print(f"nodrop compare: wrote {out}/compare.md, compare.png, compare.json")
@@ -253,6 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="also train dropless with the experts' matmuls on each of "
                                      f"these FP8 recipes ({', '.join(FP8_RECIPES)}), the same "
                                      "batches and initial weights as the bf16 run")
+    compare_parser.add_argument("--fp8-weight-gradients", nargs="+",
+                                choices=FP8_WEIGHT_GRADIENTS, default=("fp8",),
+                                metavar="WGRAD",
+                                help="train each --fp8-recipes recipe once per weight gradient "
+                                     f"listed ({', '.join(FP8_WEIGHT_GRADIENTS)}; default fp8)")
     compare_parser.set_defaults(run=compare)
     export_parser = commands.add_parser(
         "export", help="a run's trained weights as safetensors, with config.json and tokenizer",

@@ -27,6 +27,7 @@ from nodrop.moe.losses import (load_balancing_loss, router_z_loss, sequence_bala
 from nodrop.ops import reference
 from nodrop.ops._checks import FLOAT_DTYPES
 from nodrop.ops.fp8 import RECIPES as FP8_RECIPES
+from nodrop.ops.fp8 import WEIGHT_GRADIENTS as FP8_WEIGHT_GRADIENTS
 from nodrop.ops.fp8 import fp8_grouped_matmul
 from nodrop.ops.grouped_matmul import grouped_matmul
 from nodrop.ops.permute import permute, unpermute
@@ -80,6 +81,9 @@ class MoEConfig:
       capacity_factor, its einsum); on nodrop's ops on the GPU, in bfloat16, the forward and
       both gradients run nodrop's FP8 kernels instead. The router, the shared
       experts and everything outside the block stay as they are.
+    fp8_weight_gradient: under an fp8 recipe, the experts' weight gradients on FP8 operands
+      ("fp8", the default) or on the unquantised activations and output gradients
+      ("unquantised"), as `nodrop.fp8_grouped_matmul`'s `weight_gradient`.
     """
 
     num_experts: int
@@ -101,6 +105,7 @@ class MoEConfig:
     expert_parallel: bool = False
     ep_buffer_factor: float | None = 2.0
     fp8: str = "off"
+    fp8_weight_gradient: str = "fp8"
 
     def __post_init__(self) -> None:
         require = requirer(self, lambda field: f"MoEConfig.{field}")
@@ -139,6 +144,8 @@ class MoEConfig:
             is_finite_number(self.ep_buffer_factor) and self.ep_buffer_factor > 0),
             "ep_buffer_factor", "None (the worst case) or a positive finite number")
         require(self.fp8 in FP8_MODES, "fp8", f"one of {FP8_MODES}")
+        require(self.fp8_weight_gradient in FP8_WEIGHT_GRADIENTS, "fp8_weight_gradient",
+                f"one of {FP8_WEIGHT_GRADIENTS}")
         for field in ("dtype", "param_dtype"):
             if field == "dtype" and self.dtype is None:
                 continue  # the input's dtype
@@ -365,7 +372,8 @@ def _fp8_or(cfg: MoEConfig, matmul, forward: str = "emulated"):
     block runs on nodrop's ops, so the reference and XLA baselines stay what they are."""
     if cfg.fp8 == "off":
         return matmul
-    return functools.partial(fp8_grouped_matmul, recipe=cfg.fp8, matmul=matmul, forward=forward)
+    return functools.partial(fp8_grouped_matmul, recipe=cfg.fp8, matmul=matmul, forward=forward,
+                             weight_gradient=cfg.fp8_weight_gradient)
 
 
 def _capacity_einsum(lhs, rhs, group_sizes):

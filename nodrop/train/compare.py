@@ -29,13 +29,19 @@ ONE_SEED_CAVEAT = ("one seed: a difference between the variants may be seed nois
                    "runs it often is); give --seeds 0 1 2 for the spread")
 
 
-def variants(capacity_factors, with_ragged_dot: bool,
-             fp8_recipes=()) -> list[tuple[str, str, dict]]:
-    """(name, sub-folder, model overrides) of each run, dropless first."""
+def variants(capacity_factors, with_ragged_dot: bool, fp8_recipes=(),
+             fp8_weight_gradients=("fp8",)) -> list[tuple[str, str, dict]]:
+    """(name, sub-folder, model overrides) of each run, dropless first; each FP8 recipe once per
+    weight gradient."""
     out = [("dropless (nodrop)", "dropless", {"capacity_factor": None, "moe_matmul": "nodrop"})]
-    out += [(f"dropless (nodrop, FP8 {recipe})", f"dropless-fp8-{recipe}",
-             {"capacity_factor": None, "moe_matmul": "nodrop", "fp8": recipe})
-            for recipe in fp8_recipes]
+    for recipe in fp8_recipes:
+        for weight_gradient in fp8_weight_gradients:
+            unquantised = weight_gradient == "unquantised"
+            out.append((f"dropless (nodrop, FP8 {recipe}"
+                         + (", unquantised weight gradients)" if unquantised else ")"),
+                         f"dropless-fp8-{recipe}" + ("-unquantised-wgrad" if unquantised else ""),
+                         {"capacity_factor": None, "moe_matmul": "nodrop", "fp8": recipe,
+                          "fp8_weight_gradient": weight_gradient}))
     if with_ragged_dot:
         out.append(("dropless (jax.lax.ragged_dot)", "dropless-ragged-dot",
                     {"capacity_factor": None, "moe_matmul": "ragged_dot"}))
@@ -46,7 +52,8 @@ def variants(capacity_factors, with_ragged_dot: bool,
 
 def run(overrides: dict, out: str | os.PathLike, *,
         capacity_factors=DEFAULT_CAPACITY_FACTORS, with_ragged_dot: bool = False,
-        fp8_recipes=(), seeds=None, progress: bool | None = None, echo=print) -> dict[str, dict[int, trainer.Summary]]:
+        fp8_recipes=(), fp8_weight_gradients=("fp8",), seeds=None,
+        progress: bool | None = None, echo=print) -> dict[str, dict[int, trainer.Summary]]:
     """Trains every variant for every seed (default: the `seed` of `overrides`, else 0) into
     `out`/<variant>/seed-<seed>/ and writes compare.md, compare.json and compare.png there.
     Returns {variant name: {seed: Summary}}. Every configuration is validated before the first
@@ -60,7 +67,7 @@ def run(overrides: dict, out: str | os.PathLike, *,
     base = dict(overrides)
     if "eval_every" not in base:
         base["eval_every"] = max(1, build(base)[0].steps // DEFAULT_EVALUATIONS)
-    chosen = variants(capacity_factors, with_ragged_dot, fp8_recipes)
+    chosen = variants(capacity_factors, with_ragged_dot, fp8_recipes, fp8_weight_gradients)
     if len(chosen) == 1:
         raise ConfigError("nothing to compare dropless with: give capacity factors, "
                           "--fp8-recipes or --with-ragged-dot")

@@ -21,7 +21,7 @@ import numpy as np
 
 from nodrop._fields import is_finite_number, is_int, requirer, unknown_fields
 from nodrop.models import PRESETS, ModelConfig, preset
-from nodrop.moe.block import FP8_MODES
+from nodrop.moe.block import FP8_MODES, FP8_WEIGHT_GRADIENTS
 from nodrop.parallel import parse_mesh_spec
 from nodrop.train import tokenizer
 
@@ -305,7 +305,7 @@ def check_backend(model: ModelConfig, platform: str) -> None:
 # ModelConfig fields with a flag of their own; any field can be set with --set FIELD=VALUE.
 _MODEL_FLAGS = {"capacity_factor": "--capacity-factor", "moe_matmul": "--moe-matmul",
                 "remat": "--remat", "dtype": "--dtype", "ep_buffer_factor": "--ep-buffer",
-                "fp8": "--fp8"}
+                "fp8": "--fp8", "fp8_weight_gradient": "--fp8-weight-gradient"}
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> None:
@@ -414,6 +414,11 @@ def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> No
                             "per tensor) or off (the default). On the GPU in bfloat16 the "
                             "forward and both gradients run nodrop's FP8 kernels; elsewhere "
                             "emulated by quantising and dequantising")
+    model.add_argument("--fp8-weight-gradient", choices=FP8_WEIGHT_GRADIENTS, default=S,
+                       help="under --fp8, the experts' weight gradients on FP8 operands (fp8, "
+                            "the default) or on the unquantised activations and output "
+                            "gradients (unquantised: no transposed quantisation; on the GPU "
+                            "the bf16 kernel)")
     model.add_argument("--ep-buffer", type=_buffer_factor, default=S, metavar="F|worst",
                        dest="ep_buffer_factor",
                        help="expert parallelism's receive buffer, F x the balanced load "
@@ -539,6 +544,7 @@ MODEL_FIELD_HELP = {
     "expert_parallel": "experts split over the mesh's expert axis (set by --mesh)",
     "ep_buffer_factor": "expert parallelism's receive buffer, x the balanced load (none: worst)",
     "fp8": "the experts' FP8 recipe: off, blockwise or tensorwise (GPU kernels in bfloat16)",
+    "fp8_weight_gradient": "under fp8, the experts' weight gradients: fp8 or unquantised",
     "dtype": "compute dtype: float32, bfloat16 or float16",
     "param_dtype": "dtype of the master weights",
 }

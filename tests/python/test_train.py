@@ -1004,28 +1004,35 @@ def test_compare_dropless_capacity_and_ragged_dot(tmp_path, capsys, text_file, m
 
 
 def test_compare_bf16_against_fp8_recipes_without_capacity_factors(tmp_path, capsys, text_file):
-    """--fp8-recipes adds a dropless run per recipe on the same batches and weights; the bare
-    --capacity-factors flag leaves out token dropping."""
+    """--fp8-recipes adds a dropless run per recipe (and --fp8-weight-gradients per weight
+    gradient) on the same batches and weights; the bare --capacity-factors flag leaves out token
+    dropping."""
     out = tmp_path / "compare"
     flags = train_flags(text_file, steps=4, **{"eval-every": 2, "checkpoint-every": 0})
     code, stdout, err = run_cli(capsys, "compare", *flags, "--fp8-recipes", "blockwise",
-                                "tensorwise", "--capacity-factors", "--out", str(out))
+                                "tensorwise", "--fp8-weight-gradients", "fp8", "unquantised",
+                                "--capacity-factors", "--out", str(out))
     assert code == 0, err
     table = (out / "compare.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
-    assert [row.split("|")[1].strip() for row in rows[1:]] == [
-        "dropless (nodrop)", "dropless (nodrop, FP8 blockwise)", "dropless (nodrop, FP8 tensorwise)"]
+    names = ["dropless (nodrop)", "dropless (nodrop, FP8 blockwise)",
+             "dropless (nodrop, FP8 blockwise, unquantised weight gradients)",
+             "dropless (nodrop, FP8 tensorwise)",
+             "dropless (nodrop, FP8 tensorwise, unquantised weight gradients)"]
+    assert [row.split("|")[1].strip() for row in rows[1:]] == names
     assert "MFU" not in rows[0]  # the CPU has no known peak
     results = json.loads((out / "compare.json").read_text())
-    bf16, blockwise, tensorwise = (results[name]["seeds"]["0"] for name in (
-        "dropless (nodrop)", "dropless (nodrop, FP8 blockwise)",
-        "dropless (nodrop, FP8 tensorwise)"))
-    for run in (blockwise, tensorwise):
-        assert json.loads((Path(run["run_dir"]) / "config.json").read_text())["model"]["fp8"] in (
-            "blockwise", "tensorwise")
+    bf16, *fp8_runs = (results[name]["seeds"]["0"] for name in names)
+    saved = [json.loads((Path(run["run_dir"]) / "config.json").read_text())["model"]
+             for run in fp8_runs]
+    assert [(model["fp8"], model["fp8_weight_gradient"]) for model in saved] == [
+        ("blockwise", "fp8"), ("blockwise", "unquantised"), ("tensorwise", "fp8"),
+        ("tensorwise", "unquantised")]
+    for run in fp8_runs:
         # The same training, rounded differently: close, not equal.
         assert run["val_loss"] != bf16["val_loss"]
         assert run["val_loss"] == pytest.approx(bf16["val_loss"], rel=0.05)
+    assert len({run["val_loss"] for run in fp8_runs}) == 4
     assert json.loads((Path(bf16["run_dir"]) / "config.json").read_text())["model"]["fp8"] == "off"
     code, _, err = run_cli(capsys, "compare", *flags, "--capacity-factors", "--out",
                            str(tmp_path / "alone"))

@@ -141,9 +141,18 @@ def test_gpu_moe_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch, tiny_sha
     gemm = results["gemm"]["summary"]
     forward_rows = [row for row in gemm if row["passes"] == "forward"]
     assert {row["targets"]["check"]["verdict"] for row in forward_rows} == {"PASS"}
+    # issue 19's targets: the forward against torch too, the layer against capacity 1.0 by
+    # 1.10x and against the layer on tokamax
+    assert all(set(row["targets"]) == {"check", "torch"} for row in forward_rows)
+    assert {row["targets"]["torch"]["verdict"] for row in forward_rows} == {
+        "n/a (torch._grouped_mm not run)"}
+    assert summary["targets"]["capacity_1.0"]["minimum"] == 1.10
+    assert summary["targets"]["tokamax"]["minimum"] == 1.0
     markdown = (tmp_path / "gpu-moe.md").read_text()
     assert "## MoE expert layer, activation memory" in markdown and " B/token " in markdown
-    assert "temporary bytes / nodrop temporary bytes" in markdown.split("## Targets")[1]
+    targets = markdown.split("## Targets")[1]
+    assert "temporary bytes / nodrop temporary bytes" in targets
+    assert "layer tiny: tokamax.ragged_dot ms / nodrop ms >= 1x" in targets
 
     tokamax_cases = [*(c for c in results["gemm"]["cases"] if c["impl"] == "tokamax"),
                      layer["tokamax"]]

@@ -345,14 +345,14 @@ def gemm_summary(cases: list[dict]) -> list[dict]:
                  or index.get((shape, "any", passes, impl)) or NOT_RUN for impl in IMPL_LABELS}
         ratios = {peer: ratio(case, impls[peer])
                   for peer in ("torch", "tokamax", "dense", "ragged_dot", BASELINE_CAPACITY)}
-        minimums = {"torch": MIN_VS_TORCH, "dense": MIN_VS_DENSE.get(shape),
-                    "ragged_dot": MIN_VS_RAGGED_DOT.get(shape)}
-        if passes != "forward+backward":
-            minimums = {"torch": MIN_VS_TORCH}
+        forward_only = passes != "forward+backward"
+        minimums = {"torch": MIN_VS_TORCH} if forward_only else {
+            "torch": MIN_VS_TORCH, "dense": MIN_VS_DENSE.get(shape),
+            "ragged_dot": MIN_VS_RAGGED_DOT.get(shape)}
         targets = {peer: dict(minimum=minimum, verdict=verdict(
             ratios[peer], minimum, case, peer, impls[peer]))
             for peer, minimum in minimums.items() if minimum is not None}
-        if passes != "forward+backward":
+        if forward_only:
             passed = case["check"] is not None and case["check"] <= CHECK_TOLERANCE
             targets["check"] = dict(minimum=None, verdict="PASS" if passed else "FAIL")
         rows.append(dict(

@@ -358,17 +358,15 @@ def _kernel_quantisers(recipe: str):
     return _tensorwise_rows, _tensorwise_weights, _tensorwise_transposed
 
 
-def _kernel_forward(lhs, rhs, group_sizes, recipe, weight_gradient):
+def _kernel_forward(lhs, rhs, group_sizes, recipe):
     """The forward on the engine's FP8 kernel: each expert's weight transposed (a block of rhs[g]
     is a block of rhs[g].T)."""
-    del weight_gradient
     rows, weights, _ = _kernel_quantisers(recipe)
     return grouped_matmul_fp8_blockwise(*rows(lhs, group_sizes),
                                         *weights(jnp.swapaxes(rhs, 1, 2)), group_sizes),
 
 
-def _emulated_forward(lhs, rhs, group_sizes, recipe, weight_gradient, matmul):
-    del weight_gradient
+def _emulated_forward(lhs, rhs, group_sizes, recipe, matmul):
     rows_block, weights_block = _operand_blocks(recipe)
     return matmul(_qdq(_rows_in_groups(lhs, group_sizes), rows_block),
                   _qdq(rhs, weights_block), group_sizes),
@@ -426,9 +424,9 @@ def _emulated_backward(lhs, rhs, dout, group_sizes, recipe, weight_gradient, mat
 
 def _kernel_or_emulated(kernel, emulated, operands, options, matmul, forward, dtypes):
     """kernel(*operands, *options) where `forward` puts the recipe on the engine's kernels, else
-    emulated(*operands, *options, matmul) (see fp8_grouped_matmul's `forward`); options is
-    (recipe, weight_gradient); the results in `dtypes` either way. The first operand (lhs)
-    decides "auto"."""
+    emulated(*operands, *options, matmul) (see fp8_grouped_matmul's `forward`); options are the
+    recipe and, for the backward, the weight gradient's mode; the results in `dtypes` either way.
+    The first operand (lhs) decides "auto"."""
     def cast(results):
         return tuple(r.astype(d) for r, d in zip(results, dtypes))
 
@@ -447,8 +445,9 @@ def _kernel_or_emulated(kernel, emulated, operands, options, matmul, forward, dt
 
 
 def _forward(lhs, rhs, group_sizes, recipe, matmul, forward, weight_gradient):
+    del weight_gradient  # the backward's
     out, = _kernel_or_emulated(_kernel_forward, _emulated_forward, (lhs, rhs, group_sizes),
-                               (recipe, weight_gradient), matmul, forward, (lhs.dtype,))
+                               (recipe,), matmul, forward, (lhs.dtype,))
     return out, (lhs, rhs, group_sizes)
 
 

@@ -320,13 +320,15 @@ def _bind_contract(lhs, rhs, group_sizes, out_dtype, checked):
 
 
 def _bilinear_jvp(bind, primals, tangents, **params):
-    """out = f(lhs, rhs) bilinear: d_out = f(d_lhs, rhs) + f(lhs, d_rhs), zero tangents
-    skipped (a tangent in one operand only is one call)."""
+    """out = f(lhs, rhs) bilinear: d_out = f(lhs, d_rhs) + f(d_lhs, rhs), zero tangents
+    skipped (a tangent in one operand only is one call). The d_lhs term comes last so that
+    its transpose, the input gradient, is emitted first: it is on the backward's critical path,
+    the weight gradient is not."""
     lhs, rhs, group_sizes = primals
     d_lhs, d_rhs, _ = tangents
     out = bind(lhs, rhs, group_sizes, **params)
     terms = [bind(a, b, group_sizes, **params)
-             for a, b, tangent in ((d_lhs, rhs, d_lhs), (lhs, d_rhs, d_rhs))
+             for a, b, tangent in ((lhs, d_rhs, d_rhs), (d_lhs, rhs, d_lhs))
              if type(tangent) is not ad.Zero]
     if not terms:
         return out, ad.Zero.from_primal_value(out)

@@ -161,11 +161,13 @@ def _gather_row_dots(a, rows, row_map, k):
 
 
 def _bilinear_jvp(bind, linear):
-    """The JVP of an op bilinear in the operands at positions `linear`."""
+    """The JVP of an op bilinear in the operands at positions `linear`. The terms are summed in
+    reverse, so that reverse mode (which transposes them last to first) emits the gradient of
+    the first operand, the rows on the backward's critical path, first."""
     def jvp(primals, tangents, **params):
         out = bind(*primals, **params)
         terms = []
-        for index in linear:
+        for index in reversed(linear):
             if type(tangents[index]) is not ad.Zero:
                 args = list(primals)
                 args[index] = tangents[index]

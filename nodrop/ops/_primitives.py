@@ -47,6 +47,25 @@ def zero_cotangents(*operands):
                  for x in operands)
 
 
+def bilinear_jvp(bind: Callable, linear: tuple[int, ...]) -> Callable:
+    """The JVP rule of an op bilinear in the operands at positions `linear`: one call of `bind`
+    per nonzero tangent, summed; zero tangents are skipped. The terms are summed in reverse, so
+    that reverse mode (which transposes them last to first) emits the gradient of the first
+    operand (the rows, on the backward's critical path) first."""
+    def jvp(primals, tangents, **params):
+        out = bind(*primals, **params)
+        terms = []
+        for index in reversed(linear):
+            if type(tangents[index]) is not ad.Zero:
+                args = list(primals)
+                args[index] = tangents[index]
+                terms.append(bind(*args, **params))
+        if not terms:
+            return out, ad.Zero.from_primal_value(out)
+        return out, functools.reduce(jnp.add, terms)
+    return jvp
+
+
 def define(name, *, abstract_eval: Callable, lower: Callable, jvp: Callable | None = None,
            transpose: Callable | None = None, batch: Callable | None = None,
            multiple_results: bool = False):

@@ -319,30 +319,14 @@ def _bind_contract(lhs, rhs, group_sizes, out_dtype, checked):
                             checked=bool(checked))
 
 
-def _bilinear_jvp(bind, primals, tangents, **params):
-    """out = f(lhs, rhs) bilinear: d_out = f(lhs, d_rhs) + f(d_lhs, rhs), zero tangents
-    skipped (a tangent in one operand only is one call). The d_lhs term comes last so that
-    its transpose, the input gradient, is emitted first: it is on the backward's critical path,
-    the weight gradient is not."""
-    lhs, rhs, group_sizes = primals
-    d_lhs, d_rhs, _ = tangents
-    out = bind(lhs, rhs, group_sizes, **params)
-    terms = [bind(a, b, group_sizes, **params)
-             for a, b, tangent in ((lhs, d_rhs, d_rhs), (d_lhs, rhs, d_lhs))
-             if type(tangent) is not ad.Zero]
-    if not terms:
-        return out, ad.Zero.from_primal_value(out)
-    return out, functools.reduce(jnp.add, terms)
-
-
 def _rows_jvp(primals, tangents, *, transpose_rhs, out_dtype, checked):
     bind = lambda lhs, rhs, sizes: _bind_rows(lhs, rhs, sizes, transpose_rhs, out_dtype, checked)
-    return _bilinear_jvp(bind, primals, tangents)
+    return _primitives.bilinear_jvp(bind, (0, 1))(primals, tangents)
 
 
 def _contract_jvp(primals, tangents, *, out_dtype, checked):
     bind = lambda lhs, rhs, sizes: _bind_contract(lhs, rhs, sizes, out_dtype, checked)
-    return _bilinear_jvp(bind, primals, tangents)
+    return _primitives.bilinear_jvp(bind, (0, 1))(primals, tangents)
 
 
 def _linear_operand(lhs, rhs, group_sizes):

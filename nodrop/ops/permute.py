@@ -160,24 +160,6 @@ def _gather_row_dots(a, rows, row_map, k):
     return _gather_row_dots_p.bind(*_ffi.match_vma(a, rows, row_map), k=int(k))
 
 
-def _bilinear_jvp(bind, linear):
-    """The JVP of an op bilinear in the operands at positions `linear`. The terms are summed in
-    reverse, so that reverse mode (which transposes them last to first) emits the gradient of
-    the first operand, the rows on the backward's critical path, first."""
-    def jvp(primals, tangents, **params):
-        out = bind(*primals, **params)
-        terms = []
-        for index in reversed(linear):
-            if type(tangents[index]) is not ad.Zero:
-                args = list(primals)
-                args[index] = tangents[index]
-                terms.append(bind(*args, **params))
-        if not terms:
-            return out, ad.Zero.from_primal_value(out)
-        return out, functools.reduce(jnp.add, terms)
-    return jvp
-
-
 def _unpermute_transpose(grad, rows, row_map, weights):
     if type(grad) is ad.Zero:
         return _primitives.zero_cotangents(rows, row_map, weights)
@@ -236,7 +218,7 @@ _unpermute_p = _primitives.define(
         (rows, row_map, weights), (weights.shape[0], rows.shape[1]), rows.dtype),
     lower=_row_lowering("nodrop_unpermute", lambda r, m, w: ((w.shape[0], r.shape[1]), r.dtype),
                         "r h, r, t k -> t h", (("r", "h"), ("r",), ("t", "k")), (("t", "h"),)),
-    jvp=_bilinear_jvp(lambda *a: _unpermute(*a), (0, 2)), transpose=_unpermute_transpose)
+    jvp=_primitives.bilinear_jvp(lambda *a: _unpermute(*a), (0, 2)), transpose=_unpermute_transpose)
 
 _permute_rows_p = _primitives.define(
     "nodrop_permute_rows",
@@ -245,7 +227,7 @@ _permute_rows_p = _primitives.define(
     lower=_row_lowering("nodrop_permute_rows",
                         lambda s, m, w: ((m.shape[0], s.shape[1]), s.dtype),
                         "t h, r, t k -> r h", (("t", "h"), ("r",), ("t", "k")), (("r", "h"),)),
-    jvp=_bilinear_jvp(lambda *a: _permute_rows(*a), (0, 2)), transpose=_permute_rows_transpose)
+    jvp=_primitives.bilinear_jvp(lambda *a: _permute_rows(*a), (0, 2)), transpose=_permute_rows_transpose)
 
 _gather_row_dots_p = _primitives.define(
     "nodrop_gather_row_dots",
@@ -255,5 +237,5 @@ _gather_row_dots_p = _primitives.define(
                         lambda a, r, m, *, k: ((a.shape[0], k), jnp.float32),
                         "t h, r h, r -> t k", (("t", "h"), ("r", "h"), ("r",)), (("t", "k"),),
                         reduce="h"),
-    jvp=_bilinear_jvp(lambda a, r, m, *, k: _gather_row_dots(a, r, m, k), (0, 1)),
+    jvp=_primitives.bilinear_jvp(lambda a, r, m, *, k: _gather_row_dots(a, r, m, k), (0, 1)),
     transpose=_gather_row_dots_transpose)

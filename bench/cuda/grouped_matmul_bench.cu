@@ -1,14 +1,20 @@
 // Benchmark of the CUDA grouped matmul: forward, input gradient and weight gradient of an MoE
 // expert layer at real model shapes, against cuBLAS's dense bf16 GEMM of the same FLOPs (the
-// ceiling), printed as a table.
+// ceiling) and, where the groups are equal, cuBLAS's strided batched GEMM of the same groups (what
+// a capacity-factor layer runs: one buffer per expert) and CUTLASS's batched GEMM on the same tile
+// as nodrop's kernel (cutlass_batched_gemm.cu; forward and input gradient, two tiles), printed as
+// a table.
 //
 //   nodrop_cuda_bench [--iters=50] [--warmup=5] [--tiles=auto|all|sweep] [--csv=FILE]
 //                     [--shapes=NAME,NAME] [--sizes=NAME,NAME] [--raster=auto|M|N]
+//                     [--groups=G,G]
 //
 // --tiles=all times every tile; --tiles=sweep times the automatic tile under every raster order
 // and swizzle of the tile scheduler. --shapes runs only the named shapes (default: all).
 // --sizes runs only the named group-size distributions (uniform, router-like, zipf(1)).
 // --raster=M or N makes every timed kernel walk its tiles along M or N (default: the engine's).
+// --groups runs each shape again with its rows split into G groups (same M, K and N: the same
+// FLOPs), to separate what a group costs from what its rows cost.
 //
 // Each timing is the median of `iters` single calls timed with CUDA events after `warmup` calls;
 // consecutive calls read different copies of the inputs, so they do not start in L2.
@@ -28,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "cutlass_batched_gemm.h"
 #include "nodrop/engine_cuda.h"
 
 namespace {
@@ -57,7 +64,7 @@ void check(const nodrop::Status& status, const char* what) {
 #define CHECK(expr) check((expr), #expr)
 
 struct Shape {
-  const char* name;
+  std::string name;
   int64_t M, K, N, G;  // rows (tokens x top-k), hidden, expert width, experts
 };
 
@@ -172,6 +179,7 @@ struct Options {
   std::string csv;
   std::vector<std::string> shapes;  // empty: every shape
   std::vector<std::string> sizes;   // empty: every distribution
+  std::vector<int64_t> groups;      // empty: each shape's own group count
 };
 
 std::vector<std::string> split_commas(std::string rest) {
@@ -210,6 +218,15 @@ Options parse(int argc, char** argv) {
       options.shapes = split_commas(v);
     } else if (const char* v = value("--sizes=")) {
       options.sizes = split_commas(v);
+    } else if (const char* v = value("--groups=")) {
+      for (const std::string& g : split_commas(v)) {
+        const int64_t groups = std::atoll(g.c_str());
+        if (groups < 1) {
+          std::fprintf(stderr, "--groups: expected counts of at least 1, got \"%s\"\n", g.c_str());
+          std::exit(2);
+        }
+        options.groups.push_back(groups);
+      }
     } else {
       options.tiles = "";  // unknown argument: print the usage below
     }
@@ -221,7 +238,7 @@ Options parse(int argc, char** argv) {
     std::fprintf(stderr,
                  "usage: %s [--iters=N] [--warmup=N] [--tiles=auto|all|sweep] [--csv=FILE] "
                  "[--shapes=NAME,NAME] [--sizes=NAME,NAME] [--raster=auto|M|N] (not with "
-                 "--tiles=sweep, which sweeps it)\n",
+                 "--tiles=sweep, which sweeps it) [--groups=G,G]\n",
                  argv[0]);
     std::exit(2);
   }
@@ -229,7 +246,7 @@ Options parse(int argc, char** argv) {
     if (std::none_of(std::begin(kShapes), std::end(kShapes),
                      [&](const Shape& s) { return name == s.name; })) {
       std::fprintf(stderr, "--shapes: unknown shape \"%s\"; known:", name.c_str());
-      for (const Shape& s : kShapes) std::fprintf(stderr, " \"%s\"", s.name);
+      for (const Shape& s : kShapes) std::fprintf(stderr, " \"%s\"", s.name.c_str());
       std::fprintf(stderr, "\n");
       std::exit(2);
     }
@@ -292,6 +309,38 @@ void dense_gemm(cublasHandle_t handle, Mode mode, const Shape& s, const InputSet
   }
 }
 
+// cuBLAS's strided batched GEMM over G equal groups of M / G rows (M % G == 0), each group's
+// product transposed as in dense_gemm.
+void batched_gemm(cublasHandle_t handle, Mode mode, const Shape& s, const InputSet& in,
+                  void* out) {
+  const float one = 1.f, zero = 0.f;
+  const int64_t rows = s.M / s.G;
+  const int Mg = static_cast<int>(rows), K = static_cast<int>(s.K), N = static_cast<int>(s.N);
+  const int G = static_cast<int>(s.G);
+  const long long x_stride = rows * s.K, w_stride = s.K * s.N, dy_stride = rows * s.N;
+  const auto bf = CUDA_R_16BF;
+  switch (mode) {
+    case Mode::kForward:  // y_g^T [N, Mg] = w_g^T [N, K] x_g^T [K, Mg]
+      CHECK(cublasGemmStridedBatchedEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, N, Mg, K, &one,
+                                       in.w.data, bf, N, w_stride, in.x.data, bf, K, x_stride,
+                                       &zero, out, bf, N, dy_stride, G, CUBLAS_COMPUTE_32F,
+                                       CUBLAS_GEMM_DEFAULT));
+      break;
+    case Mode::kInputGrad:  // dx_g^T [K, Mg] = w_g [K, N] dy_g^T [N, Mg]
+      CHECK(cublasGemmStridedBatchedEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, K, Mg, N, &one,
+                                       in.w.data, bf, N, w_stride, in.dy.data, bf, N, dy_stride,
+                                       &zero, out, bf, K, x_stride, G, CUBLAS_COMPUTE_32F,
+                                       CUBLAS_GEMM_DEFAULT));
+      break;
+    case Mode::kWeightGrad:  // dw_g^T [N, K] = dy_g^T [N, Mg] x_g [Mg, K]
+      CHECK(cublasGemmStridedBatchedEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, N, K, Mg, &one,
+                                       in.dy.data, bf, N, dy_stride, in.x.data, bf, K, x_stride,
+                                       &zero, out, bf, N, w_stride, G, CUBLAS_COMPUTE_32F,
+                                       CUBLAS_GEMM_DEFAULT));
+      break;
+  }
+}
+
 nodrop::Status grouped(Mode mode, const Shape& s, const InputSet& in, const int32_t* sizes,
                        void* out, const DeviceArray& workspace, size_t workspace_bytes,
                        cudaStream_t stream, const GemmSchedule& schedule) {
@@ -313,9 +362,40 @@ nodrop::Status grouped(Mode mode, const Shape& s, const InputSet& in, const int3
   return nodrop::Status::Error("unknown mode");
 }
 
+// CUTLASS's batched GEMM on nodrop's tile, where it has one: y_g = x_g w_g (forward) or
+// dy_g w_g^T (input gradient) over G equal groups. NaN where there is none.
+double cutlass_batched_ms(const Options& options, cudaStream_t stream, Mode mode, GemmTile tile,
+                          const Shape& s, const std::vector<std::unique_ptr<InputSet>>& sets,
+                          void* out, const DeviceArray& workspace, size_t workspace_bytes) {
+  BatchedTile batched;
+  if (tile == GemmTile::kPingpong128x128x64Cluster1x2) {
+    batched = BatchedTile::kPingpong128x128x64Cluster1x2;
+  } else if (tile == GemmTile::kCooperative128x256x64Cluster1x1) {
+    batched = BatchedTile::kCooperative128x256x64Cluster1x1;
+  } else {
+    return NAN;
+  }
+  if (mode == Mode::kWeightGrad) return NAN;
+  const bool forward = mode == Mode::kForward;
+  const int rows = static_cast<int>(s.M / s.G), G = static_cast<int>(s.G);
+  const int n = static_cast<int>(forward ? s.N : s.K), k = static_cast<int>(forward ? s.K : s.N);
+  auto run = [&](int i) {
+    const InputSet& in = *sets[i % sets.size()];
+    return cutlass_batched_gemm(batched, !forward, forward ? in.x.data : in.dy.data, in.w.data,
+                                out, rows, n, k, G, workspace.data, workspace_bytes, stream);
+  };
+  if (!run(0)) {
+    std::fprintf(stderr, "CUTLASS's batched GEMM refused %s\n", s.name.c_str());
+    return NAN;
+  }
+  return median_ms(options, stream, run);
+}
+
 struct Row {
   std::string shape, sizes, mode, tile;
   double ms, tflops, dense_tflops;
+  double batched_tflops;          // NaN where the groups are not equal
+  double cutlass_batched_tflops;  // NaN where there is no such kernel
 };
 
 }  // namespace
@@ -333,9 +413,16 @@ int main(int argc, char** argv) {
   CHECK(cublasSetStream(handle, stream));
 
   const Mode modes[] = {Mode::kForward, Mode::kInputGrad, Mode::kWeightGrad};
-  std::vector<Row> rows;
+  std::vector<Shape> shapes;
   for (const Shape& s : kShapes) {
     if (!selected(options.shapes, s.name)) continue;
+    if (options.groups.empty()) shapes.push_back(s);
+    for (int64_t G : options.groups) {
+      shapes.push_back({s.name + ", " + std::to_string(G) + " groups", s.M, s.K, s.N, G});
+    }
+  }
+  std::vector<Row> rows;
+  for (const Shape& s : shapes) {
     // Enough input copies that the ones a call reads were evicted from L2 by the others.
     const size_t set_bytes = (s.M * s.K + s.G * s.K * s.N + s.M * s.N) * sizeof(bf16);
     const size_t copies = std::clamp<size_t>(4 * props.l2CacheSize / set_bytes + 1, 2, 8);
@@ -346,6 +433,8 @@ int main(int argc, char** argv) {
     DeviceArray out(std::max(s.M * std::max(s.K, s.N), s.G * s.K * s.N) * sizeof(bf16));
     const size_t workspace_bytes = nodrop::cuda::grouped_matmul_workspace_bytes(s.G);
     DeviceArray workspace(workspace_bytes);
+    constexpr size_t kBatchedWorkspaceBytes = 16 << 20;
+    DeviceArray batched_workspace(kBatchedWorkspaceBytes);
     DeviceArray sizes_buffer(s.G * sizeof(int32_t));
     CHECK(cudaDeviceSynchronize());  // the fills ran on the legacy stream; `stream` does not wait
     const double flop = 2.0 * s.M * s.K * s.N;
@@ -358,6 +447,13 @@ int main(int argc, char** argv) {
         const char* dist = distribution.name;
         if (!selected(options.sizes, dist)) continue;
         const Sizes sizes = distribution.sizes(s.M, s.G);
+        const bool equal_groups = s.M % s.G == 0 &&
+            std::all_of(sizes.begin(), sizes.end(), [&](int32_t n) { return n == s.M / s.G; });
+        const double batched_ms =
+            equal_groups ? median_ms(options, stream, [&](int i) {
+                             batched_gemm(handle, mode, s, *sets[i % copies], out.data);
+                           })
+                         : NAN;
         CHECK(cudaMemcpyAsync(sizes_buffer.data, sizes.data(), sizes.size() * sizeof(int32_t),
                               cudaMemcpyHostToDevice, stream));
         const auto* d_sizes = static_cast<const int32_t*>(sizes_buffer.data);
@@ -384,6 +480,11 @@ int main(int argc, char** argv) {
             grouped(mode, s, *sets[i % copies], d_sizes, out.data, workspace, workspace_bytes,
                     stream, schedule);
           });
+          const double cutlass_ms =
+              equal_groups && forced_raster == GemmRaster::kAuto && options.tiles != "sweep"
+                  ? cutlass_batched_ms(options, stream, mode, schedule.tile, s, sets, out.data,
+                                       batched_workspace, kBatchedWorkspaceBytes)
+                  : NAN;
           std::string kernel = nodrop::cuda::gemm_tile_name(schedule.tile);
           if (schedule.tile == auto_tile) kernel += " (auto)";
           if (options.tiles == "sweep" || forced_raster != GemmRaster::kAuto) {
@@ -391,8 +492,10 @@ int main(int argc, char** argv) {
                       ", swizzle " + std::to_string(schedule.swizzle);
           }
           rows.push_back({s.name, dist, mode_name(mode), kernel, ms, flop / ms * 1e-9,
-                          flop / dense_ms * 1e-9});
-          std::fprintf(stderr, "  %s %s %s: %.3f ms\n", s.name, dist, mode_name(mode), ms);
+                          flop / dense_ms * 1e-9, flop / batched_ms * 1e-9,
+                          flop / cutlass_ms * 1e-9});
+          std::fprintf(stderr, "  %s %s %s: %.3f ms\n", s.name.c_str(), dist, mode_name(mode),
+                       ms);
         }
       }
     }
@@ -400,12 +503,22 @@ int main(int argc, char** argv) {
   CHECK(cudaGetLastError());
 
   std::printf(
-      "\n| shape | group sizes | mode | kernel | ms | TFLOP/s | cuBLAS dense TFLOP/s | ratio |\n");
-  std::printf("| --- | --- | --- | --- | ---: | ---: | ---: | ---: |\n");
+      "\n| shape | group sizes | mode | kernel | ms | TFLOP/s | cuBLAS dense TFLOP/s | ratio | "
+      "cuBLAS batched TFLOP/s | nodrop / batched | CUTLASS batched, same tile, TFLOP/s | "
+      "nodrop / CUTLASS batched |\n");
+  std::printf("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
   for (const Row& r : rows) {
-    std::printf("| %s | %s | %s | %s | %.3f | %.0f | %.0f | %.2f |\n", r.shape.c_str(),
+    std::printf("| %s | %s | %s | %s | %.3f | %.0f | %.0f | %.2f |", r.shape.c_str(),
                 r.sizes.c_str(), r.mode.c_str(), r.tile.c_str(), r.ms, r.tflops, r.dense_tflops,
                 r.tflops / r.dense_tflops);
+    for (double peer : {r.batched_tflops, r.cutlass_batched_tflops}) {
+      if (std::isnan(peer)) {
+        std::printf(" | |");
+      } else {
+        std::printf(" %.0f | %.2f |", peer, r.tflops / peer);
+      }
+    }
+    std::printf("\n");
   }
   if (!options.csv.empty()) {
     FILE* file = std::fopen(options.csv.c_str(), "w");
@@ -413,11 +526,14 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "cannot write %s\n", options.csv.c_str());
       return 1;
     }
-    std::fprintf(file, "shape,group_sizes,mode,kernel,ms,tflops,dense_tflops\n");
+    std::fprintf(file,
+                 "shape,group_sizes,mode,kernel,ms,tflops,dense_tflops,batched_tflops,"
+                 "cutlass_batched_tflops\n");
     for (const Row& r : rows) {
       // The kernel column holds commas: quoted, as CSV readers expect.
-      std::fprintf(file, "%s,%s,%s,\"%s\",%.4f,%.1f,%.1f\n", r.shape.c_str(), r.sizes.c_str(),
-                   r.mode.c_str(), r.tile.c_str(), r.ms, r.tflops, r.dense_tflops);
+      std::fprintf(file, "\"%s\",%s,%s,\"%s\",%.4f,%.1f,%.1f,%.1f,%.1f\n", r.shape.c_str(),
+                   r.sizes.c_str(), r.mode.c_str(), r.tile.c_str(), r.ms, r.tflops,
+                   r.dense_tflops, r.batched_tflops, r.cutlass_batched_tflops);
     }
     std::fclose(file);
   }

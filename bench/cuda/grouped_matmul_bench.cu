@@ -362,11 +362,24 @@ nodrop::Status grouped(Mode mode, const Shape& s, const InputSet& in, const int3
   return nodrop::Status::Error("unknown mode");
 }
 
+// The first `count` bf16 values of a device buffer, on the host as float.
+std::vector<float> download_bf16(const void* data, size_t count) {
+  std::vector<bf16> raw(count);
+  CHECK(cudaMemcpy(raw.data(), data, count * sizeof(bf16), cudaMemcpyDeviceToHost));
+  std::vector<float> values(count);
+  for (size_t i = 0; i < count; ++i) values[i] = __bfloat162float(raw[i]);
+  return values;
+}
+
 // CUTLASS's batched GEMM on nodrop's tile, where it has one: y_g = x_g w_g (forward) or
-// dy_g w_g^T (input gradient) over G equal groups. NaN where there is none.
-double cutlass_batched_ms(const Options& options, cudaStream_t stream, Mode mode, GemmTile tile,
-                          const Shape& s, const std::vector<std::unique_ptr<InputSet>>& sets,
-                          void* out, const DeviceArray& workspace, size_t workspace_bytes) {
+// dy_g w_g^T (input gradient) over G equal groups. NaN where there is none. Its output on the
+// first input set must match cuBLAS's batched GEMM's (max |difference| / max |cuBLAS| at most
+// 0.01, as gpu_moe.py checks nodrop), or the benchmark stops: a peer computing something else
+// would time something else.
+double cutlass_batched_ms(const Options& options, cudaStream_t stream, cublasHandle_t handle,
+                          Mode mode, GemmTile tile, const Shape& s,
+                          const std::vector<std::unique_ptr<InputSet>>& sets, void* out,
+                          const DeviceArray& workspace, size_t workspace_bytes) {
   BatchedTile batched;
   if (tile == GemmTile::kPingpong128x128x64Cluster1x2) {
     batched = BatchedTile::kPingpong128x128x64Cluster1x2;
@@ -384,9 +397,25 @@ double cutlass_batched_ms(const Options& options, cudaStream_t stream, Mode mode
     return cutlass_batched_gemm(batched, !forward, forward ? in.x.data : in.dy.data, in.w.data,
                                 out, rows, n, k, G, workspace.data, workspace_bytes, stream);
   };
+  const size_t count = static_cast<size_t>(s.M) * n;
+  batched_gemm(handle, mode, s, *sets[0], out);
+  CHECK(cudaStreamSynchronize(stream));
+  const std::vector<float> want = download_bf16(out, count);
   if (!run(0)) {
     std::fprintf(stderr, "CUTLASS's batched GEMM refused %s\n", s.name.c_str());
     return NAN;
+  }
+  CHECK(cudaStreamSynchronize(stream));
+  const std::vector<float> got = download_bf16(out, count);
+  float difference = 0.f, scale = 0.f;
+  for (size_t i = 0; i < count; ++i) {
+    difference = std::max(difference, std::fabs(got[i] - want[i]));
+    scale = std::max(scale, std::fabs(want[i]));
+  }
+  if (!(difference <= 0.01f * scale)) {
+    std::fprintf(stderr, "%s %s: CUTLASS's batched GEMM is %g from cuBLAS's (max |cuBLAS| %g)\n",
+                 s.name.c_str(), mode_name(mode), difference, scale);
+    std::exit(1);
   }
   return median_ms(options, stream, run);
 }
@@ -482,8 +511,8 @@ int main(int argc, char** argv) {
           });
           const double cutlass_ms =
               equal_groups && forced_raster == GemmRaster::kAuto && options.tiles != "sweep"
-                  ? cutlass_batched_ms(options, stream, mode, schedule.tile, s, sets, out.data,
-                                       batched_workspace, kBatchedWorkspaceBytes)
+                  ? cutlass_batched_ms(options, stream, handle, mode, schedule.tile, s, sets,
+                                       out.data, batched_workspace, kBatchedWorkspaceBytes)
                   : NAN;
           std::string kernel = nodrop::cuda::gemm_tile_name(schedule.tile);
           if (schedule.tile == auto_tile) kernel += " (auto)";

@@ -2,12 +2,13 @@
 // expert layer at real model shapes, against cuBLAS's dense bf16 GEMM of the same FLOPs (the
 // ceiling) and, where the groups are equal, cuBLAS's strided batched GEMM of the same groups (what
 // a capacity-factor layer runs: one buffer per expert) and CUTLASS's batched GEMM on the same tile
-// as nodrop's kernel (cutlass_batched_gemm.cu; forward and input gradient, two tiles), printed as
-// a table.
+// as nodrop's kernel (cutlass_batched_gemm.cu; forward and input gradient, two tiles), and, for
+// any group sizes, a prototype of nodrop's rows form without per-group TMA descriptors on the same
+// tile (rows_grouped_gemm.cu), printed as a table.
 //
 //   nodrop_cuda_bench [--iters=50] [--warmup=5] [--tiles=auto|all|sweep] [--csv=FILE]
 //                     [--shapes=NAME,NAME] [--sizes=NAME,NAME] [--raster=auto|M|N]
-//                     [--groups=G,G]
+//                     [--groups=G,G] [--rows-form-edges]
 //
 // --tiles=all times every tile; --tiles=sweep times the automatic tile under every raster order
 // and swizzle of the tile scheduler. --shapes runs only the named shapes (default: all).
@@ -15,6 +16,8 @@
 // --raster=M or N makes every timed kernel walk its tiles along M or N (default: the engine's).
 // --groups runs each shape again with its rows split into G groups (same M, K and N: the same
 // FLOPs), to separate what a group costs from what its rows cost.
+// --rows-form-edges only checks the rows-form prototype on edge cases of group sizes (a small
+// problem, for compute-sanitizer), which every run does first.
 //
 // Each timing is the median of `iters` single calls timed with CUDA events after `warmup` calls;
 // consecutive calls read different copies of the inputs, so they do not start in L2.
@@ -36,6 +39,7 @@
 
 #include "cutlass_batched_gemm.h"
 #include "nodrop/engine_cuda.h"
+#include "rows_grouped_gemm.h"
 
 namespace {
 
@@ -180,6 +184,7 @@ struct Options {
   std::vector<std::string> shapes;  // empty: every shape
   std::vector<std::string> sizes;   // empty: every distribution
   std::vector<int64_t> groups;      // empty: each shape's own group count
+  bool rows_form_edges_only = false;
 };
 
 std::vector<std::string> split_commas(std::string rest) {
@@ -227,6 +232,8 @@ Options parse(int argc, char** argv) {
         }
         options.groups.push_back(groups);
       }
+    } else if (arg == "--rows-form-edges") {
+      options.rows_form_edges_only = true;
     } else {
       options.tiles = "";  // unknown argument: print the usage below
     }
@@ -238,7 +245,7 @@ Options parse(int argc, char** argv) {
     std::fprintf(stderr,
                  "usage: %s [--iters=N] [--warmup=N] [--tiles=auto|all|sweep] [--csv=FILE] "
                  "[--shapes=NAME,NAME] [--sizes=NAME,NAME] [--raster=auto|M|N] (not with "
-                 "--tiles=sweep, which sweeps it) [--groups=G,G]\n",
+                 "--tiles=sweep, which sweeps it) [--groups=G,G] [--rows-form-edges]\n",
                  argv[0]);
     std::exit(2);
   }
@@ -420,11 +427,118 @@ double cutlass_batched_ms(const Options& options, cudaStream_t stream, cublasHan
   return median_ms(options, stream, run);
 }
 
+// Where `got` (count bf16 values on the device) differs from `want` by more than 0.01 of
+// max |want|, or holds a NaN (an unwritten, poisoned value), says so and stops.
+void expect_close(const std::vector<float>& want, const void* got_device, const char* what,
+                  const std::string& where) {
+  const std::vector<float> got = download_bf16(got_device, want.size());
+  float scale = 0.f;
+  for (float w : want) scale = std::max(scale, std::fabs(w));
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (!(std::fabs(got[i] - want[i]) <= 0.01f * scale)) {
+      std::fprintf(stderr, "%s: %s differs from nodrop's at element %zu: %g against %g\n",
+                   where.c_str(), what, i, got[i], want[i]);
+      std::exit(1);
+    }
+  }
+}
+
+// The rows-form prototype's tile matching nodrop's, where it has one.
+bool rows_tile_for(GemmTile tile, RowsTile* rows_tile) {
+  if (tile == GemmTile::kPingpong128x128x64Cluster1x2) {
+    *rows_tile = RowsTile::kPingpong128x128x64Cluster1x2;
+  } else if (tile == GemmTile::kCooperative128x256x64Cluster1x1) {
+    *rows_tile = RowsTile::kCooperative128x256x64Cluster1x1;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// y = x w_g (forward) or dy w_g^T (input gradient) on the rows-form prototype, with nodrop's
+// input layout.
+bool rows_form(RowsTile tile, Mode mode, const Shape& s, const InputSet& in,
+               const int32_t* sizes, void* out, const DeviceArray& workspace,
+               size_t workspace_bytes, cudaStream_t stream) {
+  const bool forward = mode == Mode::kForward;
+  return rows_grouped_gemm(tile, !forward, forward ? in.x.data : in.dy.data, in.w.data, out,
+                           sizes, static_cast<int>(s.M), static_cast<int>(forward ? s.N : s.K),
+                           static_cast<int>(forward ? s.K : s.N), static_cast<int>(s.G),
+                           workspace.data, workspace_bytes, stream);
+}
+
+// The prototype against nodrop's engine on the edge cases of group sizes (empty groups, one row,
+// a row short of and past a tile, column tiles that do not pair up into clusters), every tile
+// and both modes, its output poisoned first so that unwritten rows show. Stops on a mismatch.
+void check_rows_form_edges(cudaStream_t stream) {
+  const Sizes sizes = {0, 1, 127, 128, 129, 0, 300, 400, 0};
+  int64_t M = 0;
+  for (int32_t n : sizes) M += n;
+  const Shape s{"rows-form edge cases", M, 256, 384, static_cast<int64_t>(sizes.size())};
+  const InputSet in(s, 99);
+  DeviceArray sizes_buffer(sizes.size() * sizeof(int32_t));
+  CHECK(cudaMemcpy(sizes_buffer.data, sizes.data(), sizes.size() * sizeof(int32_t),
+                   cudaMemcpyHostToDevice));
+  const auto* d_sizes = static_cast<const int32_t*>(sizes_buffer.data);
+  const size_t count = static_cast<size_t>(M) * std::max(s.K, s.N);
+  DeviceArray out(count * sizeof(bf16));
+  const size_t workspace_bytes = nodrop::cuda::grouped_matmul_workspace_bytes(s.G);
+  DeviceArray workspace(workspace_bytes);
+  const size_t rows_workspace_bytes = rows_grouped_gemm_workspace_bytes(static_cast<int>(s.G));
+  DeviceArray rows_workspace(rows_workspace_bytes);
+  CHECK(cudaDeviceSynchronize());
+  for (Mode mode : {Mode::kForward, Mode::kInputGrad}) {
+    for (RowsTile tile : {RowsTile::kPingpong128x128x64Cluster1x2,
+                          RowsTile::kCooperative128x256x64Cluster1x1}) {
+      const size_t values = static_cast<size_t>(M) * (mode == Mode::kForward ? s.N : s.K);
+      CHECK(grouped(mode, s, in, d_sizes, out.data, workspace, workspace_bytes, stream,
+                    GemmSchedule{}));
+      CHECK(cudaStreamSynchronize(stream));
+      const std::vector<float> want = download_bf16(out.data, values);
+      CHECK(cudaMemsetAsync(out.data, 0xFF, values * sizeof(bf16), stream));  // NaN
+      if (!rows_form(tile, mode, s, in, d_sizes, out.data, rows_workspace, rows_workspace_bytes,
+                     stream)) {
+        std::fprintf(stderr, "the rows-form prototype refused its edge cases\n");
+        std::exit(1);
+      }
+      CHECK(cudaStreamSynchronize(stream));
+      expect_close(want, out.data, "the rows-form prototype",
+                   std::string(s.name) + " " + mode_name(mode) +
+                       (tile == RowsTile::kPingpong128x128x64Cluster1x2 ? " pingpong"
+                                                                        : " cooperative"));
+    }
+  }
+  std::fprintf(stderr, "rows-form prototype: edge cases match nodrop's engine\n");
+}
+
+// The rows-form prototype on nodrop's tile (NaN where it has no such tile or for the weight
+// gradient), after its output on the first input set matched nodrop's (`want`).
+double rows_form_ms(const Options& options, cudaStream_t stream, Mode mode, GemmTile tile,
+                    const Shape& s, const std::vector<std::unique_ptr<InputSet>>& sets,
+                    const int32_t* sizes, const std::vector<float>& want, void* out,
+                    const DeviceArray& workspace, size_t workspace_bytes) {
+  RowsTile rows_tile;
+  if (mode == Mode::kWeightGrad || !rows_tile_for(tile, &rows_tile)) return NAN;
+  auto run = [&](int i) {
+    return rows_form(rows_tile, mode, s, *sets[i % sets.size()], sizes, out, workspace,
+                     workspace_bytes, stream);
+  };
+  CHECK(cudaMemsetAsync(out, 0xFF, want.size() * sizeof(bf16), stream));
+  if (!run(0)) {
+    std::fprintf(stderr, "the rows-form prototype refused %s\n", s.name.c_str());
+    return NAN;
+  }
+  CHECK(cudaStreamSynchronize(stream));
+  expect_close(want, out, "the rows-form prototype", s.name + " " + mode_name(mode));
+  return median_ms(options, stream, run);
+}
+
 struct Row {
   std::string shape, sizes, mode, tile;
   double ms, tflops, dense_tflops;
   double batched_tflops;          // NaN where the groups are not equal
   double cutlass_batched_tflops;  // NaN where there is no such kernel
+  double rows_form_tflops;        // NaN where the prototype has no such kernel
 };
 
 }  // namespace
@@ -441,6 +555,8 @@ int main(int argc, char** argv) {
   CHECK(cublasCreate(&handle));
   CHECK(cublasSetStream(handle, stream));
 
+  check_rows_form_edges(stream);
+  if (options.rows_form_edges_only) return 0;
   const Mode modes[] = {Mode::kForward, Mode::kInputGrad, Mode::kWeightGrad};
   std::vector<Shape> shapes;
   for (const Shape& s : kShapes) {
@@ -464,6 +580,8 @@ int main(int argc, char** argv) {
     DeviceArray workspace(workspace_bytes);
     constexpr size_t kBatchedWorkspaceBytes = 16 << 20;
     DeviceArray batched_workspace(kBatchedWorkspaceBytes);
+    const size_t rows_workspace_bytes = rows_grouped_gemm_workspace_bytes(static_cast<int>(s.G));
+    DeviceArray rows_workspace(rows_workspace_bytes);
     DeviceArray sizes_buffer(s.G * sizeof(int32_t));
     CHECK(cudaDeviceSynchronize());  // the fills ran on the legacy stream; `stream` does not wait
     const double flop = 2.0 * s.M * s.K * s.N;
@@ -505,15 +623,28 @@ int main(int argc, char** argv) {
         for (const GemmSchedule& schedule : schedules) {
           CHECK(grouped(mode, s, *sets[0], d_sizes, out.data, workspace, workspace_bytes, stream,
                         schedule));
+          const bool compare_peers =
+              forced_raster == GemmRaster::kAuto && options.tiles != "sweep";
+          std::vector<float> nodrop_out;
+          if (compare_peers && mode != Mode::kWeightGrad) {
+            CHECK(cudaStreamSynchronize(stream));
+            nodrop_out = download_bf16(out.data, static_cast<size_t>(s.M) *
+                                                     (mode == Mode::kForward ? s.N : s.K));
+          }
           const double ms = median_ms(options, stream, [&](int i) {
             grouped(mode, s, *sets[i % copies], d_sizes, out.data, workspace, workspace_bytes,
                     stream, schedule);
           });
           const double cutlass_ms =
-              equal_groups && forced_raster == GemmRaster::kAuto && options.tiles != "sweep"
+              equal_groups && compare_peers
                   ? cutlass_batched_ms(options, stream, handle, mode, schedule.tile, s, sets,
                                        out.data, batched_workspace, kBatchedWorkspaceBytes)
                   : NAN;
+          const double rows_ms =
+              compare_peers ? rows_form_ms(options, stream, mode, schedule.tile, s, sets, d_sizes,
+                                           nodrop_out, out.data, rows_workspace,
+                                           rows_workspace_bytes)
+                            : NAN;
           std::string kernel = nodrop::cuda::gemm_tile_name(schedule.tile);
           if (schedule.tile == auto_tile) kernel += " (auto)";
           if (options.tiles == "sweep" || forced_raster != GemmRaster::kAuto) {
@@ -522,7 +653,7 @@ int main(int argc, char** argv) {
           }
           rows.push_back({s.name, dist, mode_name(mode), kernel, ms, flop / ms * 1e-9,
                           flop / dense_ms * 1e-9, flop / batched_ms * 1e-9,
-                          flop / cutlass_ms * 1e-9});
+                          flop / cutlass_ms * 1e-9, flop / rows_ms * 1e-9});
           std::fprintf(stderr, "  %s %s %s: %.3f ms\n", s.name.c_str(), dist, mode_name(mode),
                        ms);
         }
@@ -534,13 +665,14 @@ int main(int argc, char** argv) {
   std::printf(
       "\n| shape | group sizes | mode | kernel | ms | TFLOP/s | cuBLAS dense TFLOP/s | ratio | "
       "cuBLAS batched TFLOP/s | nodrop / batched | CUTLASS batched, same tile, TFLOP/s | "
-      "nodrop / CUTLASS batched |\n");
-  std::printf("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+      "nodrop / CUTLASS batched | rows form, same tile, TFLOP/s | nodrop / rows form |\n");
+  std::printf("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+              "---: | ---: |\n");
   for (const Row& r : rows) {
     std::printf("| %s | %s | %s | %s | %.3f | %.0f | %.0f | %.2f |", r.shape.c_str(),
                 r.sizes.c_str(), r.mode.c_str(), r.tile.c_str(), r.ms, r.tflops, r.dense_tflops,
                 r.tflops / r.dense_tflops);
-    for (double peer : {r.batched_tflops, r.cutlass_batched_tflops}) {
+    for (double peer : {r.batched_tflops, r.cutlass_batched_tflops, r.rows_form_tflops}) {
       if (std::isnan(peer)) {
         std::printf(" | |");
       } else {
@@ -557,12 +689,13 @@ int main(int argc, char** argv) {
     }
     std::fprintf(file,
                  "shape,group_sizes,mode,kernel,ms,tflops,dense_tflops,batched_tflops,"
-                 "cutlass_batched_tflops\n");
+                 "cutlass_batched_tflops,rows_form_tflops\n");
     for (const Row& r : rows) {
       // The kernel column holds commas: quoted, as CSV readers expect.
-      std::fprintf(file, "\"%s\",%s,%s,\"%s\",%.4f,%.1f,%.1f,%.1f,%.1f\n", r.shape.c_str(),
+      std::fprintf(file, "\"%s\",%s,%s,\"%s\",%.4f,%.1f,%.1f,%.1f,%.1f,%.1f\n", r.shape.c_str(),
                    r.sizes.c_str(), r.mode.c_str(), r.tile.c_str(), r.ms, r.tflops,
-                   r.dense_tflops, r.batched_tflops, r.cutlass_batched_tflops);
+                   r.dense_tflops, r.batched_tflops, r.cutlass_batched_tflops,
+                   r.rows_form_tflops);
     }
     std::fclose(file);
   }

@@ -4,7 +4,8 @@
 // a capacity-factor layer runs: one buffer per expert) and CUTLASS's batched GEMM on the same tile
 // as nodrop's kernel (cutlass_batched_gemm.cu; forward and input gradient, two tiles), and, for
 // any group sizes, a prototype of nodrop's rows form without per-group TMA descriptors on the same
-// tile (rows_grouped_gemm.cu), printed as a table.
+// tile (rows_grouped_gemm.cu; where every group is whole row tiles, also with a TMA store),
+// printed as a table.
 //
 //   nodrop_cuda_bench [--iters=50] [--warmup=5] [--tiles=auto|all|sweep] [--csv=FILE]
 //                     [--shapes=NAME,NAME] [--sizes=NAME,NAME] [--raster=auto|M|N]
@@ -457,21 +458,19 @@ bool rows_tile_for(GemmTile tile, RowsTile* rows_tile) {
 
 // y = x w_g (forward) or dy w_g^T (input gradient) on the rows-form prototype, with nodrop's
 // input layout.
-bool rows_form(RowsTile tile, Mode mode, const Shape& s, const InputSet& in,
+bool rows_form(RowsTile tile, RowsStore store, Mode mode, const Shape& s, const InputSet& in,
                const int32_t* sizes, void* out, const DeviceArray& workspace,
                size_t workspace_bytes, cudaStream_t stream) {
   const bool forward = mode == Mode::kForward;
-  return rows_grouped_gemm(tile, !forward, forward ? in.x.data : in.dy.data, in.w.data, out,
+  return rows_grouped_gemm(tile, store, !forward, forward ? in.x.data : in.dy.data, in.w.data, out,
                            sizes, static_cast<int>(s.M), static_cast<int>(forward ? s.N : s.K),
                            static_cast<int>(forward ? s.K : s.N), static_cast<int>(s.G),
                            workspace.data, workspace_bytes, stream);
 }
 
-// The prototype against nodrop's engine on the edge cases of group sizes (empty groups, one row,
-// a row short of and past a tile, column tiles that do not pair up into clusters), every tile
-// and both modes, its output poisoned first so that unwritten rows show. Stops on a mismatch.
-void check_rows_form_edges(cudaStream_t stream) {
-  const Sizes sizes = {0, 1, 127, 128, 129, 0, 300, 400, 0};
+// The prototype with `store` against nodrop's engine on group sizes `sizes`, every tile and both
+// modes, its output poisoned first so that unwritten rows show. Stops on a mismatch.
+void check_rows_form(RowsStore store, const Sizes& sizes, cudaStream_t stream) {
   int64_t M = 0;
   for (int32_t n : sizes) M += n;
   const Shape s{"rows-form edge cases", M, 256, 384, static_cast<int64_t>(sizes.size())};
@@ -496,8 +495,8 @@ void check_rows_form_edges(cudaStream_t stream) {
       CHECK(cudaStreamSynchronize(stream));
       const std::vector<float> want = download_bf16(out.data, values);
       CHECK(cudaMemsetAsync(out.data, 0xFF, values * sizeof(bf16), stream));  // NaN
-      if (!rows_form(tile, mode, s, in, d_sizes, out.data, rows_workspace, rows_workspace_bytes,
-                     stream)) {
+      if (!rows_form(tile, store, mode, s, in, d_sizes, out.data, rows_workspace,
+                     rows_workspace_bytes, stream)) {
         std::fprintf(stderr, "the rows-form prototype refused its edge cases\n");
         std::exit(1);
       }
@@ -505,22 +504,32 @@ void check_rows_form_edges(cudaStream_t stream) {
       expect_close(want, out.data, "the rows-form prototype",
                    std::string(s.name) + " " + mode_name(mode) +
                        (tile == RowsTile::kPingpong128x128x64Cluster1x2 ? " pingpong"
-                                                                        : " cooperative"));
+                                                                        : " cooperative") +
+                       (store == RowsStore::kTmaWholeRowTiles ? ", TMA store" : ""));
     }
   }
+}
+
+// The edge cases of group sizes: empty groups, one row, a row short of and past a tile, and
+// column tiles that do not pair up into clusters; for the TMA store, groups of whole row tiles
+// between empty ones.
+void check_rows_form_edges(cudaStream_t stream) {
+  check_rows_form(RowsStore::kMaskedRegisters, {0, 1, 127, 128, 129, 0, 300, 400, 0}, stream);
+  check_rows_form(RowsStore::kTmaWholeRowTiles, {0, 128, 256, 0, 384, 128, 0}, stream);
   std::fprintf(stderr, "rows-form prototype: edge cases match nodrop's engine\n");
 }
 
-// The rows-form prototype on nodrop's tile (NaN where it has no such tile or for the weight
-// gradient), after its output on the first input set matched nodrop's (`want`).
-double rows_form_ms(const Options& options, cudaStream_t stream, Mode mode, GemmTile tile,
-                    const Shape& s, const std::vector<std::unique_ptr<InputSet>>& sets,
-                    const int32_t* sizes, const std::vector<float>& want, void* out,
-                    const DeviceArray& workspace, size_t workspace_bytes) {
+// The rows-form prototype with `store` on nodrop's tile (NaN where it has no such tile or for the
+// weight gradient), after its output on the first input set matched nodrop's (`want`).
+double rows_form_ms(const Options& options, cudaStream_t stream, RowsStore store, Mode mode,
+                    GemmTile tile, const Shape& s,
+                    const std::vector<std::unique_ptr<InputSet>>& sets, const int32_t* sizes,
+                    const std::vector<float>& want, void* out, const DeviceArray& workspace,
+                    size_t workspace_bytes) {
   RowsTile rows_tile;
   if (mode == Mode::kWeightGrad || !rows_tile_for(tile, &rows_tile)) return NAN;
   auto run = [&](int i) {
-    return rows_form(rows_tile, mode, s, *sets[i % sets.size()], sizes, out, workspace,
+    return rows_form(rows_tile, store, mode, s, *sets[i % sets.size()], sizes, out, workspace,
                      workspace_bytes, stream);
   };
   CHECK(cudaMemsetAsync(out, 0xFF, want.size() * sizeof(bf16), stream));
@@ -539,6 +548,7 @@ struct Row {
   double batched_tflops;          // NaN where the groups are not equal
   double cutlass_batched_tflops;  // NaN where there is no such kernel
   double rows_form_tflops;        // NaN where the prototype has no such kernel
+  double rows_tma_tflops;         // NaN there or where a group is not whole row tiles
 };
 
 }  // namespace
@@ -641,10 +651,18 @@ int main(int argc, char** argv) {
                                        out.data, batched_workspace, kBatchedWorkspaceBytes)
                   : NAN;
           const double rows_ms =
-              compare_peers ? rows_form_ms(options, stream, mode, schedule.tile, s, sets, d_sizes,
-                                           nodrop_out, out.data, rows_workspace,
-                                           rows_workspace_bytes)
+              compare_peers ? rows_form_ms(options, stream, RowsStore::kMaskedRegisters, mode,
+                                           schedule.tile, s, sets, d_sizes, nodrop_out, out.data,
+                                           rows_workspace, rows_workspace_bytes)
                             : NAN;
+          const bool whole_row_tiles =
+              std::all_of(sizes.begin(), sizes.end(), [](int32_t n) { return n % 128 == 0; });
+          const double rows_tma_ms =
+              compare_peers && whole_row_tiles
+                  ? rows_form_ms(options, stream, RowsStore::kTmaWholeRowTiles, mode,
+                                 schedule.tile, s, sets, d_sizes, nodrop_out, out.data,
+                                 rows_workspace, rows_workspace_bytes)
+                  : NAN;
           std::string kernel = nodrop::cuda::gemm_tile_name(schedule.tile);
           if (schedule.tile == auto_tile) kernel += " (auto)";
           if (options.tiles == "sweep" || forced_raster != GemmRaster::kAuto) {
@@ -653,7 +671,8 @@ int main(int argc, char** argv) {
           }
           rows.push_back({s.name, dist, mode_name(mode), kernel, ms, flop / ms * 1e-9,
                           flop / dense_ms * 1e-9, flop / batched_ms * 1e-9,
-                          flop / cutlass_ms * 1e-9, flop / rows_ms * 1e-9});
+                          flop / cutlass_ms * 1e-9, flop / rows_ms * 1e-9,
+                          flop / rows_tma_ms * 1e-9});
           std::fprintf(stderr, "  %s %s %s: %.3f ms\n", s.name.c_str(), dist, mode_name(mode),
                        ms);
         }
@@ -665,14 +684,16 @@ int main(int argc, char** argv) {
   std::printf(
       "\n| shape | group sizes | mode | kernel | ms | TFLOP/s | cuBLAS dense TFLOP/s | ratio | "
       "cuBLAS batched TFLOP/s | nodrop / batched | CUTLASS batched, same tile, TFLOP/s | "
-      "nodrop / CUTLASS batched | rows form, same tile, TFLOP/s | nodrop / rows form |\n");
+      "nodrop / CUTLASS batched | rows form, same tile, TFLOP/s | nodrop / rows form | "
+      "rows form, TMA store, TFLOP/s | nodrop / rows form, TMA store |\n");
   std::printf("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
-              "---: | ---: |\n");
+              "---: | ---: | ---: | ---: |\n");
   for (const Row& r : rows) {
     std::printf("| %s | %s | %s | %s | %.3f | %.0f | %.0f | %.2f |", r.shape.c_str(),
                 r.sizes.c_str(), r.mode.c_str(), r.tile.c_str(), r.ms, r.tflops, r.dense_tflops,
                 r.tflops / r.dense_tflops);
-    for (double peer : {r.batched_tflops, r.cutlass_batched_tflops, r.rows_form_tflops}) {
+    for (double peer :
+         {r.batched_tflops, r.cutlass_batched_tflops, r.rows_form_tflops, r.rows_tma_tflops}) {
       if (std::isnan(peer)) {
         std::printf(" | |");
       } else {
@@ -689,13 +710,14 @@ int main(int argc, char** argv) {
     }
     std::fprintf(file,
                  "shape,group_sizes,mode,kernel,ms,tflops,dense_tflops,batched_tflops,"
-                 "cutlass_batched_tflops,rows_form_tflops\n");
+                 "cutlass_batched_tflops,rows_form_tflops,rows_tma_tflops\n");
     for (const Row& r : rows) {
       // The kernel column holds commas: quoted, as CSV readers expect.
-      std::fprintf(file, "\"%s\",%s,%s,\"%s\",%.4f,%.1f,%.1f,%.1f,%.1f,%.1f\n", r.shape.c_str(),
+      std::fprintf(file, "\"%s\",%s,%s,\"%s\",%.4f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f\n",
+                   r.shape.c_str(),
                    r.sizes.c_str(), r.mode.c_str(), r.tile.c_str(), r.ms, r.tflops,
                    r.dense_tflops, r.batched_tflops, r.cutlass_batched_tflops,
-                   r.rows_form_tflops);
+                   r.rows_form_tflops, r.rows_tma_tflops);
     }
     std::fclose(file);
   }

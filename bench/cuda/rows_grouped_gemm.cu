@@ -12,6 +12,8 @@
 //   - the mainloop's A tensor is indexed by first row instead of by row tile;
 //   - the epilogue stores from registers and masks the rows past the group's end, where a TMA
 //     store, which clips only at the tensor's edge, would overwrite the next group's first rows.
+// A second epilogue, for groups of whole row tiles only, is CUTLASS's TMA store with D indexed
+// by row tile: it measures what the register stores cost against the same kernel otherwise.
 #include <cuda_runtime.h>
 
 #include <cub/block/block_scan.cuh>
@@ -19,6 +21,7 @@
 #include <cutlass/array.h>
 #include <cutlass/cutlass.h>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/operations.hpp>
 #include <cutlass/epilogue/thread/linear_combination.h>
 #include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
@@ -311,7 +314,44 @@ struct RowsEpilogue {
   Params params;
 };
 
-template <bool kPingpong, int kTileN, int kClusterN, class LayoutB>
+// CUTLASS's TMA epilogue with D indexed by row tile: the scheduler's M_idx is the tile's first
+// row, a whole row tile's where every group is (the caller's promise), and D has one descriptor
+// over every group's rows, so the group coordinate is dropped.
+template <class Base, int kTileM>
+struct RowsTmaEpilogue : Base {
+  using Base::Base;
+
+  template <class Coord>
+  CUTLASS_DEVICE static auto by_row_tile(Coord coord) {
+    return make_coord(get<0>(coord) / kTileM, get<1>(coord), get<2>(coord), 0);
+  }
+
+  template <class LoadPipeline, class LoadState, class Problem, class TileShapeMNK, class Coord,
+            class TiledMma>
+  CUTLASS_DEVICE auto load(LoadPipeline pipeline, LoadState state, Problem problem,
+                           TileShapeMNK tile_shape, Coord coord, TiledMma tiled_mma,
+                           int thread_idx, typename Base::TensorStorage& storage,
+                           int subtile_idx = -1) {
+    return Base::load(pipeline, state, problem, tile_shape, by_row_tile(coord), tiled_mma,
+                      thread_idx, storage, subtile_idx);
+  }
+
+  template <class LoadPipeline, class LoadState, class StorePipeline, class StoreState,
+            class Problem, class TileShapeMNK, class Coord, class AccEngine, class AccLayout,
+            class TiledMma>
+  CUTLASS_DEVICE auto store(LoadPipeline load_pipeline, LoadState load_state,
+                            StorePipeline store_pipeline, StoreState store_state, Problem problem,
+                            TileShapeMNK tile_shape, Coord coord,
+                            Tensor<AccEngine, AccLayout> accumulators, TiledMma tiled_mma,
+                            int thread_idx, typename Base::TensorStorage& storage,
+                            int subtile_idx = -1) {
+    return Base::store(load_pipeline, load_state, store_pipeline, store_state, problem,
+                       tile_shape, by_row_tile(coord), accumulators, tiled_mma, thread_idx,
+                       storage, subtile_idx);
+  }
+};
+
+template <bool kPingpong, int kTileN, int kClusterN, class LayoutB, bool kTmaStore>
 struct RowsGemm {
   using Element = cutlass::bfloat16_t;
   using Tile = Shape<_128, Int<kTileN>, _64>;
@@ -319,11 +359,26 @@ struct RowsGemm {
   using MainloopSchedule =
       std::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
                          cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
-  using Epilogue =
-      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<RowsEpilogue<Element>>;
+  using LayoutD = cutlass::layout::RowMajor;
+  using TmaEpilogue = RowsTmaEpilogue<
+      typename cutlass::epilogue::collective::CollectiveBuilder<
+          cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+          cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, 8,
+          Element, LayoutD, 8,
+          std::conditional_t<kPingpong, cutlass::epilogue::TmaWarpSpecialized,
+                             cutlass::epilogue::TmaWarpSpecializedCooperative>,
+          cutlass::epilogue::fusion::LinearCombination<Element, float>>::CollectiveOp,
+      128>;
+  using Epilogue = std::conditional_t<
+      kTmaStore, TmaEpilogue,
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<RowsEpilogue<Element>>>;
+  // The TMA epilogue's shared memory comes out of the mainloop's stages; the register one has
+  // none.
+  static constexpr int kEpilogueSmem = kTmaStore ? sizeof(typename Epilogue::SharedStorage) : 0;
   using Mainloop = RowsMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, 8,
-      Element, LayoutB, 8, float, Tile, Cluster, cutlass::gemm::collective::StageCountAuto,
+      Element, LayoutB, 8, float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmem>,
       MainloopSchedule>::CollectiveOp>;
   using Kernel =
       cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue,
@@ -343,8 +398,16 @@ struct RowsGemm {
     args.mainloop.dA = cutlass::make_cute_packed_stride(StrideA{}, {rows, k, groups});
     args.mainloop.ptr_B = static_cast<const Element*>(b);
     args.mainloop.dB = cutlass::make_cute_packed_stride(StrideB{}, {n, k, groups});
-    args.epilogue.ptr_D = static_cast<Element*>(d);
-    args.epilogue.offsets = offsets;
+    if constexpr (kTmaStore) {
+      using StrideD = typename Kernel::StrideD;
+      args.epilogue.ptr_C = nullptr;
+      args.epilogue.dC = cutlass::make_cute_packed_stride(StrideD{}, {rows, n, groups});
+      args.epilogue.ptr_D = static_cast<Element*>(d);
+      args.epilogue.dD = args.epilogue.dC;
+    } else {
+      args.epilogue.ptr_D = static_cast<Element*>(d);
+      args.epilogue.offsets = offsets;
+    }
     int device = 0;
     if (cudaGetDevice(&device) != cudaSuccess) return false;
     args.hw_info.device_id = device;
@@ -361,15 +424,25 @@ struct RowsGemm {
   }
 };
 
+template <bool kPingpong, int kTileN, int kClusterN, class LayoutB>
+bool run_store(RowsStore store, const void* a, const void* b, void* d, const int64_t* offsets,
+               int rows, int n, int k, int groups, cudaStream_t stream) {
+  return store == RowsStore::kTmaWholeRowTiles
+             ? RowsGemm<kPingpong, kTileN, kClusterN, LayoutB, true>::run(a, b, d, offsets, rows,
+                                                                         n, k, groups, stream)
+             : RowsGemm<kPingpong, kTileN, kClusterN, LayoutB, false>::run(a, b, d, offsets, rows,
+                                                                          n, k, groups, stream);
+}
+
 template <bool kPingpong, int kTileN, int kClusterN>
-bool run_tile(bool b_transposed, const void* a, const void* b, void* d, const int64_t* offsets,
-              int rows, int n, int k, int groups, cudaStream_t stream) {
+bool run_tile(RowsStore store, bool b_transposed, const void* a, const void* b, void* d,
+              const int64_t* offsets, int rows, int n, int k, int groups, cudaStream_t stream) {
   using Row = cutlass::layout::RowMajor;
   using Col = cutlass::layout::ColumnMajor;
-  return b_transposed ? RowsGemm<kPingpong, kTileN, kClusterN, Col>::run(a, b, d, offsets, rows,
-                                                                        n, k, groups, stream)
-                      : RowsGemm<kPingpong, kTileN, kClusterN, Row>::run(a, b, d, offsets, rows,
-                                                                        n, k, groups, stream);
+  return b_transposed ? run_store<kPingpong, kTileN, kClusterN, Col>(store, a, b, d, offsets,
+                                                                     rows, n, k, groups, stream)
+                      : run_store<kPingpong, kTileN, kClusterN, Row>(store, a, b, d, offsets,
+                                                                     rows, n, k, groups, stream);
 }
 
 }  // namespace rows_gemm
@@ -378,7 +451,7 @@ size_t rows_grouped_gemm_workspace_bytes(int groups) {
   return static_cast<size_t>(groups + 1) * sizeof(int64_t);
 }
 
-bool rows_grouped_gemm(RowsTile tile, bool b_transposed, const void* a, const void* b, void* d,
+bool rows_grouped_gemm(RowsTile tile, RowsStore store, bool b_transposed, const void* a, const void* b, void* d,
                        const int32_t* group_sizes, int rows, int n, int k, int groups,
                        void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (groups < 1 || groups > rows_gemm::kMaxGroups ||
@@ -391,10 +464,10 @@ bool rows_grouped_gemm(RowsTile tile, bool b_transposed, const void* a, const vo
   if (cudaGetLastError() != cudaSuccess) return false;
   switch (tile) {
     case RowsTile::kPingpong128x128x64Cluster1x2:
-      return rows_gemm::run_tile<true, 128, 2>(b_transposed, a, b, d, offsets, rows, n, k, groups,
-                                               stream);
+      return rows_gemm::run_tile<true, 128, 2>(store, b_transposed, a, b, d, offsets, rows, n, k,
+                                               groups, stream);
     case RowsTile::kCooperative128x256x64Cluster1x1:
-      return rows_gemm::run_tile<false, 256, 1>(b_transposed, a, b, d, offsets, rows, n, k,
+      return rows_gemm::run_tile<false, 256, 1>(store, b_transposed, a, b, d, offsets, rows, n, k,
                                                 groups, stream);
   }
   return false;

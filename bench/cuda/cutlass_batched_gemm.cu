@@ -22,12 +22,13 @@
 
 namespace {
 
-template <bool kPingpong, int kTileM, int kTileN, int kClusterN, class LayoutA, class LayoutB>
+template <bool kPingpong, int kTileM, int kTileN, int kClusterM, int kClusterN, class LayoutA,
+          class LayoutB>
 struct BatchedGemm {
   using Element = cutlass::bfloat16_t;
   using LayoutD = cutlass::layout::RowMajor;
   using Tile = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::_64>;
-  using Cluster = cute::Shape<cute::_1, cute::Int<kClusterN>, cute::_1>;
+  using Cluster = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
   using MainloopSchedule = std::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
                                               cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
   using EpilogueSchedule = std::conditional_t<kPingpong, cutlass::epilogue::TmaWarpSpecialized,
@@ -80,15 +81,15 @@ struct BatchedGemm {
 
 // Row-major A; B row-major ([K, N]: the forward's weights) or column-major (the input
 // gradient's, read as [N, K] transposed).
-template <bool kPingpong, int kTileM, int kTileN, int kClusterN>
+template <bool kPingpong, int kTileM, int kTileN, int kClusterM, int kClusterN>
 bool run_tile(bool b_transposed, const void* a, const void* b, void* d, int rows, int n, int k,
               int batch, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   using Row = cutlass::layout::RowMajor;
   using Col = cutlass::layout::ColumnMajor;
   return b_transposed
-             ? BatchedGemm<kPingpong, kTileM, kTileN, kClusterN, Row, Col>::run(
+             ? BatchedGemm<kPingpong, kTileM, kTileN, kClusterM, kClusterN, Row, Col>::run(
                    a, b, d, rows, n, k, batch, workspace, workspace_bytes, stream)
-             : BatchedGemm<kPingpong, kTileM, kTileN, kClusterN, Row, Row>::run(
+             : BatchedGemm<kPingpong, kTileM, kTileN, kClusterM, kClusterN, Row, Row>::run(
                    a, b, d, rows, n, k, batch, workspace, workspace_bytes, stream);
 }
 
@@ -99,11 +100,17 @@ bool cutlass_batched_gemm(BatchedTile tile, bool b_transposed, const void* a, co
                           size_t workspace_bytes, cudaStream_t stream) {
   switch (tile) {
     case BatchedTile::kPingpong128x128x64Cluster1x2:
-      return run_tile<true, 128, 128, 2>(b_transposed, a, b, d, rows, n, k, batch, workspace,
+      return run_tile<true, 128, 128, 1, 2>(b_transposed, a, b, d, rows, n, k, batch, workspace,
                                          workspace_bytes, stream);
     case BatchedTile::kCooperative128x256x64Cluster1x1:
-      return run_tile<false, 128, 256, 1>(b_transposed, a, b, d, rows, n, k, batch, workspace,
+      return run_tile<false, 128, 256, 1, 1>(b_transposed, a, b, d, rows, n, k, batch, workspace,
                                           workspace_bytes, stream);
+    case BatchedTile::kCooperative128x256x64Cluster2x1:
+      return run_tile<false, 128, 256, 2, 1>(b_transposed, a, b, d, rows, n, k, batch, workspace,
+                                             workspace_bytes, stream);
+    case BatchedTile::kCooperative128x256x64Cluster1x2:
+      return run_tile<false, 128, 256, 1, 2>(b_transposed, a, b, d, rows, n, k, batch, workspace,
+                                             workspace_bytes, stream);
   }
   return false;
 }

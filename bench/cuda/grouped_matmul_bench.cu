@@ -2,9 +2,9 @@
 // expert layer at real model shapes, against cuBLAS's dense bf16 GEMM of the same FLOPs (the
 // ceiling) and, where the groups are equal, cuBLAS's strided batched GEMM of the same groups (what
 // a capacity-factor layer runs: one buffer per expert) and CUTLASS's batched GEMM on the same tile
-// as nodrop's kernel (cutlass_batched_gemm.cu; forward and input gradient, two tiles), and, for
-// any group sizes, a prototype of nodrop's rows form without per-group TMA descriptors on the same
-// tile (rows_grouped_gemm.cu; where every group is whole row tiles, also with a TMA store),
+// as nodrop's kernel and on cuBLAS's (cutlass_batched_gemm.cu; forward and input gradient), and,
+// for any group sizes, a prototype of nodrop's rows form without per-group TMA descriptors on the
+// same tile (rows_grouped_gemm.cu; where every group is whole row tiles, also with a TMA store),
 // printed as a table.
 //
 //   nodrop_cuda_bench [--iters=50] [--warmup=5] [--tiles=auto|all|sweep] [--csv=FILE]
@@ -379,23 +379,15 @@ std::vector<float> download_bf16(const void* data, size_t count) {
   return values;
 }
 
-// CUTLASS's batched GEMM on nodrop's tile, where it has one: y_g = x_g w_g (forward) or
-// dy_g w_g^T (input gradient) over G equal groups. NaN where there is none. Its output on the
+// CUTLASS's batched GEMM on `batched`'s tile: y_g = x_g w_g (forward) or dy_g w_g^T (input
+// gradient) over G equal groups; NaN for the weight gradient. Its output on the
 // first input set must match cuBLAS's batched GEMM's (max |difference| / max |cuBLAS| at most
 // 0.01, as gpu_moe.py checks nodrop), or the benchmark stops: a peer computing something else
 // would time something else.
 double cutlass_batched_ms(const Options& options, cudaStream_t stream, cublasHandle_t handle,
-                          Mode mode, GemmTile tile, const Shape& s,
+                          Mode mode, BatchedTile batched, const Shape& s,
                           const std::vector<std::unique_ptr<InputSet>>& sets, void* out,
                           const DeviceArray& workspace, size_t workspace_bytes) {
-  BatchedTile batched;
-  if (tile == GemmTile::kPingpong128x128x64Cluster1x2) {
-    batched = BatchedTile::kPingpong128x128x64Cluster1x2;
-  } else if (tile == GemmTile::kCooperative128x256x64Cluster1x1) {
-    batched = BatchedTile::kCooperative128x256x64Cluster1x1;
-  } else {
-    return NAN;
-  }
   if (mode == Mode::kWeightGrad) return NAN;
   const bool forward = mode == Mode::kForward;
   const int rows = static_cast<int>(s.M / s.G), G = static_cast<int>(s.G);
@@ -410,7 +402,8 @@ double cutlass_batched_ms(const Options& options, cudaStream_t stream, cublasHan
   CHECK(cudaStreamSynchronize(stream));
   const std::vector<float> want = download_bf16(out, count);
   if (!run(0)) {
-    std::fprintf(stderr, "CUTLASS's batched GEMM refused %s\n", s.name.c_str());
+    std::fprintf(stderr, "CUTLASS's batched GEMM (tile %d) refused %s\n", static_cast<int>(batched),
+                 s.name.c_str());
     return NAN;
   }
   CHECK(cudaStreamSynchronize(stream));
@@ -442,6 +435,18 @@ void expect_close(const std::vector<float>& want, const void* got_device, const 
       std::exit(1);
     }
   }
+}
+
+// CUTLASS's batched tile matching nodrop's, where it has one.
+bool batched_tile_for(GemmTile tile, BatchedTile* batched) {
+  if (tile == GemmTile::kPingpong128x128x64Cluster1x2) {
+    *batched = BatchedTile::kPingpong128x128x64Cluster1x2;
+  } else if (tile == GemmTile::kCooperative128x256x64Cluster1x1) {
+    *batched = BatchedTile::kCooperative128x256x64Cluster1x1;
+  } else {
+    return false;
+  }
+  return true;
 }
 
 // The rows-form prototype's tile matching nodrop's, where it has one.
@@ -547,6 +552,9 @@ struct Row {
   double ms, tflops, dense_tflops;
   double batched_tflops;          // NaN where the groups are not equal
   double cutlass_batched_tflops;  // NaN where there is no such kernel
+  // CUTLASS's batched GEMM on cuBLAS's tile (cooperative 128x256), clusters 2x1 and 1x2; NaN
+  // where the groups are not equal
+  double cutlass_cublas_tile_tflops[2];
   double rows_form_tflops;        // NaN where the prototype has no such kernel
   double rows_tma_tflops;         // NaN there or where a group is not whole row tiles
 };
@@ -645,11 +653,19 @@ int main(int argc, char** argv) {
             grouped(mode, s, *sets[i % copies], d_sizes, out.data, workspace, workspace_bytes,
                     stream, schedule);
           });
-          const double cutlass_ms =
-              equal_groups && compare_peers
-                  ? cutlass_batched_ms(options, stream, handle, mode, schedule.tile, s, sets,
-                                       out.data, batched_workspace, kBatchedWorkspaceBytes)
-                  : NAN;
+          auto cutlass_on = [&](BatchedTile batched) {
+            return cutlass_batched_ms(options, stream, handle, mode, batched, s, sets, out.data,
+                                      batched_workspace, kBatchedWorkspaceBytes);
+          };
+          BatchedTile same_tile;
+          const double cutlass_ms = equal_groups && compare_peers &&
+                                            batched_tile_for(schedule.tile, &same_tile)
+                                        ? cutlass_on(same_tile)
+                                        : NAN;
+          const bool cublas_tile = equal_groups && compare_peers;
+          const double cutlass_cublas_tile_ms[2] = {
+              cublas_tile ? cutlass_on(BatchedTile::kCooperative128x256x64Cluster2x1) : NAN,
+              cublas_tile ? cutlass_on(BatchedTile::kCooperative128x256x64Cluster1x2) : NAN};
           const double rows_ms =
               compare_peers ? rows_form_ms(options, stream, RowsStore::kMaskedRegisters, mode,
                                            schedule.tile, s, sets, d_sizes, nodrop_out, out.data,
@@ -671,8 +687,10 @@ int main(int argc, char** argv) {
           }
           rows.push_back({s.name, dist, mode_name(mode), kernel, ms, flop / ms * 1e-9,
                           flop / dense_ms * 1e-9, flop / batched_ms * 1e-9,
-                          flop / cutlass_ms * 1e-9, flop / rows_ms * 1e-9,
-                          flop / rows_tma_ms * 1e-9});
+                          flop / cutlass_ms * 1e-9,
+                          {flop / cutlass_cublas_tile_ms[0] * 1e-9,
+                           flop / cutlass_cublas_tile_ms[1] * 1e-9},
+                          flop / rows_ms * 1e-9, flop / rows_tma_ms * 1e-9});
           std::fprintf(stderr, "  %s %s %s: %.3f ms\n", s.name.c_str(), dist, mode_name(mode),
                        ms);
         }
@@ -684,16 +702,18 @@ int main(int argc, char** argv) {
   std::printf(
       "\n| shape | group sizes | mode | kernel | ms | TFLOP/s | cuBLAS dense TFLOP/s | ratio | "
       "cuBLAS batched TFLOP/s | nodrop / batched | CUTLASS batched, same tile, TFLOP/s | "
-      "nodrop / CUTLASS batched | rows form, same tile, TFLOP/s | nodrop / rows form | "
+      "nodrop / CUTLASS batched | CUTLASS batched, cooperative 128x256 2x1 (cuBLAS's tile), "
+      "TFLOP/s | nodrop / it | CUTLASS batched, cooperative 128x256 1x2, TFLOP/s | nodrop / it | "
+      "rows form, same tile, TFLOP/s | nodrop / rows form | "
       "rows form, TMA store, TFLOP/s | nodrop / rows form, TMA store |\n");
   std::printf("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
-              "---: | ---: | ---: | ---: |\n");
+              "---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
   for (const Row& r : rows) {
     std::printf("| %s | %s | %s | %s | %.3f | %.0f | %.0f | %.2f |", r.shape.c_str(),
                 r.sizes.c_str(), r.mode.c_str(), r.tile.c_str(), r.ms, r.tflops, r.dense_tflops,
                 r.tflops / r.dense_tflops);
-    for (double peer :
-         {r.batched_tflops, r.cutlass_batched_tflops, r.rows_form_tflops, r.rows_tma_tflops}) {
+    for (double peer : {r.batched_tflops, r.cutlass_batched_tflops, r.cutlass_cublas_tile_tflops[0],
+                        r.cutlass_cublas_tile_tflops[1], r.rows_form_tflops, r.rows_tma_tflops}) {
       if (std::isnan(peer)) {
         std::printf(" | |");
       } else {
@@ -710,13 +730,14 @@ int main(int argc, char** argv) {
     }
     std::fprintf(file,
                  "shape,group_sizes,mode,kernel,ms,tflops,dense_tflops,batched_tflops,"
-                 "cutlass_batched_tflops,rows_form_tflops,rows_tma_tflops\n");
+                 "cutlass_batched_tflops,cutlass_cublas_tile_2x1_tflops,"
+                 "cutlass_cublas_tile_1x2_tflops,rows_form_tflops,rows_tma_tflops\n");
     for (const Row& r : rows) {
       // The kernel column holds commas: quoted, as CSV readers expect.
-      std::fprintf(file, "\"%s\",%s,%s,\"%s\",%.4f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f\n",
-                   r.shape.c_str(),
-                   r.sizes.c_str(), r.mode.c_str(), r.tile.c_str(), r.ms, r.tflops,
-                   r.dense_tflops, r.batched_tflops, r.cutlass_batched_tflops,
+      std::fprintf(file, "\"%s\",%s,%s,\"%s\",%.4f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f\n",
+                   r.shape.c_str(), r.sizes.c_str(), r.mode.c_str(), r.tile.c_str(), r.ms,
+                   r.tflops, r.dense_tflops, r.batched_tflops, r.cutlass_batched_tflops,
+                   r.cutlass_cublas_tile_tflops[0], r.cutlass_cublas_tile_tflops[1],
                    r.rows_form_tflops, r.rows_tma_tflops);
     }
     std::fclose(file);

@@ -119,7 +119,8 @@ class Scheduler : public PersistentTileSchedulerSm90 {
   }
 
   template <class ProblemShape, class ElementAccumulator>
-  static size_t get_workspace_size(Arguments const&, ProblemShape, cutlass::KernelHardwareInfo const&,
+  static size_t get_workspace_size(Arguments const&, ProblemShape,
+                                   cutlass::KernelHardwareInfo const&,
                                    uint32_t, uint32_t = 1, uint32_t = 1) {
     return 0;
   }
@@ -292,7 +293,8 @@ struct RowsEpilogue {
     const int64_t first_row = get<0>(block_coord);
     const int64_t first_column = int64_t(get<1>(block_coord)) * size<1>(block_shape);
     const int64_t rows =
-        cute::min(int64_t(size<0>(block_shape)), params.offsets[get<3>(block_coord) + 1] - first_row);
+        cute::min(int64_t(size<0>(block_shape)),
+                  params.offsets[get<3>(block_coord) + 1] - first_row);
     const int64_t columns = n - first_column;
     Tensor coords = tiled_mma.get_thread_slice(thread_idx)
                         .partition_C(make_identity_tensor(take<0, 2>(block_shape)));
@@ -451,9 +453,9 @@ size_t rows_grouped_gemm_workspace_bytes(int groups) {
   return static_cast<size_t>(groups + 1) * sizeof(int64_t);
 }
 
-bool rows_grouped_gemm(RowsTile tile, RowsStore store, bool b_transposed, const void* a, const void* b, void* d,
-                       const int32_t* group_sizes, int rows, int n, int k, int groups,
-                       void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+bool rows_grouped_gemm(RowsTile tile, RowsStore store, bool b_transposed, const void* a,
+                       const void* b, void* d, const int32_t* group_sizes, int rows, int n, int k,
+                       int groups, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (groups < 1 || groups > rows_gemm::kMaxGroups ||
       workspace_bytes < rows_grouped_gemm_workspace_bytes(groups)) {
     return false;

@@ -379,11 +379,26 @@ std::vector<float> download_bf16(const void* data, size_t count) {
   return values;
 }
 
+// Where `got` (bf16 values on the device) differs from `want` (`reference`'s output) by more
+// than 0.01 of max |want|, or holds a NaN (an unwritten, poisoned value), says so and stops: a
+// peer computing something else would time something else.
+void expect_close(const std::vector<float>& want, const void* got_device, const char* what,
+                  const char* reference, const std::string& where) {
+  const std::vector<float> got = download_bf16(got_device, want.size());
+  float scale = 0.f;
+  for (float w : want) scale = std::max(scale, std::fabs(w));
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (!(std::fabs(got[i] - want[i]) <= 0.01f * scale)) {
+      std::fprintf(stderr, "%s: %s differs from %s at element %zu: %g against %g\n",
+                   where.c_str(), what, reference, i, got[i], want[i]);
+      std::exit(1);
+    }
+  }
+}
+
 // CUTLASS's batched GEMM on `batched`'s tile: y_g = x_g w_g (forward) or dy_g w_g^T (input
-// gradient) over G equal groups; NaN for the weight gradient. Its output on the
-// first input set must match cuBLAS's batched GEMM's (max |difference| / max |cuBLAS| at most
-// 0.01, as gpu_moe.py checks nodrop), or the benchmark stops: a peer computing something else
-// would time something else.
+// gradient) over G equal groups; NaN for the weight gradient. Its output on the first input set
+// must match cuBLAS's batched GEMM's (expect_close, as gpu_moe.py checks nodrop).
 double cutlass_batched_ms(const Options& options, cudaStream_t stream, cublasHandle_t handle,
                           Mode mode, BatchedTile batched, const Shape& s,
                           const std::vector<std::unique_ptr<InputSet>>& sets, void* out,
@@ -407,34 +422,9 @@ double cutlass_batched_ms(const Options& options, cudaStream_t stream, cublasHan
     return NAN;
   }
   CHECK(cudaStreamSynchronize(stream));
-  const std::vector<float> got = download_bf16(out, count);
-  float difference = 0.f, scale = 0.f;
-  for (size_t i = 0; i < count; ++i) {
-    difference = std::max(difference, std::fabs(got[i] - want[i]));
-    scale = std::max(scale, std::fabs(want[i]));
-  }
-  if (!(difference <= 0.01f * scale)) {
-    std::fprintf(stderr, "%s %s: CUTLASS's batched GEMM is %g from cuBLAS's (max |cuBLAS| %g)\n",
-                 s.name.c_str(), mode_name(mode), difference, scale);
-    std::exit(1);
-  }
+  expect_close(want, out, "CUTLASS's batched GEMM", "cuBLAS's batched GEMM",
+               s.name + " " + mode_name(mode));
   return median_ms(options, stream, run);
-}
-
-// Where `got` (count bf16 values on the device) differs from `want` by more than 0.01 of
-// max |want|, or holds a NaN (an unwritten, poisoned value), says so and stops.
-void expect_close(const std::vector<float>& want, const void* got_device, const char* what,
-                  const std::string& where) {
-  const std::vector<float> got = download_bf16(got_device, want.size());
-  float scale = 0.f;
-  for (float w : want) scale = std::max(scale, std::fabs(w));
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (!(std::fabs(got[i] - want[i]) <= 0.01f * scale)) {
-      std::fprintf(stderr, "%s: %s differs from nodrop's at element %zu: %g against %g\n",
-                   where.c_str(), what, i, got[i], want[i]);
-      std::exit(1);
-    }
-  }
 }
 
 // CUTLASS's batched tile matching nodrop's, where it has one.
@@ -506,7 +496,7 @@ void check_rows_form(RowsStore store, const Sizes& sizes, cudaStream_t stream) {
         std::exit(1);
       }
       CHECK(cudaStreamSynchronize(stream));
-      expect_close(want, out.data, "the rows-form prototype",
+      expect_close(want, out.data, "the rows-form prototype", "nodrop's",
                    std::string(s.name) + " " + mode_name(mode) +
                        (tile == RowsTile::kPingpong128x128x64Cluster1x2 ? " pingpong"
                                                                         : " cooperative") +
@@ -543,7 +533,8 @@ double rows_form_ms(const Options& options, cudaStream_t stream, RowsStore store
     return NAN;
   }
   CHECK(cudaStreamSynchronize(stream));
-  expect_close(want, out, "the rows-form prototype", s.name + " " + mode_name(mode));
+  expect_close(want, out, "the rows-form prototype", "nodrop's",
+               s.name + " " + mode_name(mode));
   return median_ms(options, stream, run);
 }
 

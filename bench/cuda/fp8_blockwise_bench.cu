@@ -9,7 +9,8 @@
 // precisions, the FP8 side with the engine's quantisation of the activations and output
 // gradients (rows for the forward and input gradient, transposed for the weight gradient;
 // the weights' 128 x 128 quantisation runs in JAX and is not counted), and the quantisers'
-// bandwidth against a device-to-device copy of the same input. --configs=all there times every
+// bandwidth against a device-to-device copy of the same input (the transposed quantiser's also
+// from float32 inputs). --configs=all there times every
 // weight-gradient kernel (NODROP_FP8_CONTRACT_TILE) in two orders.
 //
 // --configs=auto (the default) times the automatic schedule; --configs=all times every kernel of
@@ -108,6 +109,13 @@ __global__ void fill_bf16(__nv_bfloat16* data, int64_t count, uint32_t seed) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
        i += int64_t(gridDim.x) * blockDim.x) {
     data[i] = __float2bfloat16(static_cast<float>(hash(i, seed) & 0xFFFF) / 32768.f - 1.f);
+  }
+}
+
+__global__ void widen_bf16(const __nv_bfloat16* in, float* out, int64_t count) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    out[i] = __bfloat162float(in[i]);
   }
 }
 
@@ -305,7 +313,7 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
   using nodrop::cuda::GemmRaster;
   struct Bandwidth {
     const Shape* shape;
-    double rows_gbs, transposed_gbs, copy_gbs;
+    double rows_gbs, transposed_gbs, copy_gbs, transposed32_gbs, copy32_gbs;
   };
   std::vector<Bandwidth> bandwidths;
   std::printf("Forward, input gradient and weight gradient of one layer (ms; FP8 with its "
@@ -357,30 +365,57 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
                   name.c_str(), fp8_total, tflop / (fp8_wgrad * 1e-3), bf16_total / fp8_total);
       std::fflush(stdout);
     }
-    // Bandwidth: bytes read and written per second, against a copy of the bf16 input.
+    // Bandwidth: bytes read and written per second, against a copy of the same input; the
+    // transposed quantiser also from float32 copies of the operands (a float32 model's).
     const double in_bytes = 2.0 * s.M * (s.K + s.N);
     const double rows_bytes = in_bytes + s.M * (s.K + s.N) * (1.0 + 4.0 / 128);
     const double P = double(problem.P), PB = P / 128;
-    const double transposed_bytes = in_bytes + (s.K + s.N) * (P + 4.0 * PB);
-    void* copy = device_alloc(static_cast<size_t>(in_bytes));
-    const double copy_ms = time([&] {
-      CHECK(cudaMemcpyAsync(copy, problem.lhs16, 2 * s.M * s.K, cudaMemcpyDeviceToDevice, stream));
-      CHECK(cudaMemcpyAsync(static_cast<char*>(copy) + 2 * s.M * s.K, problem.dout16,
-                            2 * s.M * s.N, cudaMemcpyDeviceToDevice, stream));
+    const double written_t = (s.K + s.N) * (P + 4.0 * PB);
+    const auto copy_ms = [&](const void* lhs, const void* dout, int64_t bytes_per_element) {
+      void* copy = device_alloc(static_cast<size_t>(bytes_per_element * s.M * (s.K + s.N)));
+      const double ms = time([&] {
+        CHECK(cudaMemcpyAsync(copy, lhs, bytes_per_element * s.M * s.K, cudaMemcpyDeviceToDevice,
+                              stream));
+        CHECK(cudaMemcpyAsync(static_cast<char*>(copy) + bytes_per_element * s.M * s.K, dout,
+                              bytes_per_element * s.M * s.N, cudaMemcpyDeviceToDevice, stream));
+      });
+      CHECK(cudaFree(copy));
+      return ms;
+    };
+    const double copy16_ms = copy_ms(problem.lhs16, problem.dout16, 2);
+    auto* lhs32 = static_cast<float*>(device_alloc(s.M * s.K * sizeof(float)));
+    auto* dout32 = static_cast<float*>(device_alloc(s.M * s.N * sizeof(float)));
+    widen_bf16<<<1024, 256, 0, stream>>>(problem.lhs16, lhs32, s.M * s.K);
+    widen_bf16<<<1024, 256, 0, stream>>>(problem.dout16, dout32, s.M * s.N);
+    CHECK(cudaGetLastError());
+    const double transposed32_ms = time([&] {
+      CHECK(nodrop::cuda::quantize_fp8_transposed(lhs32, nodrop::DType::kFloat32, problem.sizes,
+                                                  s.M, s.K, s.G, problem.lhs8_t,
+                                                  problem.lhs_t_scales, stream));
+      CHECK(nodrop::cuda::quantize_fp8_transposed(dout32, nodrop::DType::kFloat32, problem.sizes,
+                                                  s.M, s.N, s.G, problem.dout8_t,
+                                                  problem.dout_t_scales, stream));
     });
-    CHECK(cudaFree(copy));
-    bandwidths.push_back({&s, rows_bytes / (rows_ms * 1e6), transposed_bytes / (transposed_ms * 1e6),
-                          2 * in_bytes / (copy_ms * 1e6)});
+    const double copy32_ms = copy_ms(lhs32, dout32, 4);
+    CHECK(cudaFree(lhs32));
+    CHECK(cudaFree(dout32));
+    bandwidths.push_back({&s, rows_bytes / (rows_ms * 1e6),
+                          (in_bytes + written_t) / (transposed_ms * 1e6),
+                          2 * in_bytes / (copy16_ms * 1e6),
+                          (2 * in_bytes + written_t) / (transposed32_ms * 1e6),
+                          4 * in_bytes / (copy32_ms * 1e6)});
   }
   std::printf("\nQuantisers of the activations and output gradients (GB/s read + written; copy: "
-              "cudaMemcpyAsync of the same bf16 inputs):\n\n");
+              "cudaMemcpyAsync of the same inputs, bf16 or float32):\n\n");
   std::printf("| shape | rows (1 x 128) | transposed (weight gradient) | copy | rows / copy | "
-              "transposed / copy |\n");
-  std::printf("| --- | ---: | ---: | ---: | ---: | ---: |\n");
+              "transposed / copy | transposed, float32 input | float32 copy | "
+              "transposed / copy, float32 |\n");
+  std::printf("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
   for (const Bandwidth& b : bandwidths) {
-    std::printf("| %s | %.0f | %.0f | %.0f | %.2f | %.2f |\n", b.shape->id, b.rows_gbs,
-                b.transposed_gbs, b.copy_gbs, b.rows_gbs / b.copy_gbs,
-                b.transposed_gbs / b.copy_gbs);
+    std::printf("| %s | %.0f | %.0f | %.0f | %.2f | %.2f | %.0f | %.0f | %.2f |\n", b.shape->id,
+                b.rows_gbs, b.transposed_gbs, b.copy_gbs, b.rows_gbs / b.copy_gbs,
+                b.transposed_gbs / b.copy_gbs, b.transposed32_gbs, b.copy32_gbs,
+                b.transposed32_gbs / b.copy32_gbs);
   }
 }
 

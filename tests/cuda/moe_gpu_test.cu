@@ -23,6 +23,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "nodrop/engine_cpu.h"
@@ -836,20 +837,21 @@ class QuantizeFp8TransposedGpu : public testing::TestWithParam<DType> {};
 
 // The weight gradient's operand layout (engine.h), bitwise the CPU engine's: group sizes with an
 // empty group, one row, 130 and 200 rows and 69 rows past the groups; invalid sizes (clamped);
-// 300 groups, most of them tiny; C = 300 (a partial column tile), with a zero block, a NaN block
-// (whose padding must stay 0), an inf block, a block of subnormals (a scale whose reciprocal is
-// inf) and columns of large and small magnitudes.
+// 300 groups, most of them tiny; C = 300 (a partial column tile) and C = 1100 (9 tiles: a thread
+// block takes several, one after the other, the last one partial), with a zero block, a NaN
+// block (whose padding must stay 0), an inf block, a block of subnormals (a scale whose
+// reciprocal is inf) and columns of large and small magnitudes.
 TEST_P(QuantizeFp8TransposedGpu, MatchesTheCpuBitwise) {
   const DType dtype = GetParam();
-  const int64_t C = 300;
   std::mt19937 rng(5);
   std::uniform_int_distribution<int32_t> tiny(0, 12);
   std::vector<int32_t> many(300);
   for (auto& size : many) size = tiny(rng);
-  const std::pair<int64_t, std::vector<int32_t>> cases[] = {
-      {400, {0, 1, 130, 200, 0}}, {300, {-5, 200, 250, 7}}, {2000, many}, {0, {0, 0}}};
-  for (const auto& [case_rows, case_sizes] : cases) {
-    const int64_t M = case_rows;  // named copies: a lambda below captures them
+  const std::tuple<int64_t, int64_t, std::vector<int32_t>> cases[] = {
+      {400, 300, {0, 1, 130, 200, 0}}, {300, 300, {-5, 200, 250, 7}}, {2000, 300, many},
+      {0, 300, {0, 0}}, {400, 1100, {0, 1, 130, 200, 0}}};
+  for (const auto& [case_rows, case_columns, case_sizes] : cases) {
+    const int64_t M = case_rows, C = case_columns;  // named copies: a lambda below captures them
     const std::vector<int32_t>& sizes = case_sizes;
     const int64_t G = static_cast<int64_t>(sizes.size());
     const int64_t blocks = nodrop::fp8_contract_blocks(M, G), P = blocks * nodrop::kFp8Block;
@@ -887,9 +889,9 @@ TEST_P(QuantizeFp8TransposedGpu, MatchesTheCpuBitwise) {
           },
           {&q, &scale});
       EXPECT_EQ(mismatch(download<uint8_t>(q), want_q), "")
-          << "M " << M << ", G " << G << ", shift " << shift;
+          << "M " << M << ", C " << C << ", G " << G << ", shift " << shift;
       EXPECT_EQ(mismatch(download<uint32_t>(scale), as_bits(want_scale)), "")
-          << "M " << M << ", G " << G << ", shift " << shift;
+          << "M " << M << ", C " << C << ", G " << G << ", shift " << shift;
     }
   }
 }

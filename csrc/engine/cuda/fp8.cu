@@ -261,6 +261,8 @@ quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restric
   __shared__ detail::GroupScanStorage scan_storage;
   __shared__ int64_t block_begin, block_rows;
   __shared__ alignas(16) uint32_t part_key[kWarpsPerBlock][kTileColumns];
+  // Column 8 g + j's reciprocal scale at j * 16 + g: the 16 column groups' reads of one j fall
+  // in 16 banks (at 8 g + j, every fourth group shared a bank).
   __shared__ float column_inverse[kTileColumns];
   // The tile's transposed codes: column c's 128 rows in 16 runs of 8 bytes, run r stored at
   // r ^ (c / 8) so that both the writes (a half warp: 16 columns 8 apart, one run) and the reads
@@ -290,8 +292,32 @@ quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restric
     if (kRowsPerThread * rg + i < rows) (i < 4 ? keep.x : keep.y) |= 0xffu << (8 * (i % 4));
   }
   const int64_t tiles = (C + kTileColumns - 1) / kTileColumns;
+  // A tile's scales (thread t < 128 gives column t's) and its codes: run_pair(c, pair) gives
+  // column c's 16-byte pair of runs `pair`, which 8 lanes write as one 128-byte row of q_t.
+  constexpr int kPairs = kBlock / 16;
+  auto store_scale = [&](int64_t tile, float s) {
+    const int64_t c = tile * kTileColumns + t;
+    if (c < C) scale_t[b * C + c] = s;
+  };
+  auto store_codes = [&](int64_t tile, auto run_pair) {
+#pragma unroll
+    for (int u = 0; u < kTileColumns * kPairs / kThreads; ++u) {
+      const int c = u * (kThreads / kPairs) + t / kPairs, pair = t % kPairs;
+      const int64_t column = tile * kTileColumns + c;
+      if (column < C) {
+        *reinterpret_cast<uint4*>(q_t + column * P + b * kBlock + 16 * pair) = run_pair(c, pair);
+      }
+    }
+  };
 
   for (int64_t tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
+    if (rows == 0) {
+      // A block past the groups: what the steps below give for no rows, without running them
+      // (up to 32 of DeepSeek-V3 EP8's 96). rows is the thread block's: all skip the barriers.
+      if (t < kTileColumns) store_scale(tile, key_scale(0));
+      store_codes(tile, [](int, int) { return make_uint4(0, 0, 0, 0); });
+      continue;
+    }
     const int64_t c0 = tile * kTileColumns + kChunk * cg;  // this thread's first column
     const int columns = int(max(int64_t(0), min(int64_t(kChunk), C - c0)));
     Chunk<T> chunk[kRowsPerThread];
@@ -327,9 +353,8 @@ quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restric
 #pragma unroll
       for (int w = 0; w < kWarpsPerBlock; ++w) key = max(key, part_key[w][t]);
       const float s = key_scale(key);
-      column_inverse[t] = __frcp_rn(s);
-      const int64_t c = tile * kTileColumns + t;
-      if (c < C) scale_t[b * C + c] = s;
+      column_inverse[(t % kChunk) * kLanesPerBlock + t / kChunk] = __frcp_rn(s);
+      store_scale(tile, s);
     }
     __syncthreads();
 
@@ -338,7 +363,7 @@ quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restric
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
       const int c = kChunk * cg + j;
-      const float inverse = column_inverse[c];
+      const float inverse = column_inverse[j * kLanesPerBlock + cg];
       const uint2 run = pack_pairs([&](int p) {
         return to_e4m3_pair(chunk[2 * p][j], chunk[2 * p + 1][j], inverse);
       });
@@ -347,19 +372,11 @@ quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restric
     }
     __syncthreads();
 
-    // q_t's rows: 8 lanes write one column's 128 codes of this block.
-    constexpr int kPairs = kBlock / 16;  // 16-byte pairs of runs per column
-#pragma unroll
-    for (int u = 0; u < kTileColumns * kPairs / kThreads; ++u) {
-      const int c = (u * kThreads + t) / kPairs, pair = t % kPairs;
+    store_codes(tile, [&](int c, int pair) {
       const int column_group = c / kChunk;
       uint4 v = *reinterpret_cast<const uint4*>(&codes_t[c][16 * (pair ^ (column_group >> 1))]);
-      if (column_group & 1) v = make_uint4(v.z, v.w, v.x, v.y);  // runs 2 pair + 1, 2 pair
-      const int64_t column = tile * kTileColumns + c;
-      if (column < C) {
-        *reinterpret_cast<uint4*>(q_t + column * P + b * kBlock + 16 * pair) = v;
-      }
-    }
+      return column_group & 1 ? make_uint4(v.z, v.w, v.x, v.y) : v;  // runs 2 pair + 1, 2 pair
+    });
     __syncthreads();  // the shared arrays are the next tile's
   }
 }

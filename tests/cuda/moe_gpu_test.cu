@@ -837,10 +837,9 @@ class QuantizeFp8TransposedGpu : public testing::TestWithParam<DType> {};
 
 // The weight gradient's operand layout (engine.h), bitwise the CPU engine's: group sizes with an
 // empty group, one row, 130 and 200 rows and 69 rows past the groups; invalid sizes (clamped);
-// 300 groups, most of them tiny; C = 300 (a partial column tile) and C = 1100 (9 tiles: a thread
-// block takes several, one after the other, the last one partial), with a zero block, a NaN
-// block (whose padding must stay 0), an inf block, a block of subnormals (a scale whose
-// reciprocal is inf) and columns of large and small magnitudes.
+// 300 groups, most of them tiny; C = 300 (a partial column tile) and C = 1100 (9 tiles, the last
+// partial), with a zero block, a NaN block (whose padding must stay 0), an inf block, a block of
+// subnormals (a scale whose reciprocal is inf) and columns of large and small magnitudes.
 TEST_P(QuantizeFp8TransposedGpu, MatchesTheCpuBitwise) {
   const DType dtype = GetParam();
   std::mt19937 rng(5);

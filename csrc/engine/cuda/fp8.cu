@@ -5,10 +5,10 @@
 // per element.
 // - quantize_fp8, blocks of 128 (the recipe's): half a warp per block, each lane 8 elements, four
 //   blocks per half warp in flight; other blocks: one warp per block, lanes striding.
-// - quantize_fp8_transposed: one thread block per 128-row block of a group, looping over
-//   128-column tiles. Each thread holds 8 rows x 8 columns of the tile; column amaxes are reduced
-//   across the block, and the transposed codes pass through shared memory so that q_t is
-//   written in 128-byte runs.
+// - quantize_fp8_transposed: one thread block per 128-column tile of two consecutive 128-row
+//   blocks. Each thread holds 8 rows x 8 columns of a row block's tile; column amaxes are
+//   reduced across the thread block, and the transposed codes pass through shared memory so
+//   that q_t is written in 256-byte runs.
 // All scale and round every element alike (block_scale, to_e4m3), by the hardware's float32 ->
 // E4M3 conversion (nearest even, saturating), so they are bitwise the CPU engine.
 #include <cuda_bf16.h>
@@ -235,18 +235,23 @@ quantize_fp8_any_block_kernel(const T* __restrict__ x, int64_t M, int64_t C, int
   for (int64_t i = lane; i < size; i += 32) q[begin + i] = to_e4m3(to_float(x[begin + i]), inverse);
 }
 
-// quantize_fp8_transposed. Thread block b owns 128-row block b of the groups (engine.h numbers
-// them); the blocks past the groups' write scale 1 and zero codes. Thread t holds rows
-// 8 * (t / 16) + i and columns 8 * (t % 16) + j of a tile, i, j < 8: a half warp covers 8 whole
-// rows of it.
+// quantize_fp8_transposed. Thread block (x, y) owns column tile y of kRowBlocks consecutive
+// 128-row blocks of the groups, x * kRowBlocks onwards (engine.h numbers them; those past the
+// groups get scale 1 and zero codes). Thread t holds rows 8 * (t / 16) + i and columns
+// 8 * (t % 16) + j of a row block's tile, i, j < 8: a half warp covers 8 whole rows of it.
 constexpr int kRowsPerThread = 8;
 constexpr int kTileColumns = kChunk * kLanesPerBlock;  // 128
-// Tiles per group scan. 4 measured best overall of 1, 4, 8 and 16, and beside taking fewer only
-// where the grid would otherwise fill the GPU fewer than 1, 2 or 4 times
-// (2026-12-03-h200-fp8-wgrad-tile).
-constexpr int kTilesPerThreadBlock = 4;
+constexpr int kPairs = kBlock / 16;  // 16-byte pairs of 8-byte runs in a column's 128 rows
+// A column's codes of consecutive row blocks are neighbours in q_t, so the thread block writes
+// kRowBlocks * 128 bytes of each column in one piece. The writes are what holds the kernel
+// below a copy's bandwidth: with 128-byte pieces (one row block, 128 columns P bytes apart) it
+// ran at 0.72-0.85 of a copy at the training shapes, 0.82-0.93 with the same codes written
+// contiguously; 2 row blocks ran at 0.77-0.85, 4 at 0.68-0.75 (fewer, longer thread blocks)
+// (2026-12-04-h200-transposed-quantiser).
+constexpr int kRowBlocks = 2;
 static_assert(kThreads / kLanesPerBlock * kRowsPerThread == kBlock, "a tile is 128 rows");
 static_assert(kThreads == detail::kSetupThreads, "scan_groups runs on the same threads");
+static_assert(kThreads % (kRowBlocks * kPairs) == 0, "whole columns per store step");
 // Thread blocks resident per SM that the register budget must allow: a thread block has no load
 // in flight while it reduces and writes a tile, so the others' loads must cover that time.
 // Without the bound the 16-bit kernels took 108 registers a thread (two thread blocks an SM).
@@ -259,124 +264,128 @@ quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restric
                                int64_t M, int64_t C, int64_t G, int64_t P,
                                uint8_t* __restrict__ q_t, float* __restrict__ scale_t) {
   __shared__ detail::GroupScanStorage scan_storage;
-  __shared__ int64_t block_begin, block_rows;
+  __shared__ int64_t block_begin[kRowBlocks];
+  __shared__ int block_rows[kRowBlocks];
   __shared__ alignas(16) uint32_t part_key[kWarpsPerBlock][kTileColumns];
   // Column 8 g + j's reciprocal scale at j * 16 + g: the 16 column groups' reads of one j fall
   // in 16 banks (at 8 g + j, every fourth group shared a bank).
   __shared__ float column_inverse[kTileColumns];
-  // The tile's transposed codes: column c's 128 rows in 16 runs of 8 bytes, run r stored at
-  // r ^ (c / 8) so that both the writes (a half warp: 16 columns 8 apart, one run) and the reads
-  // (8 lanes: one column's 8 16-byte pairs of runs) touch every bank once.
-  __shared__ alignas(16) uint8_t codes_t[kTileColumns][kBlock];
-  const int64_t b = blockIdx.x;
+  // Row block r's codes: column c's 128 rows in 16 runs of 8 bytes, run q stored at q ^ (c / 8)
+  // so that both the writes (a half warp: 16 columns 8 apart, one run) and the reads (8 lanes:
+  // one column's 8 16-byte pairs of runs) touch every bank once.
+  __shared__ alignas(16) uint8_t codes_t[kRowBlocks][kTileColumns][kBlock];
+  const int64_t b0 = int64_t(blockIdx.x) * kRowBlocks;
+  const int row_blocks = int(min(int64_t(kRowBlocks), P / kBlock - b0));
   const int t = threadIdx.x, warp = t / 32;
   const int cg = t % kLanesPerBlock, rg = t / kLanesPerBlock;  // column and row group
 
-  if (t == 0) block_begin = 0, block_rows = 0;  // a block past the groups keeps 0 rows
+  if (t < kRowBlocks) block_begin[t] = 0, block_rows[t] = 0;  // past the groups: 0 rows
   __syncthreads();
   detail::scan_groups(group_sizes, G, M, scan_storage,
                       [&](int64_t, int64_t begin, int64_t end, int64_t first_block) {
                         const int64_t blocks = (end - begin + kBlock - 1) / kBlock;
-                        if (b >= first_block && b < first_block + blocks) {
-                          block_begin = begin + (b - first_block) * kBlock;
-                          block_rows = min(int64_t(kBlock), end - block_begin);
+                        for (int r = 0; r < kRowBlocks; ++r) {
+                          const int64_t b = b0 + r;
+                          if (b >= first_block && b < first_block + blocks) {
+                            block_begin[r] = begin + (b - first_block) * kBlock;
+                            block_rows[r] = int(min(int64_t(kBlock), end - block_begin[r]));
+                          }
                         }
                       });
   __syncthreads();
-  const int64_t begin = block_begin;
-  const int rows = int(block_rows);
-  // Bytes of a run to keep: those of the thread's rows inside the block.
-  uint2 keep = make_uint2(0, 0);
-#pragma unroll
-  for (int i = 0; i < kRowsPerThread; ++i) {
-    if (kRowsPerThread * rg + i < rows) (i < 4 ? keep.x : keep.y) |= 0xffu << (8 * (i % 4));
-  }
-  const int64_t tiles = (C + kTileColumns - 1) / kTileColumns;
-  // A tile's scales (thread t < 128 gives column t's) and its codes: run_pair(c, pair) gives
-  // column c's 16-byte pair of runs `pair`, which 8 lanes write as one 128-byte row of q_t.
-  constexpr int kPairs = kBlock / 16;
-  auto store_scale = [&](int64_t tile, float s) {
-    const int64_t c = tile * kTileColumns + t;
-    if (c < C) scale_t[b * C + c] = s;
-  };
-  auto store_codes = [&](int64_t tile, auto run_pair) {
-#pragma unroll
-    for (int u = 0; u < kTileColumns * kPairs / kThreads; ++u) {
-      const int c = u * (kThreads / kPairs) + t / kPairs, pair = t % kPairs;
-      const int64_t column = tile * kTileColumns + c;
-      if (column < C) {
-        *reinterpret_cast<uint4*>(q_t + column * P + b * kBlock + 16 * pair) = run_pair(c, pair);
-      }
-    }
-  };
 
-  for (int64_t tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
-    if (rows == 0) {
-      // A block past the groups: what the steps below give for no rows, without running them
-      // (up to 32 of DeepSeek-V3 EP8's 96). rows is the thread block's: all skip the barriers.
-      if (t < kTileColumns) store_scale(tile, key_scale(0));
-      store_codes(tile, [](int, int) { return make_uint4(0, 0, 0, 0); });
-      continue;
-    }
+  // One tile, unless C has more than the grid's 65535.
+  for (int64_t tile = blockIdx.y; tile < (C + kTileColumns - 1) / kTileColumns;
+       tile += gridDim.y) {
     const int64_t c0 = tile * kTileColumns + kChunk * cg;  // this thread's first column
     const int columns = int(max(int64_t(0), min(int64_t(kChunk), C - c0)));
-    Chunk<T> chunk[kRowsPerThread];
+    for (int r = 0; r < row_blocks; ++r) {
+      const int64_t begin = block_begin[r];
+      const int rows = block_rows[r];
+      if (rows == 0) {
+        // A row block past the groups: what the steps below give for no rows, without running
+        // them (up to 32 of DeepSeek-V3 EP8's 96). rows is the same for the whole thread block,
+        // so all of it skips the barriers. Its codes are written as zeros below.
+        const int64_t c = tile * kTileColumns + t;
+        if (t < kTileColumns && c < C) scale_t[(b0 + r) * C + c] = key_scale(0);
+        continue;
+      }
+      Chunk<T> chunk[kRowsPerThread];
 #pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) {
-      const int r = kRowsPerThread * rg + i;
-      const T* p = x + (begin + r) * C + c0;
-      if (r >= rows || columns == 0) {
-        chunk[i].clear();
-      } else if (kVector) {
-        chunk[i].load(p);  // C % 8 == 0: all 8 columns
-      } else {
-        chunk[i].load_partial(p, columns);
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        const int row = kRowsPerThread * rg + i;
+        const T* p = x + (begin + row) * C + c0;
+        if (row >= rows || columns == 0) {
+          chunk[i].clear();
+        } else if (kVector) {
+          chunk[i].load(p);  // C % 8 == 0: all 8 columns
+        } else {
+          chunk[i].load_partial(p, columns);
+        }
+      }
+
+      // Column amaxes over the block's rows (rows past it were read as zeros): the thread's 8
+      // rows, its warp's 16, then all 128.
+      ColumnKeys<T> keys;
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) keys.add(chunk[i]);
+      keys.add_lane_xor(kLanesPerBlock);
+      if (t % 32 < kLanesPerBlock) {
+        uint4* part = reinterpret_cast<uint4*>(&part_key[warp][kChunk * cg]);
+        part[0] = make_uint4(keys.column(0), keys.column(1), keys.column(2), keys.column(3));
+        part[1] = make_uint4(keys.column(4), keys.column(5), keys.column(6), keys.column(7));
+      }
+      __syncthreads();
+
+      if (t < kTileColumns) {
+        uint32_t key = 0;
+#pragma unroll
+        for (int w = 0; w < kWarpsPerBlock; ++w) key = max(key, part_key[w][t]);
+        const float s = key_scale(key);
+        column_inverse[(t % kChunk) * kLanesPerBlock + t / kChunk] = __frcp_rn(s);
+        const int64_t c = tile * kTileColumns + t;
+        if (c < C) scale_t[(b0 + r) * C + c] = s;
+      }
+      __syncthreads();
+
+      // The thread's 8 rows of each of its columns as one run; rows past the block are 0 (even
+      // where the scale is NaN). The next row block's first barrier orders these reads of
+      // column_inverse before its writes.
+      uint2 keep = make_uint2(0, 0);  // bytes of a run inside the block
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        if (kRowsPerThread * rg + i < rows) (i < 4 ? keep.x : keep.y) |= 0xffu << (8 * (i % 4));
+      }
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        const int c = kChunk * cg + j;
+        const float inverse = column_inverse[j * kLanesPerBlock + cg];
+        const uint2 run = pack_pairs([&](int p) {
+          return to_e4m3_pair(chunk[2 * p][j], chunk[2 * p + 1][j], inverse);
+        });
+        *reinterpret_cast<uint2*>(&codes_t[r][c][kRowsPerThread * (rg ^ cg)]) =
+            make_uint2(run.x & keep.x, run.y & keep.y);
       }
     }
-
-    // Column amaxes over the block's rows (rows past it were read as zeros): the thread's 8
-    // rows, its warp's 16, then all 128.
-    ColumnKeys<T> keys;
-#pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) keys.add(chunk[i]);
-    keys.add_lane_xor(kLanesPerBlock);
-    if (t % 32 < kLanesPerBlock) {
-      uint4* part = reinterpret_cast<uint4*>(&part_key[warp][kChunk * cg]);
-      part[0] = make_uint4(keys.column(0), keys.column(1), keys.column(2), keys.column(3));
-      part[1] = make_uint4(keys.column(4), keys.column(5), keys.column(6), keys.column(7));
-    }
-
     __syncthreads();
 
-    if (t < kTileColumns) {
-      uint32_t key = 0;
-#pragma unroll
-      for (int w = 0; w < kWarpsPerBlock; ++w) key = max(key, part_key[w][t]);
-      const float s = key_scale(key);
-      column_inverse[(t % kChunk) * kLanesPerBlock + t / kChunk] = __frcp_rn(s);
-      store_scale(tile, s);
+    // q_t's rows: kRowBlocks * 8 lanes write one column's codes of the thread's row blocks.
+    constexpr int kLanesPerColumn = kRowBlocks * kPairs;
+#pragma unroll 4
+    for (int u = 0; u < kTileColumns * kLanesPerColumn / kThreads; ++u) {
+      const int c = u * (kThreads / kLanesPerColumn) + t / kLanesPerColumn;
+      const int r = t % kLanesPerColumn / kPairs, pair = t % kPairs;
+      const int64_t column = tile * kTileColumns + c;
+      if (column < C && r < row_blocks) {
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (block_rows[r] > 0) {
+          const int column_group = c / kChunk;
+          v = *reinterpret_cast<const uint4*>(&codes_t[r][c][16 * (pair ^ (column_group >> 1))]);
+          if (column_group & 1) v = make_uint4(v.z, v.w, v.x, v.y);  // runs 2 pair + 1, 2 pair
+        }
+        *reinterpret_cast<uint4*>(q_t + column * P + (b0 + r) * kBlock + 16 * pair) = v;
+      }
     }
-    __syncthreads();
-
-    // The thread's 8 rows of each of its columns as one run; rows past the block are 0 (even
-    // where the scale is NaN).
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) {
-      const int c = kChunk * cg + j;
-      const float inverse = column_inverse[j * kLanesPerBlock + cg];
-      const uint2 run = pack_pairs([&](int p) {
-        return to_e4m3_pair(chunk[2 * p][j], chunk[2 * p + 1][j], inverse);
-      });
-      *reinterpret_cast<uint2*>(&codes_t[c][kRowsPerThread * (rg ^ cg)]) =
-          make_uint2(run.x & keep.x, run.y & keep.y);
-    }
-    __syncthreads();
-
-    store_codes(tile, [&](int c, int pair) {
-      const int column_group = c / kChunk;
-      uint4 v = *reinterpret_cast<const uint4*>(&codes_t[c][16 * (pair ^ (column_group >> 1))]);
-      return column_group & 1 ? make_uint4(v.z, v.w, v.x, v.y) : v;  // runs 2 pair + 1, 2 pair
-    });
     __syncthreads();  // the shared arrays are the next tile's
   }
 }
@@ -446,9 +455,8 @@ Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_
   if (!aligned(q_t, 16)) return fail("q_t must be 16-byte aligned");
   if (PB > INT32_MAX) return fail("too large: " + std::to_string(PB) + " row blocks");
   const int64_t tiles = (C + kTileColumns - 1) / kTileColumns;
-  const int64_t tile_groups = (tiles + kTilesPerThreadBlock - 1) / kTilesPerThreadBlock;
-  const dim3 grid{static_cast<unsigned>(PB),
-                  static_cast<unsigned>(min(tile_groups, int64_t(65535)))};
+  const dim3 grid{static_cast<unsigned>((PB + kRowBlocks - 1) / kRowBlocks),
+                  static_cast<unsigned>(min(tiles, int64_t(65535)))};
   const bool vector = C % kChunk == 0 && aligned(x, 16);
   with_element_type(x, dtype, [&](auto typed_x) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed_x)>>;

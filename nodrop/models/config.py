@@ -26,7 +26,8 @@ class ModelConfig:
       scaling_factor, capacity_factor: each MoE layer, as in `nodrop.moe.MoEConfig`
       (expert_ffn is its `ffn`). moe_matmul: its `matmul`, "nodrop" or "ragged_dot". fp8:
       its `fp8`, the experts' FP8 recipe ("off", "blockwise" or "tensorwise").
-      fp8_weight_gradient: its `fp8_weight_gradient` ("fp8" or "unquantised").
+      fp8_weight_gradient: its `fp8_weight_gradient` ("fp8" or "unquantised"). router_matmul:
+      its `router_matmul` ("float32" or "split").
     moe_every, first_dense: layer i (0-based) is MoE iff i >= first_dense and
       (i - first_dense) % moe_every == 0; the first `first_dense` layers are dense.
     tie_embeddings: the LM head is the embedding table transposed (no separate head weights).
@@ -66,6 +67,7 @@ class ModelConfig:
     ep_buffer_factor: float | None = 2.0
     fp8: str = "off"
     fp8_weight_gradient: str = "fp8"
+    router_matmul: str = "float32"
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
 
@@ -117,7 +119,7 @@ class ModelConfig:
             residual_init_scale=self.residual_init_scale, dtype=self.dtype,
             param_dtype=self.param_dtype, expert_parallel=self.expert_parallel,
             ep_buffer_factor=self.ep_buffer_factor, fp8=self.fp8,
-            fp8_weight_gradient=self.fp8_weight_gradient)
+            fp8_weight_gradient=self.fp8_weight_gradient, router_matmul=self.router_matmul)
 
     @property
     def residual_init_scale(self) -> float:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
+from nodrop import _ffi
 from nodrop._fields import is_finite_number, is_int, requirer
 from nodrop.moe.capacity import capacity_rows, combine, dispatch
 from nodrop.moe.losses import (load_balancing_loss, router_z_loss, sequence_balance_loss,
@@ -37,6 +38,7 @@ from nodrop.parallel.mesh import (EXPERT_AXIS, check_batch, check_experts, exper
                                   logical_metadata, logical_param, token_axes)
 
 EXPERT_MATMULS = ("nodrop", "ragged_dot")
+ROUTER_MATMULS = ("float32", "split")
 FP8_MODES = ("off", *FP8_RECIPES)
 # config.ops -> the implementation of each op the block calls.
 OPS = {
@@ -84,6 +86,11 @@ class MoEConfig:
     fp8_weight_gradient: under an fp8 recipe, the experts' weight gradients on FP8 operands
       ("fp8", the default) or on the unquantised activations and output gradients
       ("unquantised"), as `nodrop.fp8_grouped_matmul`'s `weight_gradient`.
+    router_matmul: how the router's float32 logits are multiplied (see `router_logits`):
+      "float32" (the default: one float32 GEMM, on a GPU's CUDA cores) or "split" (the float32
+      weights split exactly into three bfloat16 parts, so the same products run as bfloat16
+      GEMMs with float32 accumulation, on tensor cores); "split" applies where the router's
+      input is bfloat16, and runs the float32 GEMM otherwise.
     """
 
     num_experts: int
@@ -106,6 +113,7 @@ class MoEConfig:
     ep_buffer_factor: float | None = 2.0
     fp8: str = "off"
     fp8_weight_gradient: str = "fp8"
+    router_matmul: str = "float32"
 
     def __post_init__(self) -> None:
         require = requirer(self, lambda field: f"MoEConfig.{field}")
@@ -146,6 +154,8 @@ class MoEConfig:
         require(self.fp8 in FP8_MODES, "fp8", f"one of {FP8_MODES}")
         require(self.fp8_weight_gradient in FP8_WEIGHT_GRADIENTS, "fp8_weight_gradient",
                 f"one of {FP8_WEIGHT_GRADIENTS}")
+        require(self.router_matmul in ROUTER_MATMULS, "router_matmul",
+                f"one of {ROUTER_MATMULS}")
         for field in ("dtype", "param_dtype"):
             if field == "dtype" and self.dtype is None:
                 continue  # the input's dtype
@@ -348,13 +358,84 @@ def _route(cfg: MoEConfig, flat, router, expert_bias):
     """flat [T, H] -> (logits [T, E] float32, weights [T, k], ids [T, k])."""
     # The router runs in float32 whatever the compute dtype: rounding its inputs or logits to
     # bf16 would flip near-tied expert choices.
-    logits = jnp.dot(flat.astype(jnp.float32), router.astype(jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST)
+    logits = router_logits(flat, router.astype(jnp.float32), cfg.router_matmul)
     weights, ids = OPS[cfg.ops]["topk_router"](
         logits, cfg.k, score_function=cfg.score_function, expert_bias=expert_bias,
         num_groups=cfg.num_groups, topk_groups=cfg.topk_groups, renormalize=cfg.renormalize,
         scaling_factor=cfg.scaling_factor)
     return logits, weights, ids
+
+
+def router_logits(x: jax.Array, router: jax.Array, method: str = "float32") -> jax.Array:
+    """float32 logits x [T, H] @ router [H, E] (float32), with x's values as they are.
+
+    method "float32": one float32 GEMM at the highest precision. "split" (x bfloat16): the same
+    exact products as bfloat16 GEMMs accumulated in float32 (`_split_router_logits`); for any
+    other dtype of x, "float32". The gradient of x is in x's dtype, the router's float32.
+    """
+    if method == "split" and x.dtype == jnp.bfloat16:
+        return _split_router_logits(*_ffi.match_vma(x, router))
+    return jnp.dot(x.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
+
+
+def _bfloat16_parts(v: jax.Array) -> list[jax.Array]:
+    """Three bfloat16 arrays whose float32 sum is float32 v exactly: each part is the leading
+    16 bits of what the parts before it left (sign, exponent and 7 of the 24 significant bits),
+    so the rest after two parts has at most 8 significant bits and is the third. (Cut by a
+    bit mask, not by rounding to bfloat16: XLA may drop a float32 -> bfloat16 -> float32 round
+    trip, and the rest would then be zero.) Exact for |v| >= 2^-103, where every bit of v
+    lands in a normal float32 number; below, the subnormal bits may flush to zero. A
+    non-finite value gives NaN parts."""
+    parts, rest = [], v.astype(jnp.float32)
+    for _ in range(2):
+        bits = jax.lax.bitcast_convert_type(rest, jnp.uint32) & jnp.uint32(0xFFFF0000)
+        head = jax.lax.bitcast_convert_type(bits, jnp.float32)
+        parts.append(head.astype(jnp.bfloat16))
+        rest = rest - head
+    return [*parts, rest.astype(jnp.bfloat16)]
+
+
+def _sum_of_blocks(y: jax.Array, parts: int) -> jax.Array:
+    """y [..., parts * E] -> the float32 sum of its `parts` column blocks, the smallest first."""
+    blocks = jnp.split(y, parts, axis=-1)
+    total = blocks[-1]
+    for block in reversed(blocks[:-1]):
+        total = total + block
+    return total
+
+
+@jax.custom_vjp
+def _split_router_logits(x, router):
+    """router_logits for bfloat16 x: x @ [r0 | r1 | r2] in one bfloat16 GEMM (router = r0 + r1
+    + r2, `_bfloat16_parts`), its three column blocks summed. Every product of a bfloat16 x and a
+    part is exact in float32, so the logits are the float32 GEMM's up to the order of the sums,
+    from a GEMM a GPU runs on its tensor cores (docs/design.md, "The router on tensor cores")."""
+    parts = jnp.concatenate(_bfloat16_parts(router), axis=1)
+    return _sum_of_blocks(jnp.dot(x, parts, preferred_element_type=jnp.float32), 3)
+
+
+def _split_router_logits_fwd(x, router):
+    return _split_router_logits(x, router), (x, router)
+
+
+def _split_router_logits_bwd(residuals, grad):
+    """The router's gradient x^T @ grad with grad's three parts (exact products, as forward);
+    x's, grad @ router^T, from the three largest of the nine part products (g0 r0, g0 r1,
+    g1 r0): each part leaves less than 2^-7 of what it cuts, so the products left out are
+    below 3 * 2^-14 of sum |grad| |router|, under the rounding to x's bfloat16 but where the
+    sum cancels."""
+    x, router = residuals
+    g0, g1, g2 = _bfloat16_parts(grad)
+    r0, r1, _ = _bfloat16_parts(router)
+    grad_router = _sum_of_blocks(
+        jnp.einsum("th,te->he", x, jnp.concatenate([g0, g1, g2], axis=1),
+                   preferred_element_type=jnp.float32), 3)
+    grad_x = jnp.dot(jnp.concatenate([g0, g0, g1], axis=1),
+                     jnp.concatenate([r0, r1, r0], axis=1).T, preferred_element_type=jnp.float32)
+    return grad_x.astype(x.dtype), grad_router
+
+
+_split_router_logits.defvjp(_split_router_logits_fwd, _split_router_logits_bwd)
 
 
 @jax.named_scope("experts")

@@ -97,9 +97,9 @@ def load(path: str | os.PathLike[str], *, step: int | None = None,
     tokenizer: a Hugging Face tokenizer.json to read and write text with instead of the run's
     own (for a model trained on token ids, such as nanoGPT's GPT-2 ids); its vocabulary must fit
     the model's. model_changes replace ModelConfig fields that keep the weights as they are
-    (capacity_factor, moe_matmul, fp8, fp8_weight_gradient, dtype, remat). Raises LoadError for a
-    folder that is neither; a run folder's errors are the trainer's (ConfigError,
-    CheckpointError).
+    (capacity_factor, moe_matmul, fp8, fp8_weight_gradient, router_matmul, dtype, remat). Raises
+    LoadError for a folder that is neither; a run folder's errors are the trainer's
+    (ConfigError, CheckpointError).
     """
     path = Path(path)
     if (path / WEIGHTS_FILE).is_file():

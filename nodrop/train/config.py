@@ -21,7 +21,7 @@ import numpy as np
 
 from nodrop._fields import is_finite_number, is_int, requirer, unknown_fields
 from nodrop.models import PRESETS, ModelConfig, preset
-from nodrop.moe.block import FP8_MODES, FP8_WEIGHT_GRADIENTS
+from nodrop.moe.block import FP8_MODES, FP8_WEIGHT_GRADIENTS, ROUTER_MATMULS
 from nodrop.parallel import parse_mesh_spec
 from nodrop.train import tokenizer
 
@@ -305,7 +305,8 @@ def check_backend(model: ModelConfig, platform: str) -> None:
 # ModelConfig fields with a flag of their own; any field can be set with --set FIELD=VALUE.
 _MODEL_FLAGS = {"capacity_factor": "--capacity-factor", "moe_matmul": "--moe-matmul",
                 "remat": "--remat", "dtype": "--dtype", "ep_buffer_factor": "--ep-buffer",
-                "fp8": "--fp8", "fp8_weight_gradient": "--fp8-weight-gradient"}
+                "fp8": "--fp8", "fp8_weight_gradient": "--fp8-weight-gradient",
+                "router_matmul": "--router-matmul"}
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> None:
@@ -419,6 +420,11 @@ def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> No
                             "the default) or on the unquantised activations and output "
                             "gradients (unquantised: no transposed quantisation; on the GPU "
                             "the bf16 kernel)")
+    model.add_argument("--router-matmul", choices=ROUTER_MATMULS, default=S,
+                       help="the router's float32 logits: one float32 GEMM (float32, the "
+                            "default), or, for bfloat16 inputs, the float32 weights split into "
+                            "three bfloat16 parts (split: the same exact products on a GPU's "
+                            "tensor cores)")
     model.add_argument("--ep-buffer", type=_buffer_factor, default=S, metavar="F|worst",
                        dest="ep_buffer_factor",
                        help="expert parallelism's receive buffer, F x the balanced load "
@@ -545,6 +551,7 @@ MODEL_FIELD_HELP = {
     "ep_buffer_factor": "expert parallelism's receive buffer, x the balanced load (none: worst)",
     "fp8": "the experts' FP8 recipe: off, blockwise or tensorwise (GPU kernels in bfloat16)",
     "fp8_weight_gradient": "under fp8, the experts' weight gradients: fp8 or unquantised",
+    "router_matmul": "the router's float32 logits: float32 GEMM, or split (bfloat16 GEMMs)",
     "dtype": "compute dtype: float32, bfloat16 or float16",
     "param_dtype": "dtype of the master weights",
 }

@@ -156,7 +156,8 @@ def configure(overrides: dict, saved: dict | None) -> tuple[TrainConfig, ModelCo
 # (one device, so no expert-parallel buffer); a saved config.json that lacks one resumes with
 # it. (The mesh itself may change on --resume.)
 ADDED_FIELDS = {"train": {"seq_aux_loss_coef": 0.0, "bias_update_rule": "sign"},
-                "model": {"ep_buffer_factor": 2.0, "fp8": "off", "fp8_weight_gradient": "fp8"}}
+                "model": {"ep_buffer_factor": 2.0, "fp8": "off", "fp8_weight_gradient": "fp8",
+                          "router_matmul": "float32"}}
 
 
 def _saved_config(saved: dict, overrides: dict) -> tuple[TrainConfig, ModelConfig]:
@@ -618,8 +619,8 @@ def load_model(run_dir: str | os.PathLike, *, step: int | None = None,
     their CRC32s), not the optimizer state.
 
     model_changes replace ModelConfig fields that leave the parameters as they are
-    (capacity_factor, moe_matmul, fp8, fp8_weight_gradient, dtype, remat): the same weights,
-    dispatched another way.
+    (capacity_factor, moe_matmul, fp8, fp8_weight_gradient, router_matmul, dtype, remat): the
+    same weights, dispatched another way.
     Raises ConfigError for a folder that is not a run, CheckpointError for a missing or
     unusable checkpoint.
     """

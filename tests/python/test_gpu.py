@@ -399,3 +399,26 @@ def test_fp8_blockwise_contract_matches_the_reference_on_the_gpu(kind):
         assert rel_error(got, want) <= 2 ** -7, kind
         empty = np.asarray(sizes) == 0
         assert not np.any(np.asarray(got, np.float32)[empty]), "empty groups"
+
+
+def test_split_router_logits_keep_the_float32_products_on_the_gpu():
+    """MoEConfig.router_matmul="split" on the GPU: bfloat16 GEMMs whose logits and router
+    gradient match float64 to float32 sums (1e-5, for the tensor cores' float32 accumulation),
+    which a split XLA had optimised away (the weights rounded to bfloat16 once, about 2^-9)
+    would not; x's gradient to bfloat16."""
+    from nodrop.moe.block import router_logits
+
+    rng = np.random.default_rng(15)
+    t, h, e = 4096, 1024, 128
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    router = jnp.asarray(rng.standard_normal((h, e)) * 0.05, jnp.float32)
+    cotangent = jnp.asarray(rng.standard_normal((t, e)), jnp.float32)
+    logits = jax.jit(router_logits, static_argnums=2)(x, router, "split")
+    grad_x, grad_router = jax.jit(jax.grad(
+        lambda x, r: jnp.sum(router_logits(x, r, "split") * cotangent), argnums=(0, 1)))(
+        x, router)
+    x64, r64, c64 = (np.asarray(v, np.float64) for v in (x.astype(jnp.float32), router,
+                                                          cotangent))
+    assert rel_error(logits, x64 @ r64) <= 1e-5
+    assert rel_error(grad_router, x64.T @ c64) <= 1e-5
+    assert grad_x.dtype == jnp.bfloat16 and rel_error(grad_x, c64 @ r64.T) <= 2 ** -8

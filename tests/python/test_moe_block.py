@@ -11,11 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import F32_TOL, assert_close, f64, random_normal
+from conftest import F32_TOL, as_f64, assert_close, f64, random_normal
 from flax import nnx
 
 from nodrop.moe import (MoEBlock, MoEConfig, load_balancing_loss, router_z_loss,
                         updated_expert_bias)
+from nodrop.moe.block import _bfloat16_parts, router_logits
 from nodrop.ops import reference
 
 SOFTMAX_TOP2 = MoEConfig(num_experts=8, k=2, hidden=16, ffn=32, renormalize=True,
@@ -345,6 +346,126 @@ def test_expert_bias_is_not_trained():
     assert "expert_bias" not in nnx.to_pure_dict(grads)
 
 
+# --- the router's matmul ------------------------------------------------------------------------
+
+# float32 values whose significands fill every bit, the extremes of the exponent, signs, zero.
+EDGE_WEIGHTS = np.array([0.0, -0.0, 1.0, -1.0, 1 - 2.0 ** -24, -(1 + 2.0 ** -23), 3.0e38,
+                         -3.0e38, 2.0 ** -103 * (1 + 2.0 ** -23), 0.1, -1 / 3, np.pi],
+                        np.float32)
+
+
+def test_bfloat16_parts_sum_to_the_float32_value_exactly():
+    rng = np.random.default_rng(21)
+    values = np.concatenate([EDGE_WEIGHTS, (rng.standard_normal(4096) * np.exp2(
+        rng.integers(-60, 60, 4096))).astype(np.float32)])
+    for jitted in (False, True):
+        fn = jax.jit(_bfloat16_parts) if jitted else _bfloat16_parts
+        parts = fn(jnp.asarray(values))
+        assert all(part.dtype == jnp.bfloat16 for part in parts)
+        total = sum(as_f64(part) for part in parts)
+        np.testing.assert_array_equal(total, values.astype(np.float64),
+                                      err_msg=f"jit={jitted}")
+        # Each part holds the leading bits of what was left: no part larger than the one before.
+        sizes = [np.abs(as_f64(part)) for part in parts]
+        assert np.all(sizes[1] <= sizes[0]) and np.all(sizes[2] <= sizes[1])
+    # Below 2^-103 the last parts are subnormal, which float32 arithmetic may flush to zero: the
+    # parts then lose those bits, and no more.
+    tiny = np.array([1.2e-38, -3.0e-36, 2.0 ** -105 * (1 + 2.0 ** -23)], np.float32)
+    total = sum(as_f64(part) for part in jax.jit(_bfloat16_parts)(jnp.asarray(tiny)))
+    assert np.all(np.abs(total - tiny.astype(np.float64)) < 2.0 ** -126)
+
+
+def _logits_and_gradients(method, x, router, cotangent):
+    def loss(x, router):
+        return jnp.sum(router_logits(x, router, method) * cotangent)
+    logits = jax.jit(router_logits, static_argnums=2)(x, router, method)
+    return (logits, *jax.jit(jax.grad(loss, argnums=(0, 1)))(x, router))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (37, 96, 8), (256, 512, 64)],
+                         ids=lambda shape: "x".join(map(str, shape)))
+def test_split_router_logits_and_gradients_against_float64(shape):
+    tokens, hidden, experts = shape
+    rng = np.random.default_rng(22)
+    x = random_normal(rng, (tokens, hidden), jnp.bfloat16)
+    router = random_normal(rng, (hidden, experts), scale=0.05)
+    cotangent = random_normal(rng, (tokens, experts))
+    logits, grad_x, grad_router = _logits_and_gradients("split", x, router, cotangent)
+    assert (logits.dtype, grad_x.dtype, grad_router.dtype) == (
+        jnp.float32, jnp.bfloat16, jnp.float32)
+    # Exact products: only the float32 sums round, as in a float32 GEMM.
+    assert_close(logits, as_f64(x) @ as_f64(router), 1e-6, "logits")
+    assert_close(grad_router, as_f64(x).T @ as_f64(cotangent), 1e-6, "router gradient")
+    # x's gradient is bfloat16: one rounding of the float64 value (half an ulp) plus the part
+    # products left out, under 3 * 2^-14 of the sum of the terms' magnitudes.
+    expected = as_f64(cotangent) @ as_f64(router).T
+    half_ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(expected), 1e-30))) - 8)
+    left_out = 3 * 2.0 ** -14 * (np.abs(as_f64(cotangent)) @ np.abs(as_f64(router)).T)
+    assert np.all(np.abs(as_f64(grad_x) - expected) <= half_ulp + left_out), \
+        "x's gradient beyond its bound"
+
+
+def test_split_router_matmul_equals_float32_one():
+    rng = np.random.default_rng(23)
+    router = random_normal(rng, (96, 16), scale=0.05)
+    cotangent = random_normal(rng, (64, 16))
+    x = random_normal(rng, (64, 96), jnp.bfloat16)
+    split = _logits_and_gradients("split", x, router, cotangent)
+    full = _logits_and_gradients("float32", x, router, cotangent)
+    for name, a, b, tol in zip(("logits", "x gradient", "router gradient"), split, full,
+                               (1e-6, 1e-2, 1e-6)):
+        assert_close(a, b, tol, name)
+    # Inputs not in bfloat16 take the float32 GEMM whatever the method: the same program.
+    for dtype in (jnp.float32, jnp.float16):
+        x = random_normal(rng, (64, 96), dtype)
+        for a, b in zip(_logits_and_gradients("split", x, router, cotangent),
+                        _logits_and_gradients("float32", x, router, cotangent)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("config", [SOFTMAX_TOP2, DEEPSEEK], ids=["softmax_top2", "deepseek"])
+def test_block_with_the_split_router_matmul(config):
+    """In bfloat16 the split router picks the float32 router's experts and gives its outputs
+    and gradients, under jit, remat and scan over two layers."""
+    rng = np.random.default_rng(24)
+    configs = [dataclasses.replace(config, dtype=jnp.bfloat16, router_matmul=method)
+               for method in ("float32", "split")]
+    x = random_normal(rng, (2, 16, config.hidden), jnp.bfloat16)
+    cotangent = random_normal(rng, x.shape)
+
+    def run(config, remat):
+        block = make_block(config)
+        graphdef, params, rest = nnx.split(block, nnx.Param, ...)
+
+        def apply(params, x):
+            return nnx.merge(graphdef, params, rest)(x)
+
+        apply = jax.checkpoint(apply) if remat else apply
+
+        def two_layers(params, x):  # the same block twice, through lax.scan
+            def layer(x, _):
+                y, aux = apply(params, x)
+                return y, aux.tokens_per_expert
+            y, counts = jax.lax.scan(layer, x, length=2)
+            return jnp.sum(y.astype(jnp.float32) * cotangent), counts
+
+        (_, counts), grads = jax.jit(jax.value_and_grad(two_layers, has_aux=True))(params, x)
+        y, aux = jax.jit(apply)(params, x)
+        return y, aux, counts, grads
+
+    for remat in (False, True):
+        (y0, aux0, counts0, grads0), (y1, aux1, counts1, grads1) = (
+            run(c, remat) for c in configs)
+        np.testing.assert_array_equal(np.asarray(counts1), np.asarray(counts0))
+        np.testing.assert_array_equal(np.asarray(aux1.tokens_per_expert),
+                                      np.asarray(aux0.tokens_per_expert))
+        assert_close(y1, y0, 1e-2, "output")
+        assert_close(aux1.z_loss, aux0.z_loss, 1e-5, "z loss")
+        for (path, g1), g0 in zip(jax.tree.leaves_with_path(grads1), jax.tree.leaves(grads0)):
+            assert_close(g1, g0, 2e-2, f"gradient {jax.tree_util.keystr(path)}")
+            assert float(jnp.abs(g1).max()) > 0
+
+
 # --- config and input checks -------------------------------------------------------------------
 
 BAD_CONFIGS = [
@@ -354,6 +475,7 @@ BAD_CONFIGS = [
     ("capacity_factor", float("inf")), ("matmul", "einsum"), ("ops", "cuda"),
     ("dtype", jnp.int32), ("param_dtype", "float64"), ("expert_parallel", 1),
     ("ep_buffer_factor", 0.0), ("ep_buffer_factor", float("nan")),
+    ("router_matmul", "tf32"),
 ]
 
 

@@ -235,7 +235,7 @@ def test_a_run_saved_before_the_mesh_and_fp8_fields_resumes(reference, tmp_path,
     shutil.copytree(reference, run_dir)
     saved = json.loads((run_dir / "config.json").read_text())
     del saved["train"]["mesh"]
-    for field in ("ep_buffer_factor", "expert_parallel", "fp8"):
+    for field in ("ep_buffer_factor", "expert_parallel", "fp8", "router_matmul"):
         del saved["model"][field]
     (run_dir / "config.json").write_text(json.dumps(saved))
     code, out, err = run_cli(capsys, "train", *train_flags(text_file, steps=STEPS + 1),
@@ -346,15 +346,17 @@ def test_model_overrides_from_flags_are_typed_like_the_model_config():
     args = cli.build_parser().parse_args([
         "train", "--set", "num_layers=3", "--set", "rope_theta=5e5", "--set",
         "tie_embeddings=true", "--set", "score_function=sigmoid", "--capacity-factor", "none",
-        "--moe-matmul", "ragged_dot", "--dtype", "bfloat16", "--no-remat", "--fp8", "blockwise"])
+        "--moe-matmul", "ragged_dot", "--dtype", "bfloat16", "--no-remat", "--fp8", "blockwise",
+        "--router-matmul", "split"])
     overrides = overrides_from_args(args)
     assert overrides == {"model_overrides": {
         "num_layers": 3, "rope_theta": 5e5, "tie_embeddings": True, "score_function": "sigmoid",
         "capacity_factor": None, "moe_matmul": "ragged_dot", "dtype": "bfloat16",
-        "remat": False, "fp8": "blockwise"}}
+        "remat": False, "fp8": "blockwise", "router_matmul": "split"}}
     _, model = build(overrides)
     assert model.num_layers == 3 and model.tie_embeddings and model.dtype == np.dtype("bfloat16")
     assert model.moe_config().fp8 == "blockwise"
+    assert model.moe_config().router_matmul == "split"
     assert overrides_from_args(cli.build_parser().parse_args(["train"])) == {}
 
 

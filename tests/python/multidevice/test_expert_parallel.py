@@ -185,6 +185,26 @@ def test_expert_parallel_under_remat_and_on_the_other_implementations(variant):
     assert_same_block(config[variant], "zipf", mesh_of("data2_ep4"), remat=variant == "remat")
 
 
+def test_expert_parallel_with_the_split_router_matmul():
+    """In bfloat16 with router_matmul="split", each rank's router (a custom VJP) routes its
+    tokens as one device does, and the router's gradient sums over the ranks."""
+    config = dataclasses.replace(SOFTMAX_TOP2, dtype=jnp.bfloat16, ep_buffer_factor=None,
+                                 router_matmul="split")
+    x = tokens(3).astype(jnp.bfloat16)
+    cotangent = random_normal(np.random.default_rng(4), x.shape)
+    y, aux, grads = loss_and_grads(make_block(dataclasses.replace(config, expert_parallel=False),
+                                              "zipf"), x, cotangent)
+    ep_y, ep_aux, ep_grads = loss_and_grads(make_block(config, "zipf"), x, cotangent,
+                                            mesh_of("data2_ep4"))
+    np.testing.assert_array_equal(np.asarray(ep_aux.tokens_per_expert),
+                                  np.asarray(aux.tokens_per_expert))
+    assert_close(ep_y, y, 1e-2, "output")
+    assert sorted(ep_grads) == sorted(grads)
+    for name, grad in grads.items():
+        assert_close(ep_grads[name], grad, 1e-2, f"grad {name}")
+    assert float(jnp.abs(ep_grads["router"]).max()) > 0
+
+
 def test_expert_parallel_block_exchanges_rows_with_all_to_all():
     """The path runs in shard_map with the tokens' rows crossing devices (not a silent fallback
     to the single-device block)."""

@@ -1,7 +1,7 @@
 """GPU benchmark: nodrop against its peers, grouped matmul and a whole MoE expert layer.
 
     python bench/gpu_moe.py --out DIR [--iters 10] [--only gemm|layer|all]
-                              [--shapes Mixtral-8x7B,Qwen3-30B-A3B]
+                              [--shapes Mixtral-8x7B,Qwen3-30B-A3B] [--router-matmul split]
 
 Everything runs in this one process: bf16 inputs, float32 accumulation, jitted.
 
@@ -15,7 +15,8 @@ Everything runs in this one process: bf16 inputs, float32 accumulation, jitted.
    forward+backward: dropless on nodrop's ops against the same block with its expert matmuls on
    tokamax.ragged_dot (the same routing) and against the block dropping tokens
    (MoEConfig(capacity_factor=1.0) and 1.25). With each variant's activation memory: the
-   compiled step's temporary buffers (XLA's memory_analysis) per token.
+   compiled step's temporary buffers (XLA's memory_analysis) per token. Every variant's router
+   multiplies its logits as --router-matmul says (MoEConfig.router_matmul; float32 by default).
 
 Shapes and group sizes: bench/shapes.py. Timing: bench/timing.py (side_by_side). A case that
 fails (tokamax missing, a kernel that does not compile, out of memory) is recorded as failed.
@@ -41,6 +42,7 @@ import nodrop
 from nodrop import demo
 from nodrop.demo import positive_int, relative_difference
 from nodrop.moe import MoEBlock
+from nodrop.moe.block import ROUTER_MATMULS
 from nodrop.moe.capacity import capacity_rows
 from shapes import (GEMM_SHAPES, GROUP_SIZE_KINDS, LAYER_SEED, LAYER_SHAPES, group_sizes,
                     layer_config, shape_list)
@@ -268,18 +270,18 @@ def padded_gemm_cases(common: dict, lhs, rhs, grad_out, iters: int) -> list[dict
 # --- MoE expert layer -------------------------------------------------------------------------
 
 
-def layer_cases(name: str, iters: int, tokamax) -> list[dict]:
+def layer_cases(name: str, iters: int, tokamax, router_matmul: str = "float32") -> list[dict]:
     """nodrop.demo's loss and gradients of nodrop.moe.MoEBlock at LAYER_SHAPES[name]: dropless,
     dropless with the expert matmuls on `tokamax` (tokamax_peer.load_tokamax), and at each
-    capacity factor, on the same weights and data, timed side by side; with the memory of each
-    compiled step."""
+    capacity factor, on the same weights and data, every router by `router_matmul`, timed side
+    by side; with the memory of each compiled step."""
     tokens, hidden, ffn, experts, k = dims = LAYER_SHAPES[name]
     flops = 3 * 6 * tokens * k * hidden * ffn  # 3 GEMMs of 2*T*k*H*F forward, twice that backward
     results, runs, extra = {}, {}, {}
     with tokamax_ops(tokamax):
-        configs = {"nodrop": layer_config(name), "tokamax": layer_config(name, ops=MOE_OPS)}
-        configs |= {f"capacity_{cf}": layer_config(name, capacity_factor=cf)
-                    for cf in CAPACITY_FACTORS}
+        config = functools.partial(layer_config, name, router_matmul=router_matmul)
+        configs = {"nodrop": config(), "tokamax": config(ops=MOE_OPS)}
+        configs |= {f"capacity_{cf}": config(capacity_factor=cf) for cf in CAPACITY_FACTORS}
         params = nnx.state(MoEBlock(configs["nodrop"], rngs=nnx.Rngs(LAYER_SEED)), nnx.Param)
         x, target = demo.inputs(jax.random.key(LAYER_SEED), configs["nodrop"], tokens)
         for impl, config in configs.items():
@@ -552,7 +554,8 @@ def markdown(meta: dict, gemm_rows: list[dict], layer_rows: list[dict]) -> str:
             "slot positions by a cumsum over a one-hot mask, scatter into [E, C, H] buffers, "
             "batched einsums, gather back. tokamax.ragged_dot: the dropless block with its two "
             "grouped matmuls on tokamax.ragged_dot (forward and backward), the rest nodrop's "
-            "(the same routing). TFLOP/s counts the useful 18*T*k*H*F FLOPs.",
+            "(the same routing). Every variant's router logits: MoEConfig(router_matmul="
+            f"{meta['router_matmul']!r}). TFLOP/s counts the useful 18*T*k*H*F FLOPs.",
             "", *layer_table(layer_rows),
             "", "## MoE expert layer, activation memory", "",
             "The compiled forward+backward step's temporary buffers (XLA's memory_analysis(): "
@@ -598,11 +601,13 @@ def plot(meta: dict, gemm_rows: list[dict], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def metadata(torch, torch_status: str, tokamax_status: str, iters: int) -> dict:
+def metadata(torch, torch_status: str, tokamax_status: str, iters: int,
+             router_matmul: str) -> dict:
     meta = gpu_run_metadata(torch, iters, ragged_dot_max_forward_s=RAGGED_DOT_MAX_FORWARD_S)
     meta["versions"]["tokamax"] = package_version("tokamax")
     return dict(
         meta, torch=torch_status or "torch._grouped_mm available", tokamax=tokamax_status,
+        router_matmul=router_matmul,
         targets=dict(min_vs_torch=MIN_VS_TORCH, min_vs_dense=MIN_VS_DENSE,
                      min_vs_ragged_dot=MIN_VS_RAGGED_DOT, min_layer_speedup=MIN_LAYER_SPEEDUP,
                      min_memory_saving=MIN_MEMORY_SAVING, check_tolerance=CHECK_TOLERANCE))
@@ -622,6 +627,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--shapes", type=shape_list((*GEMM_SHAPES, *LAYER_SHAPES)), default=None,
                         help="comma list of shape names to run (default: all of "
                              f"{', '.join(GEMM_SHAPES)})")
+    parser.add_argument("--router-matmul", choices=ROUTER_MATMULS, default="float32",
+                        help="every layer variant's MoEConfig.router_matmul (default: float32)")
     return parser.parse_args(argv)
 
 
@@ -632,7 +639,7 @@ def main(argv=None) -> int:
         raise SystemExit("nodrop has no CUDA engine (nodrop/libnodrop_ffi_cuda.so): build it")
     torch, torch_status = load_torch()
     tokamax, tokamax_status = load_tokamax()
-    meta = metadata(torch, torch_status, tokamax_status, args.iters)
+    meta = metadata(torch, torch_status, tokamax_status, args.iters, args.router_matmul)
     print(f"{meta['device']['jax']}; {meta['torch']}; {meta['tokamax']}; "
           + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v), flush=True)
 
@@ -648,7 +655,7 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
     if args.only in ("layer", "all"):
         for name in chosen(LAYER_SHAPES):
-            layer_results += layer_cases(name, args.iters, tokamax)
+            layer_results += layer_cases(name, args.iters, tokamax, args.router_matmul)
 
     gemm_rows, layer_rows = gemm_summary(gemm_cases), layer_summary(layer_results)
     table = markdown(meta, gemm_rows, layer_rows)

@@ -167,6 +167,31 @@ def test_gpu_moe_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch, tiny_sha
     assert summary["speedups"]["tokamax"] > 0 and layer["tokamax"]["memory"]["temp_bytes"] > 0
 
 
+def test_gpu_moe_layer_with_the_split_router(tmp_path, monkeypatch, tiny_shapes):
+    """--router-matmul sets every layer variant's router and is recorded with the results."""
+    import gpu_moe
+
+    monkeypatch.setattr(gpu_moe, "load_torch", lambda: (None, "not on this machine"))
+    monkeypatch.setenv(MEM_FRACTION, "restored after the test")
+    seen = []
+    block = gpu_moe.MoEBlock
+
+    def recording_block(config, **kwargs):
+        seen.append(config.router_matmul)
+        return block(config, **kwargs)
+
+    monkeypatch.setattr(gpu_moe, "MoEBlock", recording_block)
+    code = gpu_moe.main(["--out", str(tmp_path), "--shapes", "tiny", "--iters", "1",
+                         "--only", "layer", "--router-matmul", "split"])
+    assert code in (0, 1)
+    assert seen and set(seen) == {"split"}
+    results = json.loads((tmp_path / "gpu-moe.json").read_text())
+    assert results["router_matmul"] == "split"
+    assert all(case["status"] == "ok" for case in results["layer"]["cases"]
+               if case["impl"] != "tokamax")
+    assert "MoEConfig(router_matmul='split')" in (tmp_path / "gpu-moe.md").read_text()
+
+
 def test_tokamax_agrees_with_nodrop_at_a_tiny_shape(tiny_shapes):
     """tokamax.ragged_dot as bench/gpu_moe.py calls it (on the CPU, its XLA implementation)
     against nodrop.ragged_dot: the same output and gradients. And the MoE block with its expert

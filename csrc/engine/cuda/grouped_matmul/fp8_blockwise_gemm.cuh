@@ -70,6 +70,18 @@ struct Fp8TileConfig;
 #include "engine/cuda/grouped_matmul/fp8_tiles.def"
 #undef NODROP_FP8_GEMM_TILE
 
+// The epilogue stores a tile in rounds of this subtile, each behind a barrier of the consumer
+// warpgroups. CUTLASS's automatic choice for the cooperative kernels is 128x32, four rounds per
+// 128x128 tile; 128x64 takes two, for one mainloop stage fewer (5 of 6). It made DeepSeek-V3
+// EP8's weight gradients, two K blocks a tile, 7-12% faster and Mixtral's input gradient 6%,
+// costing Qwen3's input gradient 4% (docs/performance.md, FP8 epilogue subtile).
+template <Fp8GemmTile T>
+using Fp8EpilogueTile =
+    std::conditional_t<T == Fp8GemmTile::kCooperative128x128x128Cluster1x1 ||
+                           T == Fp8GemmTile::kCooperative128x128x128Cluster1x2,
+                       cute::Shape<cute::_128, cute::_64>,
+                       cutlass::epilogue::collective::EpilogueTileAuto>;
+
 template <Fp8GemmForm F, Fp8GemmTile T>
 struct Fp8BlockwiseGemm {
   using ElementA = cutlass::float_e4m3_t;
@@ -89,7 +101,7 @@ struct Fp8BlockwiseGemm {
   // D = acc: no C operand (void), alpha 1 and beta 0 by default.
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Tile::Shape,
-      typename Tile::Cluster, cutlass::epilogue::collective::EpilogueTileAuto,
+      typename Tile::Cluster, Fp8EpilogueTile<T>,
       ElementAccumulator, ElementAccumulator, void, LayoutD*, kAlignmentOut, ElementD, LayoutD*,
       kAlignmentOut, typename Tile::EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementD, ElementAccumulator>>::CollectiveOp;

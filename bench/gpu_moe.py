@@ -16,7 +16,7 @@ Everything runs in this one process: bf16 inputs, float32 accumulation, jitted.
    tokamax.ragged_dot (the same routing) and against the block dropping tokens
    (MoEConfig(capacity_factor=1.0) and 1.25). With each variant's activation memory: the
    compiled step's temporary buffers (XLA's memory_analysis) per token. Every variant's router
-   multiplies its logits as --router-matmul says (MoEConfig.router_matmul; float32 by default).
+   multiplies its logits as --router-matmul says (MoEConfig.router_matmul, split by default).
 
 Shapes and group sizes: bench/shapes.py. Timing: bench/timing.py (side_by_side). A case that
 fails (tokamax missing, a kernel that does not compile, out of memory) is recorded as failed.
@@ -42,7 +42,7 @@ import nodrop
 from nodrop import demo
 from nodrop.demo import positive_int, relative_difference
 from nodrop.moe import MoEBlock
-from nodrop.moe.block import ROUTER_MATMULS
+from nodrop.moe.block import ROUTER_MATMULS, MoEConfig
 from nodrop.moe.capacity import capacity_rows
 from shapes import (GEMM_SHAPES, GROUP_SIZE_KINDS, LAYER_SEED, LAYER_SHAPES, group_sizes,
                     layer_config, shape_list)
@@ -270,7 +270,7 @@ def padded_gemm_cases(common: dict, lhs, rhs, grad_out, iters: int) -> list[dict
 # --- MoE expert layer -------------------------------------------------------------------------
 
 
-def layer_cases(name: str, iters: int, tokamax, router_matmul: str = "float32") -> list[dict]:
+def layer_cases(name: str, iters: int, tokamax, router_matmul: str = MoEConfig.router_matmul) -> list[dict]:
     """nodrop.demo's loss and gradients of nodrop.moe.MoEBlock at LAYER_SHAPES[name]: dropless,
     dropless with the expert matmuls on `tokamax` (tokamax_peer.load_tokamax), and at each
     capacity factor, on the same weights and data, every router by `router_matmul`, timed side
@@ -627,8 +627,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--shapes", type=shape_list((*GEMM_SHAPES, *LAYER_SHAPES)), default=None,
                         help="comma list of shape names to run (default: all of "
                              f"{', '.join(GEMM_SHAPES)})")
-    parser.add_argument("--router-matmul", choices=ROUTER_MATMULS, default="float32",
-                        help="every layer variant's MoEConfig.router_matmul (default: float32)")
+    parser.add_argument("--router-matmul", choices=ROUTER_MATMULS,
+                        default=MoEConfig.router_matmul,
+                        help="every layer variant's MoEConfig.router_matmul (default: "
+                             f"{MoEConfig.router_matmul}, as MoEConfig's)")
     return parser.parse_args(argv)
 
 

@@ -67,7 +67,7 @@ class ModelConfig:
     ep_buffer_factor: float | None = 2.0
     fp8: str = "off"
     fp8_weight_gradient: str = "fp8"
-    router_matmul: str = "float32"
+    router_matmul: str = "split"
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
 

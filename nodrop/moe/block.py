@@ -87,10 +87,10 @@ class MoEConfig:
       ("fp8", the default) or on the unquantised activations and output gradients
       ("unquantised"), as `nodrop.fp8_grouped_matmul`'s `weight_gradient`.
     router_matmul: how the router's float32 logits are multiplied (see `router_logits`):
-      "float32" (the default: one float32 GEMM, on a GPU's CUDA cores) or "split" (the float32
-      weights split exactly into three bfloat16 parts, so the same products run as bfloat16
-      GEMMs with float32 accumulation, on tensor cores); "split" applies where the router's
-      input is bfloat16, and runs the float32 GEMM otherwise.
+      "split" (the default: the float32 weights split exactly into three bfloat16 parts, so the
+      same products run as bfloat16 GEMMs with float32 accumulation, on tensor cores; where the
+      router's input is not bfloat16 it runs the float32 GEMM) or "float32" (one float32 GEMM,
+      on a GPU's CUDA cores).
     """
 
     num_experts: int
@@ -113,7 +113,7 @@ class MoEConfig:
     ep_buffer_factor: float | None = 2.0
     fp8: str = "off"
     fp8_weight_gradient: str = "fp8"
-    router_matmul: str = "float32"
+    router_matmul: str = "split"
 
     def __post_init__(self) -> None:
         require = requirer(self, lambda field: f"MoEConfig.{field}")

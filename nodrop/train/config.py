@@ -421,10 +421,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> No
                             "gradients (unquantised: no transposed quantisation; on the GPU "
                             "the bf16 kernel)")
     model.add_argument("--router-matmul", choices=ROUTER_MATMULS, default=S,
-                       help="the router's float32 logits: one float32 GEMM (float32, the "
-                            "default), or, for bfloat16 inputs, the float32 weights split into "
-                            "three bfloat16 parts (split: the same exact products on a GPU's "
-                            "tensor cores)")
+                       help="the router's float32 logits: for bfloat16 inputs, the float32 "
+                            "weights split into three bfloat16 parts (split, the default: the "
+                            "same exact products on a GPU's tensor cores), or one float32 GEMM "
+                            "(float32)")
     model.add_argument("--ep-buffer", type=_buffer_factor, default=S, metavar="F|worst",
                        dest="ep_buffer_factor",
                        help="expert parallelism's receive buffer, F x the balanced load "

@@ -158,6 +158,10 @@ def configure(overrides: dict, saved: dict | None) -> tuple[TrainConfig, ModelCo
 ADDED_FIELDS = {"train": {"seq_aux_loss_coef": 0.0, "bias_update_rule": "sign"},
                 "model": {"ep_buffer_factor": 2.0, "fp8": "off", "fp8_weight_gradient": "fp8",
                           "router_matmul": "float32"}}
+# Model fields whose default changed after runs were saved: the model is rebuilt from its preset
+# and model_overrides, so a resumed or loaded run is given the value it computed with (its
+# config.json's, or the ADDED_FIELDS one) unless a flag says otherwise.
+CHANGED_DEFAULTS = ("router_matmul",)
 
 
 def _saved_config(saved: dict, overrides: dict) -> tuple[TrainConfig, ModelConfig]:
@@ -168,8 +172,10 @@ def _saved_config(saved: dict, overrides: dict) -> tuple[TrainConfig, ModelConfi
     # it from its data, or from its preset, before vocab_size was recorded in model_overrides).
     vocabulary = ({"vocab_size": saved["model"]["vocab_size"]}
                   if "vocab_size" in saved.get("model", {}) else {})
+    computed_with = {name: saved.get("model", {}).get(name, ADDED_FIELDS["model"][name])
+                     for name in CHANGED_DEFAULTS}
     return build({**base.to_dict(), **overrides,
-                  "model_overrides": {**vocabulary, **base.model_overrides,
+                  "model_overrides": {**vocabulary, **computed_with, **base.model_overrides,
                                       **overrides.get("model_overrides", {})}})
 
 
@@ -608,7 +614,7 @@ def _graphdef(model_config: ModelConfig):
 
 def run_config(run_dir: str | os.PathLike) -> tuple[TrainConfig, ModelConfig]:
     """The configuration a run folder was trained with (its config.json); a field the run
-    predates takes today's default."""
+    predates takes its ADDED_FIELDS value, or today's default."""
     return _saved_config(_read_saved(Path(run_dir)), {})
 
 

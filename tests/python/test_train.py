@@ -250,6 +250,23 @@ def test_a_run_saved_before_the_mesh_and_fp8_fields_resumes(reference, tmp_path,
     assert code == 2 and "z_loss_coef: None -> 0.001" in err, err
 
 
+def test_a_run_saved_before_the_split_router_default_keeps_its_router_matmul():
+    """router_matmul's default became "split" after runs were saved with "float32" (or before
+    the field existed): resumed or loaded, they keep the matmul they trained with."""
+    config, model = build({})
+    assert model.router_matmul == "split"
+    saved = {"train": config.to_dict(), "model": {**model.to_dict(), "router_matmul": "float32"}}
+    _, resumed = trainer.configure({}, saved)
+    assert resumed.router_matmul == "float32"
+    del saved["model"]["router_matmul"]
+    _, resumed = trainer.configure({}, saved)
+    assert resumed.router_matmul == "float32"
+    with pytest.raises(ConfigError, match="model.router_matmul: 'float32' -> 'split'"):
+        trainer.configure({"model_overrides": {"router_matmul": "split"}}, saved)
+    new_run = {"train": config.to_dict(), "model": model.to_dict()}
+    assert trainer.configure({}, new_run)[1].router_matmul == "split"
+
+
 def test_a_run_saved_before_the_bias_rule_resumes_with_the_sign_rule():
     """Runs saved before bias_update_rule existed moved their biases by the sign rule; resumed,
     they keep it, where a new softmax run takes the proportional one."""
@@ -347,16 +364,16 @@ def test_model_overrides_from_flags_are_typed_like_the_model_config():
         "train", "--set", "num_layers=3", "--set", "rope_theta=5e5", "--set",
         "tie_embeddings=true", "--set", "score_function=sigmoid", "--capacity-factor", "none",
         "--moe-matmul", "ragged_dot", "--dtype", "bfloat16", "--no-remat", "--fp8", "blockwise",
-        "--router-matmul", "split"])
+        "--router-matmul", "float32"])
     overrides = overrides_from_args(args)
     assert overrides == {"model_overrides": {
         "num_layers": 3, "rope_theta": 5e5, "tie_embeddings": True, "score_function": "sigmoid",
         "capacity_factor": None, "moe_matmul": "ragged_dot", "dtype": "bfloat16",
-        "remat": False, "fp8": "blockwise", "router_matmul": "split"}}
+        "remat": False, "fp8": "blockwise", "router_matmul": "float32"}}
     _, model = build(overrides)
     assert model.num_layers == 3 and model.tie_embeddings and model.dtype == np.dtype("bfloat16")
     assert model.moe_config().fp8 == "blockwise"
-    assert model.moe_config().router_matmul == "split"
+    assert model.moe_config().router_matmul == "float32"
     assert overrides_from_args(cli.build_parser().parse_args(["train"])) == {}
 
 

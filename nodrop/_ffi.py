@@ -27,6 +27,7 @@ TARGETS = {
     "nodrop_topk_router": "NodropTopkRouter",
     "nodrop_topk_router_grad": "NodropTopkRouterGrad",
     "nodrop_quantize_fp8": "NodropQuantizeFp8",
+    "nodrop_permute_fp8": "NodropPermuteFp8",
     "nodrop_grouped_matmul_fp8_blockwise": "NodropGroupedMatmulFp8Blockwise",
     "nodrop_quantize_fp8_transposed": "NodropQuantizeFp8Transposed",
     "nodrop_grouped_matmul_fp8_blockwise_contract": "NodropGroupedMatmulFp8BlockwiseContract",
@@ -146,6 +147,27 @@ def _typed_like(operands, shape, dtype):
     return jax.ShapeDtypeStruct(
         shape, dtype, sharding=jax.sharding.NamedSharding(mesh, jax.P()),
         manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+
+
+def typed_like(x, shape, dtype):
+    """The type of an array of `shape` and `dtype` varying over the manual axes x varies over
+    (inside `jax.shard_map`; a plain ShapeDtypeStruct outside it): for `jax.linear_transpose`
+    of a function of x, whose cotangent must have x's type."""
+    return _typed_like((x,), shape, dtype)
+
+
+def cotangent_like(grad, primal):
+    """grad with primal's type inside `jax.shard_map`, as a custom_vjp rule must return it:
+    summed over the manual axes only grad varies over (the primal is the same on those devices,
+    so its cotangent is the sum of theirs), cast to vary over those only the primal varies
+    over. A no-op outside shard_map."""
+    extra = varying_axes(grad) - varying_axes(primal)
+    if extra:
+        grad = jax.lax.psum(grad, tuple(sorted(extra, key=str)))
+    missing = varying_axes(primal) - varying_axes(grad)
+    if missing:
+        grad = jax.lax.pcast(grad, tuple(sorted(missing, key=str)), to="varying")
+    return grad
 
 
 def engine_call(target: str, result_types, *, workspace_bytes=None, **attrs):

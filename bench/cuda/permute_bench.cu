@@ -1,7 +1,8 @@
 // Benchmark of the CUDA routing and permutation kernels: GB/s of permute (permute_rows) and
 // un-permute (unpermute with the router weights, and its backward gather_row_dots) at
 // T*k = 65536 rows of H = 4096 bfloat16, each next to cudaMemcpyAsync device-to-device of the
-// same bytes; then the times of sort_by_expert and of the router kernels.
+// same bytes; permute_rows_fp8 against permute_rows and quantize_fp8 apart; then the times of
+// sort_by_expert and of the router kernels.
 //
 //   nodrop_cuda_permute_bench [--iters=100] [--warmup=10]
 //
@@ -198,6 +199,51 @@ void bench_row_movers() {
   }
 }
 
+// The blockwise FP8 recipe's permute: permute_rows then quantize_fp8 of the rows (two passes over
+// the rows) against permute_rows_fp8 (each token read once, quantised once, its bfloat16 row,
+// codes and scales written to its k rows). Bandwidth counts the fused kernel's bytes: tokens
+// read once, rows, codes and scales written.
+void bench_permute_fp8() {
+  std::printf("\nPermute with the rows' FP8 quantisation: T*k = %lld rows, H = %lld, bfloat16\n",
+              (long long)kSlots, (long long)kHidden);
+  std::printf("%3s %6s %14s %10s %10s %10s %10s\n", "k", "T", "unfused us", "fused us",
+              "speedup", "fused GB/s", "of memcpy");
+  const int64_t E = 128, blocks = kHidden / nodrop::kFp8Block;
+  for (int64_t k : {1, 2, 8}) {
+    const int64_t T = kSlots / k;
+    Device row_map(kSlots * sizeof(int32_t)), sizes(E * sizeof(int32_t));
+    sort_on_device(random_ids(T, k, E, 7), T, k, E, row_map.as<int32_t>(), sizes.as<int32_t>());
+    const int64_t token_bytes = T * kRowBytes, row_bytes = kSlots * kRowBytes;
+    const int64_t q_bytes = kSlots * kHidden, scale_bytes = kSlots * blocks * 4;
+    Device tokens(kCopies * token_bytes), rows(kCopies * row_bytes), q(kCopies * q_bytes),
+        scale(kCopies * scale_bytes);
+    fill(tokens.ptr, kCopies * T * kHidden, 2);
+    auto at = [](const Device& d, int64_t bytes, int i) {
+      return d.as<char>() + (i % kCopies) * bytes;
+    };
+    const double unfused = median_us([&](int i) {
+      CHECK(nodrop::cuda::permute_rows(at(tokens, token_bytes, i), DType::kBFloat16,
+                                       row_map.as<int32_t>(), nullptr, T, k, kHidden,
+                                       at(rows, row_bytes, i), g_stream));
+      CHECK(nodrop::cuda::quantize_fp8(at(rows, row_bytes, i), DType::kBFloat16, kSlots, kHidden,
+                                       nodrop::kFp8Block,
+                                       reinterpret_cast<uint8_t*>(at(q, q_bytes, i)),
+                                       reinterpret_cast<float*>(at(scale, scale_bytes, i)),
+                                       g_stream));
+    });
+    const double fused = median_us([&](int i) {
+      CHECK(nodrop::cuda::permute_rows_fp8(
+          at(tokens, token_bytes, i), DType::kBFloat16, row_map.as<int32_t>(), T, k, kHidden,
+          at(rows, row_bytes, i), reinterpret_cast<uint8_t*>(at(q, q_bytes, i)),
+          reinterpret_cast<float*>(at(scale, scale_bytes, i)), g_stream));
+    });
+    const int64_t bytes = token_bytes + row_bytes + q_bytes + scale_bytes;
+    const double copy_us = memcpy_us(bytes / 2);
+    std::printf("%3lld %6lld %14.1f %10.1f %9.2fx %10.0f %9.1f%%\n", (long long)k, (long long)T,
+                unfused, fused, unfused / fused, bytes / fused * 1e-3, 100.0 * copy_us / fused);
+  }
+}
+
 void bench_sort() {
   std::printf("\nsort_by_expert (three kernels)\n%-10s %6s %4s %10s\n", "T", "k", "E", "us");
   for (int64_t T : {8192, 16384, 131072}) {
@@ -296,6 +342,7 @@ int main(int argc, char** argv) {
               prop.multiProcessorCount, g_iters, g_warmup);
   CHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
   bench_row_movers();
+  bench_permute_fp8();
   bench_sort();
   bench_router();
   CHECK(cudaStreamDestroy(g_stream));

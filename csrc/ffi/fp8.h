@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "ffi/common.h"
+#include "ffi/permute.h"
 
 namespace nodrop::handlers {
 
@@ -52,6 +53,44 @@ auto bind_quantize_fp8(Binding binding) {
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::Buffer<ffi::F32>>()
       .template Attr<int64_t>("block");
+}
+
+// permute's operands and results (decode_permute), and q [T*k, H] float8_e4m3fn and
+// scale [T*k, ceil(H / 128)] float32: the rows' quantisation.
+inline ffi::ErrorOr<RowsShape> decode_permute_fp8(const ffi::AnyBuffer& x,
+                                                  const ffi::Buffer<ffi::S32>& ids,
+                                                  const ffi::AnyBuffer& rows,
+                                                  const ffi::Buffer<ffi::S32>& group_sizes,
+                                                  const ffi::Buffer<ffi::S32>& row_map,
+                                                  const ffi::AnyBuffer& q,
+                                                  const ffi::Buffer<ffi::F32>& scale,
+                                                  int64_t num_experts) {
+  auto s = decode_permute(x, ids, rows, group_sizes, row_map, num_experts);
+  if (!s) return s.error();
+  NODROP_RETURN_IF_ERROR(require_e4m3("q", q));
+  NODROP_RETURN_IF_ERROR(require_rank("q", q, 2));
+  NODROP_RETURN_IF_ERROR(require_dim("q", q, 0, s->T * s->k));
+  NODROP_RETURN_IF_ERROR(require_dim("q", q, 1, s->H));
+  NODROP_RETURN_IF_ERROR(require_rank("scale", scale, 2));
+  NODROP_RETURN_IF_ERROR(require_dim("scale", scale, 0, s->T * s->k));
+  NODROP_RETURN_IF_ERROR(require_dim("scale", scale, 1, (s->H + kFp8Block - 1) / kFp8Block));
+  return s;
+}
+
+// The operands after the platform's context: permute's (bind_permute) with q and scale after
+// row_map (the CUDA handler returns its workspace after the attributes).
+template <typename Binding>
+auto bind_permute_fp8(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Attr<int64_t>("num_experts")
+      .template Attr<bool>("checked");
 }
 
 // The engine's view of one weight-gradient quantisation: x [M, C] in G groups of rows.

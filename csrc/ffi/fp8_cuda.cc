@@ -1,6 +1,7 @@
 // The FP8 handlers on the CUDA engine; CUDA-graph compatible. Group sizes stay on the device;
 // both grouped matmuls' workspace is an extra result sized by
-// NodropGroupedMatmulFp8BlockwiseWorkspaceBytes.
+// NodropGroupedMatmulFp8BlockwiseWorkspaceBytes, permute_fp8's sort's by
+// NodropSortByExpertWorkspaceBytes (permute_cuda.cc).
 #include "ffi/fp8.h"
 #include "nodrop/engine_cuda.h"
 
@@ -20,6 +21,23 @@ ffi::Error QuantizeFp8(cudaStream_t stream, ffi::AnyBuffer x,
 
 // `checked` is accepted and ignored here and below: the CUDA engine always clamps (checking needs
 // a host read).
+ffi::Error PermuteFp8(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids,
+                      ffi::Result<ffi::AnyBuffer> rows,
+                      ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
+                      ffi::Result<ffi::Buffer<ffi::S32>> row_map, ffi::Result<ffi::AnyBuffer> q,
+                      ffi::Result<ffi::Buffer<ffi::F32>> scale, int64_t num_experts,
+                      bool /*checked*/, ffi::Result<ffi::AnyBuffer> workspace) {
+  auto s = decode_permute_fp8(x, ids, *rows, *group_sizes, *row_map, *q, *scale, num_experts);
+  if (!s) return s.error();
+  Status status = cuda::sort_by_expert(ids.typed_data(), s->T, s->k, num_experts,
+                                       row_map->typed_data(), group_sizes->typed_data(),
+                                       workspace->untyped_data(), workspace->size_bytes(), stream);
+  if (!status.ok()) return to_ffi_error(status);
+  return to_ffi_error(cuda::permute_rows_fp8(
+      x.untyped_data(), s->dtype, row_map->typed_data(), s->T, s->k, s->H, rows->untyped_data(),
+      static_cast<uint8_t*>(q->untyped_data()), scale->typed_data(), stream));
+}
+
 ffi::Error QuantizeFp8Transposed(cudaStream_t stream, ffi::AnyBuffer x,
                                  ffi::Buffer<ffi::S32> group_sizes,
                                  ffi::Result<ffi::AnyBuffer> q_t,
@@ -75,6 +93,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     NodropGroupedMatmulFp8BlockwiseCuda, GroupedMatmulFp8Blockwise,
     bind_grouped_matmul_fp8_blockwise(ffi::Ffi::Bind().Ctx<Stream>())
         .Ret<ffi::AnyBuffer>(),  // workspace
+    {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NodropPermuteFp8Cuda, PermuteFp8,
+    bind_permute_fp8(ffi::Ffi::Bind().Ctx<Stream>()).Ret<ffi::AnyBuffer>(),  // workspace
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropQuantizeFp8TransposedCuda, QuantizeFp8Transposed,

@@ -29,7 +29,7 @@ from nodrop.ops import reference
 from nodrop.ops._checks import FLOAT_DTYPES
 from nodrop.ops.fp8 import RECIPES as FP8_RECIPES
 from nodrop.ops.fp8 import WEIGHT_GRADIENTS as FP8_WEIGHT_GRADIENTS
-from nodrop.ops.fp8 import fp8_grouped_matmul
+from nodrop.ops.fp8 import fp8_grouped_matmul, permute_fp8
 from nodrop.ops.grouped_matmul import grouped_matmul
 from nodrop.ops.permute import permute, unpermute
 from nodrop.ops.router import SCORE_FUNCTIONS, topk_router
@@ -303,8 +303,8 @@ class MoEBlock(nnx.Module):
         down = self.down[...].astype(cfg.dtype)
 
         if cfg.capacity_factor is None:
-            rows, group_sizes, row_map = ops["permute"](tokens, ids, cfg.num_experts)
-            out_rows = _experts(cfg, rows, group_sizes, gate_up, down)
+            rows, group_sizes, row_map, rows_fp8 = _permute(cfg, tokens, ids, cfg.num_experts)
+            out_rows = _experts(cfg, rows, group_sizes, gate_up, down, rows_fp8)
             y = ops["unpermute"](out_rows, row_map, weights)
             load = processed = group_sizes  # measured, not assumed: what the experts received
         else:
@@ -438,13 +438,33 @@ def _split_router_logits_bwd(residuals, grad):
 _split_router_logits.defvjp(_split_router_logits_fwd, _split_router_logits_bwd)
 
 
+def _on_nodrop(cfg: MoEConfig) -> bool:
+    """The experts run on nodrop's ops and grouped matmul (not the references or XLA's)."""
+    return cfg.ops == "nodrop" and cfg.matmul == "nodrop"
+
+
+def _permute(cfg: MoEConfig, tokens, ids, num_experts):
+    """(rows, group_sizes, row_map, rows_fp8): the tokens permuted, and with the blockwise FP8
+    recipe on nodrop's ops also quantised (`permute_fp8`: each token once, as it is moved), so
+    the experts' first matmul reads rows_fp8 (codes, scales) instead of quantising the rows
+    again; else rows_fp8 is None."""
+    if cfg.fp8 == "blockwise" and _on_nodrop(cfg):
+        rows, group_sizes, row_map, rows_q, rows_scale = permute_fp8(tokens, ids, num_experts)
+        return rows, group_sizes, row_map, (rows_q, rows_scale)
+    return (*OPS[cfg.ops]["permute"](tokens, ids, num_experts), None)
+
+
 @jax.named_scope("experts")
-def _experts(cfg: MoEConfig, rows, group_sizes, gate_up, down):
-    """The SwiGLU experts over rows grouped by expert (group_sizes [G] against G experts)."""
-    on_nodrop = cfg.ops == "nodrop" and cfg.matmul == "nodrop"
+def _experts(cfg: MoEConfig, rows, group_sizes, gate_up, down, rows_fp8=None):
+    """The SwiGLU experts over rows grouped by expert (group_sizes [G] against G experts);
+    rows_fp8: the rows' blockwise quantisation made already (`_permute`), or None."""
     matmul = _fp8_or(cfg, OPS[cfg.ops]["grouped_matmul"] if cfg.matmul == "nodrop"
-                     else jax.lax.ragged_dot, forward="auto" if on_nodrop else "emulated")
-    return swiglu(lambda a, w: matmul(a, w, group_sizes), rows, gate_up, down)
+                     else jax.lax.ragged_dot, forward="auto" if _on_nodrop(cfg) else "emulated")
+    def gate_up_matmul(a, w):
+        return matmul(a, w, group_sizes, lhs_quantized=rows_fp8)
+
+    return swiglu(lambda a, w: matmul(a, w, group_sizes), rows, gate_up, down,
+                  gate_up_matmul=None if rows_fp8 is None else gate_up_matmul)
 
 
 def _fp8_or(cfg: MoEConfig, matmul, forward: str = "emulated"):
@@ -517,10 +537,10 @@ def _expert_parallel_rank(cfg: MoEConfig, axes, x, router, expert_bias, gate_up,
     # form one more group that no expert computes (its output rows stay zero).
     num_local = gate_up.shape[0]
     local_ids = ep_exchange.received_expert_ids(received_sizes, capacity)
-    local_rows, local_sizes, local_map = ops["permute"](received, local_ids[:, None],
-                                                        num_local + 1)
+    local_rows, local_sizes, local_map, local_fp8 = _permute(cfg, received, local_ids[:, None],
+                                                             num_local + 1)
     local_out = _experts(cfg, local_rows, local_sizes[:num_local], gate_up.astype(cfg.dtype),
-                         down.astype(cfg.dtype))
+                         down.astype(cfg.dtype), local_fp8)
     out = ops["unpermute"](local_out, local_map,
                            jnp.ones_like(local_map, jnp.float32, shape=(local_map.shape[0], 1)))
     out_rows = ep_exchange.return_rows(out, exchange, rows.shape[0], axis=EXPERT_AXIS)
@@ -539,8 +559,9 @@ def residual_init(scale: float, batch_axis=()):
                                              batch_axis=batch_axis)
 
 
-def swiglu(matmul, x, gate_up, down):
-    """down(silu(gate) * up), with gate and up computed by one matmul against [..., 2F]."""
-    gate, up = jnp.split(matmul(x, gate_up), 2, axis=-1)
+def swiglu(matmul, x, gate_up, down, *, gate_up_matmul=None):
+    """down(silu(gate) * up), with gate and up computed by one matmul against [..., 2F];
+    gate_up_matmul: that matmul, where it differs from `matmul` (default: `matmul`)."""
+    gate, up = jnp.split((gate_up_matmul or matmul)(x, gate_up), 2, axis=-1)
     return matmul(jax.nn.silu(gate) * up, down)
 

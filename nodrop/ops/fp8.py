@@ -47,6 +47,7 @@ from nodrop.ops.grouped_matmul import (
     _shard_group_sizes,
     grouped_matmul,
 )
+from nodrop.ops.permute import _moved_rows, _permute_operands
 
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = float(jnp.finfo(E4M3).max)  # 448
@@ -232,7 +233,8 @@ def _operand_blocks(recipe: str) -> tuple[Block, Block]:
 def fp8_grouped_matmul(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *,
                        recipe: str = "blockwise",
                        matmul: Callable[..., jax.Array] = grouped_matmul,
-                       forward: str = "auto", weight_gradient: str = "fp8") -> jax.Array:
+                       forward: str = "auto", weight_gradient: str = "fp8",
+                       lhs_quantized: tuple[ArrayLike, ArrayLike] | None = None) -> jax.Array:
     """The grouped matmul `matmul(lhs, rhs, group_sizes)` on FP8 operands, emulated or (the
     blockwise recipe, `forward`) on nodrop's FP8 kernels.
 
@@ -259,6 +261,9 @@ def fp8_grouped_matmul(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *
         "unquantised": on lhs and the output gradient as they are, by `matmul`'s transpose in
         float32 when emulated, by nodrop's grouped matmul (its contraction kernel, in lhs's
         dtype) on the kernels.
+      lhs_quantized: the blockwise recipe only: (q, scale), `quantize_rows(lhs)` made
+        already (by `permute_fp8`, which quantises each token once as it permutes), read by the
+        forward in place of quantising lhs again. Not differentiated: lhs carries the gradient.
 
     Forward: matmul(qdq(lhs, 1 x 128), qdq(rhs, 128 x 128 per expert)). Backward, with dout
     quantised too: dlhs = matmul(qdq(dout, 1 x 128), qdq(rhs)^T), and drhs[g] = qdq(lhs)^T @
@@ -281,12 +286,35 @@ def fp8_grouped_matmul(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *
     if weight_gradient not in WEIGHT_GRADIENTS:
         raise ValueError(f"weight_gradient must be one of {WEIGHT_GRADIENTS}, "
                          f"got {weight_gradient!r}")
-    return _fp8_grouped_matmul(lhs, rhs, group_sizes, recipe, matmul, forward, weight_gradient)
+    if lhs_quantized is not None:
+        lhs_quantized = _checked_lhs_quantized(lhs, lhs_quantized, recipe)
+    return _fp8_grouped_matmul(lhs, rhs, group_sizes, lhs_quantized, recipe, matmul, forward,
+                               weight_gradient)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _fp8_grouped_matmul(lhs, rhs, group_sizes, recipe, matmul, forward, weight_gradient):
-    return _forward(lhs, rhs, group_sizes, recipe, matmul, forward, weight_gradient)[0]
+def _checked_lhs_quantized(lhs, lhs_quantized, recipe: str):
+    if recipe != "blockwise":
+        raise ValueError(f"lhs_quantized needs the blockwise recipe (1 x 128 blocks), got "
+                         f"recipe {recipe!r}")
+    if not (isinstance(lhs_quantized, (tuple, list)) and len(lhs_quantized) == 2):
+        raise ValueError(f"lhs_quantized must be (q, scale) as quantize_rows(lhs) gives them, "
+                         f"got {type(lhs_quantized).__name__}")
+    q, scale = map(_checks.as_array, lhs_quantized)
+    want = ((lhs.shape, E4M3), ((lhs.shape[0], -(-lhs.shape[1] // BLOCK)), jnp.float32))
+    for name, x, (shape, dtype) in zip(("q", "scale"), (q, scale), want):
+        if x.shape != shape or jnp.dtype(x.dtype) != jnp.dtype(dtype):
+            raise ValueError(
+                f"lhs_quantized's {name} must be {jnp.dtype(dtype).name} of shape {shape} "
+                f"(quantize_rows of lhs {tuple(lhs.shape)}), got {jnp.dtype(x.dtype).name} of "
+                f"shape {tuple(x.shape)}")
+    return q, scale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _fp8_grouped_matmul(lhs, rhs, group_sizes, lhs_quantized, recipe, matmul, forward,
+                        weight_gradient):
+    return _forward(lhs, rhs, group_sizes, lhs_quantized, recipe, matmul, forward,
+                    weight_gradient)[0]
 
 
 # The operands of the engine's FP8 kernels, per recipe: (rows(x, group_sizes), the forward's rows
@@ -358,26 +386,31 @@ def _kernel_quantisers(recipe: str):
     return _tensorwise_rows, _tensorwise_weights, _tensorwise_transposed
 
 
-def _kernel_forward(lhs, rhs, group_sizes, recipe):
+def _kernel_forward(lhs, rhs, group_sizes, lhs_quantized, recipe):
     """The forward on the engine's FP8 kernel: each expert's weight transposed (a block of rhs[g]
-    is a block of rhs[g].T)."""
+    is a block of rhs[g].T); lhs's quantisation as given, if it is."""
     rows, weights, _ = _kernel_quantisers(recipe)
-    return grouped_matmul_fp8_blockwise(*rows(lhs, group_sizes),
-                                        *weights(jnp.swapaxes(rhs, 1, 2)), group_sizes),
+    lhs_q = rows(lhs, group_sizes) if lhs_quantized is None else lhs_quantized
+    return grouped_matmul_fp8_blockwise(*lhs_q, *weights(jnp.swapaxes(rhs, 1, 2)),
+                                        group_sizes),
 
 
-def _emulated_forward(lhs, rhs, group_sizes, recipe, matmul):
+def _emulated_forward(lhs, rhs, group_sizes, lhs_quantized, recipe, matmul):
     rows_block, weights_block = _operand_blocks(recipe)
-    return matmul(_qdq(_rows_in_groups(lhs, group_sizes), rows_block),
-                  _qdq(rhs, weights_block), group_sizes),
+    if lhs_quantized is None:
+        lhs_qdq = _qdq(_rows_in_groups(lhs, group_sizes), rows_block)
+    else:  # blockwise: zeroing rows past the groups before or after quantising is the same
+        lhs_qdq = _rows_in_groups(dequantize(*lhs_quantized, rows_block), group_sizes)
+    return matmul(lhs_qdq, _qdq(rhs, weights_block), group_sizes),
 
 
-def _unquantised_weight_gradient(lhs, dout, group_sizes, rhs_shape, matmul, dtype):
+def _unquantised_weight_gradient(lhs, dout, group_sizes, rhs, matmul, dtype):
     """drhs[g] = lhs_g^T @ dout_g on the unquantised operands in `dtype`: matmul's transpose in
-    rhs."""
+    rhs (typed as rhs, so that inside shard_map the transpose sums only where rhs is
+    replicated)."""
     lhs = lhs.astype(dtype)
     drhs, = jax.linear_transpose(lambda w: matmul(lhs, w, group_sizes),
-                                 jax.ShapeDtypeStruct(rhs_shape, dtype))(dout.astype(dtype))
+                                 _ffi.typed_like(rhs, rhs.shape, dtype))(dout.astype(dtype))
     return drhs
 
 
@@ -392,8 +425,8 @@ def _kernel_backward(lhs, rhs, dout, group_sizes, recipe, weight_gradient):
     rows, weights, transposed = _kernel_quantisers(recipe)
     dlhs = grouped_matmul_fp8_blockwise(*rows(dout, group_sizes), *weights(rhs), group_sizes)
     if weight_gradient == "unquantised":  # nodrop's contraction reads only the groups' rows
-        return dlhs, _unquantised_weight_gradient(lhs, dout, group_sizes, rhs.shape,
-                                                  grouped_matmul, lhs.dtype)
+        return dlhs, _unquantised_weight_gradient(lhs, dout, group_sizes, rhs, grouped_matmul,
+                                                  lhs.dtype)
     drhs = grouped_matmul_fp8_blockwise_contract(
         *transposed(lhs, group_sizes), *transposed(dout, group_sizes), group_sizes,
         num_rows=lhs.shape[0])
@@ -409,15 +442,15 @@ def _emulated_backward(lhs, rhs, dout, group_sizes, recipe, weight_gradient, mat
     dout = _rows_in_groups(dout, group_sizes)
     rhs_q = _qdq(rhs, weights_block)
     dlhs, = jax.linear_transpose(lambda a: matmul(a, rhs_q, group_sizes),
-                                 jax.ShapeDtypeStruct((dout.shape[0], rhs.shape[1]),
-                                                      jnp.float32))(_qdq(dout, rows_block))
+                                 _ffi.typed_like(lhs, lhs.shape, jnp.float32))(
+        _qdq(dout, rows_block))
     lhs = _rows_in_groups(lhs, group_sizes)
     if weight_gradient == "unquantised":
-        return dlhs, _unquantised_weight_gradient(lhs, dout, group_sizes, rhs.shape, matmul,
+        return dlhs, _unquantised_weight_gradient(lhs, dout, group_sizes, rhs, matmul,
                                                   jnp.float32)
     lhs_q = _qdq_group_rows(lhs, group_sizes, recipe)
     drhs, = jax.linear_transpose(lambda w: matmul(lhs_q, w, group_sizes),
-                                 jax.ShapeDtypeStruct(rhs.shape, jnp.float32))(
+                                 _ffi.typed_like(rhs, rhs.shape, jnp.float32))(
         _qdq_group_rows(dout, group_sizes, recipe))
     return dlhs, drhs
 
@@ -444,10 +477,11 @@ def _kernel_or_emulated(kernel, emulated, operands, options, matmul, forward, dt
     return cast(results)
 
 
-def _forward(lhs, rhs, group_sizes, recipe, matmul, forward, weight_gradient):
+def _forward(lhs, rhs, group_sizes, lhs_quantized, recipe, matmul, forward, weight_gradient):
     del weight_gradient  # the backward's
-    out, = _kernel_or_emulated(_kernel_forward, _emulated_forward, (lhs, rhs, group_sizes),
-                               (recipe,), matmul, forward, (lhs.dtype,))
+    out, = _kernel_or_emulated(_kernel_forward, _emulated_forward,
+                               (lhs, rhs, group_sizes, lhs_quantized), (recipe,), matmul, forward,
+                               (lhs.dtype,))
     return out, (lhs, rhs, group_sizes)
 
 
@@ -456,7 +490,9 @@ def _backward(recipe, matmul, forward, weight_gradient, residuals, dout):
     dlhs, drhs = _kernel_or_emulated(
         _kernel_backward, _emulated_backward, (lhs, rhs, dout.astype(lhs.dtype), group_sizes),
         (recipe, weight_gradient), matmul, forward, (lhs.dtype, rhs.dtype))
-    return dlhs, drhs, None
+    # Inside shard_map, each with its primal's type; nothing for the group sizes and lhs's
+    # quantisation.
+    return _ffi.cotangent_like(dlhs, lhs), _ffi.cotangent_like(drhs, rhs), None, None
 
 
 _fp8_grouped_matmul.defvjp(_forward, _backward)
@@ -502,6 +538,63 @@ _quantize_p = _primitives.define(
         _primitives.result_aval((x,), x.shape, E4M3),
         _primitives.result_aval((x,), (x.shape[0], -(-x.shape[1] // block)), jnp.float32)),
     lower=_quantize_lowering, multiple_results=True)
+
+
+# --- permute with the rows' quantisation ---------------------------------------------------------
+
+
+def permute_fp8(x: ArrayLike, ids: ArrayLike, num_experts: int) -> tuple[jax.Array, ...]:
+    """`nodrop.permute` and `quantize_rows` of its rows in one engine call, each token quantised
+    once (a row is a copy of its token, so its 1 x 128 blocks are the token's): the blockwise
+    recipe's first expert matmul reads the codes without another pass over the rows.
+
+    Args: as `nodrop.permute` (x [T, H] float32, float16 or bfloat16; ids [T, k]; num_experts E).
+
+    Returns (rows, group_sizes, row_map, rows_q, rows_scale): the first three are `permute`'s,
+    rows_q float8_e4m3fn [T*k, H] and rows_scale float32 [T*k, ceil(H / 128)] are bitwise
+    `quantize_rows(rows)` (rows no slot maps to are zero: codes 0, scale 1). rows is
+    differentiable in x as `permute`'s; the codes and scales are not (the recipes' custom_vjp
+    never differentiates a quantisation). Under sharding the operands are gathered.
+    """
+    x, ids = _permute_operands(x, ids, num_experts)
+    rows, group_sizes, row_map, rows_q, rows_scale = _permute_fp8_p.bind(
+        *jax.lax.stop_gradient((x, ids)), num_experts=int(num_experts),
+        checked=_checks.checks_enabled())
+    return (_moved_rows(x, rows, row_map, ids.shape[1]), group_sizes, row_map, rows_q,
+            rows_scale)
+
+
+def _permute_fp8_abstract_eval(x, ids, *, num_experts, checked):
+    del checked
+    operands, num_slots = (x, ids), ids.shape[0] * ids.shape[1]
+    return (_primitives.result_aval(operands, (num_slots, x.shape[1]), x.dtype),
+            _primitives.result_aval(operands, (num_experts,), jnp.int32),
+            _primitives.result_aval(operands, (num_slots,), jnp.int32),
+            _primitives.result_aval(operands, (num_slots, x.shape[1]), E4M3),
+            _primitives.result_aval(operands, (num_slots, -(-x.shape[1] // BLOCK)), jnp.float32))
+
+
+def _permute_fp8_lowering(x, ids, *, num_experts, checked, partition):
+    """One call on whole operands: under sharding XLA gathers them (the sort needs every token's
+    ids, the scales every column of a block)."""
+    del partition
+    num_tokens, k = ids.shape
+    num_slots = num_tokens * k
+    return _ffi.call(
+        "nodrop_permute_fp8",
+        (jax.ShapeDtypeStruct((num_slots, x.shape[1]), x.dtype),
+         jax.ShapeDtypeStruct((num_experts,), jnp.int32),
+         jax.ShapeDtypeStruct((num_slots,), jnp.int32),
+         jax.ShapeDtypeStruct((num_slots, x.shape[1]), E4M3),
+         jax.ShapeDtypeStruct((num_slots, -(-x.shape[1] // BLOCK)), jnp.float32)),
+        x, ids, cuda_workspace=lambda: _ffi.sort_by_expert_workspace_bytes(
+            num_tokens, k, num_experts),
+        num_experts=num_experts, checked=_checks.attr_bool(checked))
+
+
+# Differentiated through `_moved_rows` (its operands are stop_gradient'ed), not by JAX.
+_permute_fp8_p = _primitives.define("nodrop_permute_fp8", abstract_eval=_permute_fp8_abstract_eval,
+                                    lower=_permute_fp8_lowering, multiple_results=True)
 
 
 # --- the engine's blockwise-scaled grouped matmul ------------------------------------------------

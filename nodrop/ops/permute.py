@@ -35,6 +35,11 @@ def permute(x: ArrayLike, ids: ArrayLike,
       rows [T*k, H] ordered by (expert, token, slot), zero past the last group;
       group_sizes [E] int32; row_map [T*k] int32 (row of token t, slot s at t*k + s, or -1).
     """
+    return _permute(*_permute_operands(x, ids, num_experts), int(num_experts))
+
+
+def _permute_operands(x, ids, num_experts):
+    """permute's operands checked (see `permute`): x as an array, ids as int32."""
     x, ids = map(_checks.as_array, (x, ids))
     _checks.require_rank("x", x, 2, "[T, H]")
     _checks.require_rank("ids", ids, 2, "[T, k]")
@@ -45,8 +50,7 @@ def permute(x: ArrayLike, ids: ArrayLike,
     if num_experts < 1:
         raise ValueError(f"num_experts must be at least 1, got {num_experts}")
     ids = _checks.as_int32("ids", ids)
-    x, ids = _ffi.match_vma(jnp.asarray(x), ids)  # inside shard_map: see _ffi.match_vma
-    return _permute(x, ids, int(num_experts))
+    return _ffi.match_vma(jnp.asarray(x), ids)  # inside shard_map: see _ffi.match_vma
 
 
 def unpermute(rows: ArrayLike, row_map: ArrayLike, weights: ArrayLike) -> jax.Array:

@@ -112,6 +112,13 @@ def permute(x, ids, num_experts):
     return rows, group_sizes, row_map
 
 
+def permute_fp8(x, ids, num_experts):
+    """permute, and the rows quantised in 1 x 128 blocks (fp8.quantize, the blockwise recipe's):
+    (rows, group_sizes, row_map, rows_q, rows_scale)."""
+    rows, group_sizes, row_map = permute(x, ids, num_experts)
+    return (rows, group_sizes, row_map, *fp8.quantize(rows, fp8.ACTIVATION_BLOCK))
+
+
 def unpermute(rows, row_map, weights):
     """rows [T*k, H], row_map [T*k], weights [T, k] -> [T, H] = sum_s weight * row, in float32."""
     num_tokens, k = weights.shape

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <string>
 #include <tuple>
@@ -164,6 +165,77 @@ TEST(QuantizeFp8Args, RejectsBadShapesAndBlocks) {
   EXPECT_FALSE(nodrop::cpu::quantize_fp8(&x, DType::kFloat32, -1, 1, 1, &q, &scale).ok());
   EXPECT_TRUE(nodrop::cpu::quantize_fp8(nullptr, DType::kFloat32, 0, 5, 128, nullptr, nullptr)
                   .ok());  // nothing to do
+}
+
+// ---- permute_rows_fp8 -----------------------------------------------------------------------
+
+class PermuteRowsFp8 : public testing::TestWithParam<DType> {};
+
+// Bitwise permute_rows and quantize_fp8 of its rows, for k = 1 and 3, H = 300 (a short last
+// block) and 5 (less than a block), with dropped slots (row_map -1): their rows are zero rows,
+// codes 0 and scale 1; and the codes of a NaN and of a saturating block.
+TEST_P(PermuteRowsFp8, IsPermuteRowsThenQuantizeFp8) {
+  const DType dtype = GetParam();
+  for (const auto& [k, H] : {std::pair<int64_t, int64_t>{1, 300}, {3, 300}, {3, 5}}) {
+    const int64_t T = 29, slots = T * k, blocks = (H + 127) / 128;
+    std::mt19937 rng(11);
+    Array x = nodrop_test::random_array(dtype, T * H, rng, -3e3, 3e3);
+    x.set(2 * H + H / 2, std::numeric_limits<double>::quiet_NaN());
+    // row_map: a permutation of [0, slots) with every fifth slot dropped.
+    std::vector<int32_t> row_map(slots);
+    std::vector<int32_t> rows_left(slots);
+    std::iota(rows_left.begin(), rows_left.end(), 0);
+    std::shuffle(rows_left.begin(), rows_left.end(), rng);
+    int64_t next = 0;
+    for (int64_t i = 0; i < slots; ++i) row_map[i] = i % 5 == 4 ? -1 : rows_left[next++];
+    // Rows past the mapped ones stay unmapped only if the mapped rows are the first n: remap.
+    std::vector<int32_t> order(rows_left.begin(), rows_left.begin() + next);
+    std::sort(order.begin(), order.end());
+    for (int32_t& row : row_map) {
+      if (row >= 0) row = int32_t(std::lower_bound(order.begin(), order.end(), row) - order.begin());
+    }
+    Array want_rows(dtype, slots * H);
+    nodrop::cpu::permute_rows(x.data(), dtype, row_map.data(), nullptr, T, k, H,
+                              want_rows.data());
+    std::vector<uint8_t> want_q(slots * H);
+    std::vector<float> want_scale(slots * blocks);
+    ASSERT_TRUE(nodrop::cpu::quantize_fp8(want_rows.data(), dtype, slots, H, 128, want_q.data(),
+                                          want_scale.data()).ok());
+    Array rows(dtype, slots * H);
+    Guarded<uint8_t> q(slots * H, 0xEE);
+    Guarded<float> scale(slots * blocks, -7.0f);
+    ThreadRunner runner(3);
+    ASSERT_TRUE(nodrop::cpu::permute_rows_fp8(x.data(), dtype, row_map.data(), T, k, H,
+                                              rows.data(), q.data(), scale.data(), &runner)
+                    .ok());
+    EXPECT_EQ(rows.raw(), want_rows.raw()) << "k " << k << ", H " << H;
+    EXPECT_EQ(q.vec(), want_q) << "k " << k << ", H " << H;
+    for (int64_t i = 0; i < slots * blocks; ++i) {
+      expect_scale(scale[i], want_scale[i], "block " + std::to_string(i));
+    }
+    EXPECT_TRUE(rows.canaries_intact() && q.canaries_intact() && scale.canaries_intact());
+    for (int64_t r = next; r < slots; ++r) {  // the unmapped rows: a zero row's quantisation
+      EXPECT_EQ(scale[r * blocks], 1.0f);
+      EXPECT_EQ(q[r * H], 0);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, PermuteRowsFp8, testing::ValuesIn(nodrop_test::kAllDtypes));
+
+TEST(PermuteRowsFp8Args, NamesTheNullBufferAndDoesNothingWhenEmpty) {
+  float x = 1.0f, scale = 0.0f;
+  int32_t row_map = 0;
+  uint8_t q = 0;
+  const auto status = nodrop::cpu::permute_rows_fp8(&x, DType::kFloat32, &row_map, 1, 1, 1,
+                                                    nullptr, &q, &scale);
+  EXPECT_TRUE(mentions(status, "permute_rows_fp8: dst is null")) << status.message();
+  EXPECT_TRUE(mentions(nodrop::cpu::permute_rows_fp8(&x, DType::kFloat32, &row_map, 1, -2, 1,
+                                                     &x, &q, &scale),
+                       "k = -2 is negative"));
+  EXPECT_TRUE(nodrop::cpu::permute_rows_fp8(nullptr, DType::kFloat32, nullptr, 0, 2, 4, nullptr,
+                                            nullptr, nullptr)
+                  .ok());
 }
 
 // ---- quantize_fp8_transposed ---------------------------------------------------------------

@@ -899,6 +899,85 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, QuantizeFp8TransposedGpu,
                          testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
                          [](const auto& info) { return std::string(dtype_short(info.param)); });
 
+class PermuteRowsFp8Gpu : public testing::TestWithParam<DType> {};
+
+// Bitwise the CPU engine's permute_rows_fp8 (itself checked against permute_rows and
+// quantize_fp8): k = 1, 2 and 3; H = 4096 and 256 (whole blocks, the vector path), 300 (a short
+// last block, element by element) and 7 (under one lane's 8); ids out of range (dropped slots:
+// their rows are the unmapped ones, zero with scale 1), a NaN, an inf and an all-zero block;
+// tokens aligned and not.
+TEST_P(PermuteRowsFp8Gpu, MatchesTheCpuBitwise) {
+  const DType dtype = GetParam();
+  const int64_t E = 5;
+  for (const auto& [case_k, case_hidden] :
+       {std::pair<int64_t, int64_t>{1, 256}, {2, 4096}, {2, 300}, {3, 7}}) {
+    const int64_t T = 45, k = case_k, H = case_hidden;  // named copies: a lambda captures them
+    const int64_t slots = T * k, blocks = (H + nodrop::kFp8Block - 1) / nodrop::kFp8Block;
+    Bytes x = random_values(dtype, T * H, 53);
+    set_value(x, dtype, 3 * H + H / 2, std::nanf(""));
+    set_value(x, dtype, 7 * H + H - 1, INFINITY);
+    for (int64_t i = 0; i < std::min<int64_t>(H, nodrop::kFp8Block); ++i) {
+      set_value(x, dtype, 9 * H + i, 0.0f);
+    }
+    std::mt19937 rng(55);
+    std::uniform_int_distribution<int32_t> expert(-1, int32_t(E));  // -1 and E: dropped
+    std::vector<int32_t> ids(slots), row_map(slots), sizes(E);
+    for (auto& id : ids) id = expert(rng);
+    ASSERT_TRUE(nodrop::cpu::sort_by_expert(ids.data(), T, k, E, /*checked=*/false,
+                                            row_map.data(), sizes.data())
+                    .ok());
+    Bytes want_rows(slots * H * bytes_of(dtype)), want_q(slots * H);
+    Floats want_scale(slots * blocks);
+    ASSERT_TRUE(nodrop::cpu::permute_rows_fp8(x.data(), dtype, row_map.data(), T, k, H,
+                                              want_rows.data(), want_q.data(),
+                                              want_scale.data())
+                    .ok());
+    const DeviceBuffer d_map = to_device(row_map);
+    for (const size_t shift : {size_t{0}, 2 * bytes_of(dtype)}) {
+      const DeviceBuffer d_x = to_device(x, shift);
+      const DeviceBuffer rows(want_rows.size()), q(slots * H),
+          scale(slots * blocks * sizeof(float));
+      run_twice(
+          [&] {
+            return nodrop::cuda::permute_rows_fp8(d_x.get(), dtype, d_map.as<int32_t>(), T, k, H,
+                                                  rows.get(), q.as<uint8_t>(), scale.as<float>(),
+                                                  stream());
+          },
+          {&rows, &q, &scale});
+      EXPECT_EQ(mismatch(download<uint8_t>(rows), want_rows), "")
+          << "k " << k << ", H " << H << ", shift " << shift;
+      EXPECT_EQ(mismatch(download<uint8_t>(q), want_q), "")
+          << "k " << k << ", H " << H << ", shift " << shift;
+      EXPECT_EQ(mismatch(download<uint32_t>(scale), as_bits(want_scale)), "")
+          << "k " << k << ", H " << H << ", shift " << shift;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, PermuteRowsFp8Gpu,
+                         testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
+                         [](const auto& info) { return std::string(dtype_short(info.param)); });
+
+TEST(PermuteRowsFp8GpuArgs, RejectsBadShapesAndDoesNothingWhenEmpty) {
+  const DeviceBuffer buffer(1 << 12);
+  EXPECT_NE(nodrop::cuda::permute_rows_fp8(buffer.get(), DType::kBFloat16, buffer.as<int32_t>(),
+                                           4, -1, 8, buffer.get(), buffer.as<uint8_t>(),
+                                           buffer.as<float>(), stream())
+                .message()
+                .find("k = -1"),
+            std::string::npos);
+  EXPECT_NE(nodrop::cuda::permute_rows_fp8(buffer.get(), DType::kBFloat16, nullptr, 4, 2, 8,
+                                           buffer.get(), buffer.as<uint8_t>(), buffer.as<float>(),
+                                           stream())
+                .message()
+                .find("a buffer is null"),
+            std::string::npos);
+  EXPECT_TRUE(nodrop::cuda::permute_rows_fp8(nullptr, DType::kBFloat16, nullptr, 0, 2, 8, nullptr,
+                                             nullptr, nullptr, stream())
+                  .ok());
+  CUDA_CHECK(cudaStreamSynchronize(stream()));
+}
+
 TEST(QuantizeFp8TransposedGpuArgs, RejectsBadShapesAndDoesNothingWhenEmpty) {
   const DeviceBuffer buffer(1 << 12);
   EXPECT_NE(nodrop::cuda::quantize_fp8_transposed(buffer.get(), DType::kFloat32,

@@ -172,6 +172,32 @@ def check_quantize_fp8():
     np.testing.assert_allclose(back, x, rtol=2 ** -4)
 
 
+def check_permute_fp8():
+    # H = 130: two blocks of a row, the second of 2 columns.
+    x = random_normal(np.random.default_rng(8), (3, 130))
+    ids = np.asarray([[1, 0], [-1, 1], [0, 0]])
+    rows, sizes, row_map, q, scale = ffi(
+        "nodrop_permute_fp8",
+        (jax.ShapeDtypeStruct((6, 130), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.int32),
+         jax.ShapeDtypeStruct((6,), jnp.int32), jax.ShapeDtypeStruct((6, 130), jnp.float8_e4m3fn),
+         jax.ShapeDtypeStruct((6, 2), jnp.float32)),
+        x, int32(ids), num_experts=np.int64(2), checked=np.bool_(False))
+    expected_map = row_map_of(ids, 2)
+    np.testing.assert_array_equal(np.asarray(row_map), expected_map)
+    np.testing.assert_array_equal(np.asarray(sizes), [3, 2])
+    expected_rows = np.zeros((6, 130), np.float32)
+    for slot, row in enumerate(expected_map):
+        if row >= 0:
+            expected_rows[row] = np.asarray(x)[slot // 2]
+    np.testing.assert_array_equal(np.asarray(rows), expected_rows)
+    blocks = [expected_rows[:, :128], expected_rows[:, 128:]]
+    amax = np.stack([np.abs(b).max(axis=1) for b in blocks], axis=1)
+    want_scale = np.where(amax > 0, amax * np.float32(1 / 448), 1).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(scale), want_scale)  # row 5 (dropped slot): 1
+    back = np.asarray(q, np.float32) * np.repeat(want_scale, [128, 2], axis=1)
+    np.testing.assert_allclose(back, expected_rows, rtol=2 ** -4, atol=2 ** -9 * want_scale.max())
+
+
 def check_grouped_matmul_fp8_blockwise():
     # K = 144 (two k blocks, the second 16 deep), N = 8, groups of 2 and 1 rows of 4.
     rng = np.random.default_rng(7)
@@ -236,6 +262,7 @@ CHECKS = {
     "nodrop_topk_router": check_topk_router,
     "nodrop_topk_router_grad": check_topk_router_grad,
     "nodrop_quantize_fp8": check_quantize_fp8,
+    "nodrop_permute_fp8": check_permute_fp8,
     "nodrop_grouped_matmul_fp8_blockwise": check_grouped_matmul_fp8_blockwise,
     "nodrop_quantize_fp8_transposed": check_quantize_fp8_transposed,
     "nodrop_grouped_matmul_fp8_blockwise_contract": check_grouped_matmul_fp8_blockwise_contract,
@@ -271,7 +298,7 @@ def test_ops_and_their_gradients_lower_to_every_registered_target():
     lowered = grad_fn.lower(x, params).as_text()
     # Every target but the FP8 recipes' (test_fp8.py lowers those).
     assert set(re.findall(r"custom_call @(nodrop_\w+)", lowered)) == set(_ffi.CPU_TARGETS) - {
-        "nodrop_quantize_fp8", "nodrop_grouped_matmul_fp8_blockwise",
+        "nodrop_quantize_fp8", "nodrop_permute_fp8", "nodrop_grouped_matmul_fp8_blockwise",
         "nodrop_quantize_fp8_transposed", "nodrop_grouped_matmul_fp8_blockwise_contract"}
     grads = jax.block_until_ready(grad_fn(x, params))
     assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))

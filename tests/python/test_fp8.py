@@ -385,6 +385,31 @@ def test_moe_block_with_fp8_is_close_to_without(capacity_factor):
             assert err < 0.15, (recipe, name, err)
 
 
+def test_the_blockwise_moe_block_permutes_and_quantises_in_one_call(monkeypatch):
+    """With the blockwise recipe the dropless block permutes with permute_fp8 and its first
+    expert matmul reads those codes: outputs and gradients bitwise those of permute followed by
+    the matmul's own quantisation of the rows."""
+    from nodrop.moe import block as block_module
+    x = random_normal(np.random.default_rng(3), (2, 48, BLOCK.hidden))
+    model = MoEBlock(dataclasses.replace(BLOCK, fp8="blockwise"), rngs=nnx.Rngs(0))
+
+    def run():
+        forward = nnx.jit(lambda b: b(x)[0])
+        text = jax.jit(lambda: model(x)[0]).lower().as_text()
+        return (forward(model), nnx.jit(nnx.grad(lambda b: jnp.sum(b(x)[0] ** 2)))(model),
+                text.count("custom_call @nodrop_permute_fp8("),
+                text.count("custom_call @nodrop_quantize_fp8("))
+
+    fused = run()
+    monkeypatch.setattr(block_module, "_permute", lambda cfg, tokens, ids, experts: (
+        *nodrop.permute(tokens, ids, experts), None))
+    unfused = run()
+    assert fused[2:] == (1, 1) and unfused[2:] == (0, 2)  # the hidden rows quantised alone
+    np.testing.assert_array_equal(fused[0], unfused[0])
+    for name in ("gate_up", "down", "router"):
+        np.testing.assert_array_equal(fused[1][name][...], unfused[1][name][...], err_msg=name)
+
+
 def test_moe_block_with_unquantised_weight_gradients():
     """fp8_weight_gradient="unquantised" changes only the experts' weight gradients: the output
     and the router's gradient are bitwise the FP8 ones, the experts' weight gradients closer to
@@ -516,6 +541,144 @@ def test_the_blockwise_recipe_quantises_its_rows_on_the_engine():
     text = step.lower(lhs, rhs).compile().as_text()
     # The forward's lhs and the output gradient (the weight gradient's row blocks stay JAX's).
     assert text.count('custom_call_target="nodrop_quantize_fp8"') == 2
+
+
+# --- permute with the rows' quantisation -------------------------------------------------------
+
+# name -> (tokens, hidden, k, experts, ids): ids "random" (some out of range: dropped slots),
+# "one_expert" (every slot to expert 1, the others empty).
+PERMUTE_CASES = {
+    "short_last_block_and_dropped_slots": (37, 300, 3, 5, "random"),
+    "whole_blocks": (20, 256, 2, 4, "random"),
+    "under_one_block": (9, 7, 1, 3, "random"),
+    "all_to_one_expert": (16, 130, 2, 4, "one_expert"),
+    "no_tokens": (0, 128, 2, 4, "random"),
+}
+
+
+def permute_inputs(case, dtype, seed=0):
+    tokens, hidden, k, experts, ids_kind = PERMUTE_CASES[case]
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((tokens, hidden)) * np.exp2(rng.integers(-8, 8, (tokens, 1)))
+    x = jnp.asarray(x, dtype)
+    if tokens:
+        x = x.at[tokens // 2, hidden // 2].set(jnp.nan)
+    ids = (rng.integers(-1, experts + 1, (tokens, k)) if ids_kind == "random"
+           else np.ones((tokens, k), np.int64))
+    return x, int32(ids), experts
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("case", list(PERMUTE_CASES))
+def test_permute_fp8_is_permute_then_quantize_rows(case, dtype):
+    x, ids, experts = permute_inputs(case, dtype)
+    got = fp8.permute_fp8(x, ids, experts)
+    rows, sizes, row_map = nodrop.permute(x, ids, experts)
+    for name, a, b in zip(("rows", "group_sizes", "row_map", "rows_q", "rows_scale"), got,
+                          (rows, sizes, row_map, *fp8.quantize_rows(rows))):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        np.testing.assert_array_equal(bits(a), bits(b), err_msg=name)
+    for name, a, b in zip(("rows", "group_sizes", "row_map", "rows_q", "rows_scale"), got,
+                          reference.permute_fp8(x, ids, experts)):
+        np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"{name} against the reference")
+    jitted = jax.jit(fp8.permute_fp8, static_argnums=2)(x, ids, experts)
+    for a, b in zip(jitted, got):
+        np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def test_permute_fp8_rows_differentiate_as_permutes():
+    """Through the rows, gradients (reverse and forward mode, under jit, remat and scan) are
+    permute's; the codes and scales carry none."""
+    x, ids, experts = permute_inputs("short_last_block_and_dropped_slots", jnp.float32, seed=1)
+    x = jnp.nan_to_num(x)
+    weight = jax.random.normal(jax.random.key(4), (ids.size, x.shape[1]), jnp.float32)
+
+    def loss(permute_fn, x):
+        out = permute_fn(x)
+        return jnp.sum(out[0] * weight) + jnp.sum(out[-1])  # the scales: no gradient
+
+    fused = functools.partial(loss, lambda x: fp8.permute_fp8(x, ids, experts))
+    plain = functools.partial(
+        loss, lambda x: (*nodrop.permute(x, ids, experts), fp8.quantize_rows(
+            jax.lax.stop_gradient(nodrop.permute(x, ids, experts)[0]))[1]))
+    want = jax.grad(plain)(x)
+    for name, fn in [("eager", jax.grad(fused)), ("jit", jax.jit(jax.grad(fused))),
+                     ("remat", jax.jit(jax.grad(jax.checkpoint(fused))))]:
+        np.testing.assert_array_equal(fn(x), want, err_msg=name)
+    tangent = jnp.ones_like(x)
+    np.testing.assert_array_equal(jax.jvp(fused, (x,), (tangent,))[1],
+                                  jax.jvp(plain, (x,), (tangent,))[1])
+    scanned = jax.grad(lambda x: jax.lax.scan(lambda c, _: (c + fused(x), None), 0.0,
+                                              None, length=2)[0])(x)
+    np.testing.assert_array_equal(scanned, 2 * want)
+
+
+@pytest.mark.parametrize("args, error, message", [
+    ((jnp.ones((4,), jnp.float32), int32(np.zeros((4, 2))), 2), ValueError,
+     "x must have rank 2"),
+    ((jnp.ones((4, 8), jnp.float32), int32(np.zeros((3, 2))), 2), ValueError, "ids has 3 tokens"),
+    ((jnp.ones((4, 8), jnp.int32), int32(np.zeros((4, 2))), 2), TypeError, "x must be"),
+    ((jnp.ones((4, 8), jnp.float32), int32(np.zeros((4, 2))), 0), ValueError,
+     "num_experts must be at least 1, got 0"),
+])
+def test_permute_fp8_refuses_bad_input_as_permute_does(args, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        fp8.permute_fp8(*args)
+    with pytest.raises(error, match=re.escape(message)):
+        nodrop.permute(*args)
+
+
+def test_checked_mode_refuses_an_out_of_range_id_in_permute_fp8():
+    with nodrop.checks(), pytest.raises(jax.errors.JaxRuntimeError,
+                                        match=re.escape("ids[1, 0] = 7 is not an expert")):
+        jax.block_until_ready(fp8.permute_fp8(jnp.ones((2, 8), jnp.float32),
+                                              int32([[0], [7]]), 4))
+
+
+@pytest.mark.parametrize("forward", ["kernel", "emulated"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_given_lhs_quantisation_changes_nothing(case, forward):
+    """fp8_grouped_matmul with lhs_quantized=quantize_rows(lhs): bitwise the output and both
+    gradients of quantising lhs itself."""
+    m, k, n, sizes = CASES[case]
+    lhs, rhs, _ = fp8_operands(m, k, n, len(sizes), seed=7)
+    sizes = int32(sizes)
+
+    def loss(lhs, rhs, given):
+        given = fp8.quantize_rows(jax.lax.stop_gradient(lhs)) if given else None
+        out = fp8.fp8_grouped_matmul(lhs, rhs, sizes, forward=forward, lhs_quantized=given)
+        return jnp.sum(jnp.sin(out.astype(jnp.float32)))
+
+    step = jax.jit(jax.value_and_grad(loss, (0, 1)), static_argnums=2)
+    for got, want in zip(jax.tree.leaves(step(lhs, rhs, True)),
+                         jax.tree.leaves(step(lhs, rhs, False))):
+        np.testing.assert_array_equal(as_f64(got), as_f64(want))
+
+
+def test_a_given_lhs_quantisation_replaces_the_forwards_quantiser():
+    lhs, rhs = jnp.ones((8, 128), jnp.bfloat16), jnp.ones((2, 128, 8), jnp.bfloat16)
+    loss = lambda a, b: jnp.sum(fp8.fp8_grouped_matmul(  # noqa: E731
+        a, b, int32([3, 5]), forward="kernel",
+        lhs_quantized=jax.lax.stop_gradient(fp8.quantize(a, fp8.ACTIVATION_BLOCK))
+    ).astype(jnp.float32))
+    text = jax.jit(jax.grad(loss, (0, 1))).lower(lhs, rhs).as_text()
+    # The output gradient's rows only: lhs came quantised (by XLA's quantize, here).
+    assert text.count("custom_call @nodrop_quantize_fp8(") == 1
+
+
+@pytest.mark.parametrize("recipe, given, message", [
+    ("tensorwise", "quantised", "lhs_quantized needs the blockwise recipe"),
+    ("blockwise", "one", "lhs_quantized must be (q, scale)"),
+    ("blockwise", "bf16_codes", "lhs_quantized's q must be float8_e4m3fn of shape (8, 256)"),
+    ("blockwise", "short_scale", "lhs_quantized's scale must be float32 of shape (8, 2)"),
+])
+def test_a_bad_lhs_quantisation_is_refused_naming_it(recipe, given, message):
+    lhs, rhs = jnp.ones((8, 256), jnp.float32), jnp.ones((2, 256, 8), jnp.float32)
+    q, scale = fp8.quantize_rows(lhs)
+    given = {"quantised": (q, scale), "one": q, "bf16_codes": (lhs.astype(jnp.bfloat16), scale),
+             "short_scale": (q, scale[:, :1])}[given]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fp8.fp8_grouped_matmul(lhs, rhs, int32([3, 5]), recipe=recipe, lhs_quantized=given)
 
 
 # --- the engine's blockwise-scaled grouped matmul ----------------------------------------------

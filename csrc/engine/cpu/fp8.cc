@@ -62,6 +62,33 @@ Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t bl
   return Status::Ok();
 }
 
+Status permute_rows_fp8(const void* src, DType dtype, const int32_t* row_map, int64_t T,
+                        int64_t k, int64_t H, void* dst, uint8_t* q, float* scale,
+                        ParallelRunner* runner) {
+  const int64_t slots = T * k, blocks = (H + kFp8Block - 1) / kFp8Block;
+  Status status = check_arguments(
+      "permute_rows_fp8", {{"T", T}, {"k", k}, {"H", H}},
+      {{"src", src, T * H}, {"row_map", row_map, slots}, {"dst", dst, slots * H},
+       {"q", q, slots * H}, {"scale", scale, slots * blocks}});
+  if (!status.ok()) return status;
+  // Each token quantised once, then its codes and scales moved as permute_rows moves it: a row
+  // is a copy of its token, so its blocks are the token's.
+  std::vector<uint8_t> token_q(T * H);
+  std::vector<float> token_scale(T * blocks);
+  status = quantize_fp8(src, dtype, T, H, kFp8Block, token_q.data(), token_scale.data(), runner);
+  if (!status.ok()) return status;
+  permute_rows(src, dtype, row_map, nullptr, T, k, H, dst, runner);
+  std::fill(q, q + slots * H, 0);
+  std::fill(scale, scale + slots * blocks, 1.0f);  // a row no slot maps to: zero, scale 1
+  for (int64_t i = 0; i < slots; ++i) {
+    const int32_t row = row_map[i];
+    if (row < 0 || row >= slots) continue;
+    std::copy_n(token_q.data() + (i / k) * H, H, q + row * H);
+    std::copy_n(token_scale.data() + (i / k) * blocks, blocks, scale + row * blocks);
+  }
+  return Status::Ok();
+}
+
 Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_sizes, int64_t M,
                                int64_t C, int64_t G, uint8_t* q_t, float* scale, bool checked,
                                ParallelRunner* runner) {

@@ -5,6 +5,9 @@
 // per element.
 // - quantize_fp8, blocks of 128 (the recipe's): half a warp per block, each lane 8 elements, four
 //   blocks per half warp in flight; other blocks: one warp per block, lanes striding.
+// - permute_rows_fp8: quantize_fp8's half warp per block, on a token's block, written to each of
+//   the token's rows (bfloat16 row, codes and scale): the tokens are read once, not k times, and
+//   the permuted rows are not read again to be quantised.
 // - quantize_fp8_transposed: one thread block per 128-column tile of two consecutive 128-row
 //   blocks. Each thread holds 8 rows x 8 columns of a row block's tile; column amaxes are
 //   reduced across the thread block, and the transposed codes pass through shared memory so
@@ -17,11 +20,13 @@
 #include <cuda_runtime.h>
 
 #include <cfloat>
+#include <climits>
 #include <cstdint>
 #include <string>
 #include <type_traits>
 
 #include "engine/cuda/grouped_matmul/group_scan.cuh"
+#include "engine/cuda/unmapped_rows.cuh"
 #include "nodrop/engine_cuda.h"
 
 namespace nodrop::cuda {
@@ -390,6 +395,52 @@ quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restric
   }
 }
 
+// permute_rows_fp8: half warp h of the grid takes 128-block h % blocks_per_row of token
+// h / blocks_per_row, 8 elements a lane, reads it once, quantises it as quantize_fp8 does, and
+// writes the elements, their codes and the block's scale to each of the token's k rows. kVector:
+// H % 8 == 0, src and dst 16-byte and q 8-byte aligned; otherwise element by element.
+template <typename T, bool kVector>
+__global__ void __launch_bounds__(kThreads)
+permute_rows_fp8_kernel(const T* __restrict__ src, const int32_t* __restrict__ row_map,
+                        int64_t tokens, int32_t k, int64_t H, int64_t blocks_per_row,
+                        T* __restrict__ dst, uint8_t* __restrict__ q, float* __restrict__ scale) {
+  const int lane = threadIdx.x % 32;
+  const int64_t half_warp = (int64_t(blockIdx.x) * kThreads + threadIdx.x) / kLanesPerBlock;
+  const int64_t t = half_warp / blocks_per_row, b = half_warp % blocks_per_row;
+  const int64_t column = b * kBlock + kChunk * (lane % kLanesPerBlock);
+  // Lanes past the tokens or past H hold zeros: the half-warp maximum needs every lane.
+  const int count = t < tokens ? int(max(int64_t(0), min(int64_t(kChunk), H - column))) : 0;
+  Chunk<T> chunk;
+  if (kVector && count == kChunk) chunk.load(src + t * H + column);
+  else chunk.load_partial(src + t * H + column, count);
+  ColumnKeys<T> keys;
+  keys.add(chunk);
+  const float s = key_scale(half_warp_max(keys.all()));
+  if (t >= tokens) return;
+  const float inverse = __frcp_rn(s);
+  const uint2 codes = pack_pairs(
+      [&](int p) { return to_e4m3_pair(chunk[2 * p], chunk[2 * p + 1], inverse); });
+  const int64_t slots = tokens * k;
+  for (int32_t j = 0; j < k; ++j) {
+    const int32_t row = row_map[t * k + j];
+    if (row < 0 || row >= slots) continue;
+    if (lane % kLanesPerBlock == 0) scale[row * blocks_per_row + b] = s;
+    const int64_t at = row * H + column;
+    if (kVector && count == kChunk) {
+#pragma unroll
+      for (int v = 0; v < Chunk<T>::kVectors; ++v) {
+        reinterpret_cast<uint4*>(dst + at)[v] = chunk.raw[v];
+      }
+      *reinterpret_cast<uint2*>(q + at) = codes;
+    } else {
+      for (int e = 0; e < count; ++e) {
+        dst[at + e] = reinterpret_cast<const T*>(chunk.raw)[e];
+        q[at + e] = static_cast<uint8_t>((e < 4 ? codes.x : codes.y) >> (8 * (e % 4)));
+      }
+    }
+  }
+}
+
 // f(static_cast<const T*>(x)) for x's element type T.
 template <typename F>
 void with_element_type(const void* x, DType dtype, F f) {
@@ -435,6 +486,50 @@ Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t bl
     }
   });
   return launched("quantize_fp8");
+}
+
+Status permute_rows_fp8(const void* src, DType dtype, const int32_t* row_map, int64_t T,
+                        int64_t k, int64_t H, void* dst, uint8_t* q, float* scale,
+                        cudaStream_t stream) {
+  auto fail = [](const std::string& what) { return Status::Error("permute_rows_fp8: " + what); };
+  if (T < 0 || k < 0 || H < 0) {
+    return fail("T, k and H must not be negative, got T = " + std::to_string(T) + ", k = " +
+                std::to_string(k) + ", H = " + std::to_string(H));
+  }
+  if (dtype != DType::kFloat32 && dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
+    return fail("unknown dtype " + std::to_string(int(dtype)));
+  }
+  int64_t slots;
+  if (T > INT32_MAX || __builtin_mul_overflow(T, k, &slots) || slots > INT32_MAX) {
+    return fail("T and T*k must be below 2^31 (row_map holds int32 rows)");
+  }
+  const int64_t blocks_per_row = (H + kBlock - 1) / kBlock;
+  if (slots == 0 || H == 0) return Status::Ok();
+  if (src == nullptr || row_map == nullptr || dst == nullptr || q == nullptr ||
+      scale == nullptr) {
+    return fail("a buffer is null");
+  }
+  int sm_count = 0;
+  const cudaError_t error = detail::sm_count(&sm_count);
+  if (error != cudaSuccess) return fail(cudaGetErrorString(error));
+  const bool vector = H % kChunk == 0 && aligned(src, 16) && aligned(dst, 16) && aligned(q, 8);
+  with_element_type(src, dtype, [&](auto typed_src) {
+    using T_ = std::remove_const_t<std::remove_pointer_t<decltype(typed_src)>>;
+    T_* typed_dst = static_cast<T_*>(dst);
+    // Rows no slot maps to read as a zero row's quantisation; filled first, as permute_rows.
+    detail::fill_unmapped_rows<<<sm_count, detail::kFillThreads, 0, stream>>>(
+        row_map, slots, H, T_{}, typed_dst);
+    detail::fill_unmapped_rows<<<sm_count, detail::kFillThreads, 0, stream>>>(
+        row_map, slots, H, uint8_t{0}, q);
+    detail::fill_unmapped_rows<<<sm_count, detail::kFillThreads, 0, stream>>>(
+        row_map, slots, blocks_per_row, 1.0f, scale);
+    const int64_t threads = T * blocks_per_row * kLanesPerBlock;
+    const unsigned grid = unsigned((threads + kThreads - 1) / kThreads);
+    auto kernel = vector ? permute_rows_fp8_kernel<T_, true> : permute_rows_fp8_kernel<T_, false>;
+    kernel<<<grid, kThreads, 0, stream>>>(typed_src, row_map, T, static_cast<int32_t>(k), H,
+                                          blocks_per_row, typed_dst, q, scale);
+  });
+  return launched("permute_rows_fp8");
 }
 
 Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_sizes, int64_t M,

@@ -11,9 +11,9 @@
 #include <string>
 #include <type_traits>
 
-#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
+#include "engine/cuda/unmapped_rows.cuh"
 #include "nodrop/engine_cuda.h"
 
 namespace nodrop::cuda {
@@ -191,7 +191,6 @@ constexpr int kScatterThreads = 256;
 // smaller blocks fit more of them on an SM.
 constexpr int kGatherThreads = 128;
 constexpr int kUnroll = 4;  // chunks per thread of permute_rows and unpermute, loaded together
-constexpr int kZeroThreads = 1024;
 constexpr int kDotWarps = 8;
 
 __device__ float to_float(float x) { return x; }
@@ -219,28 +218,6 @@ __device__ Chunk<T, kN> scaled(Chunk<T, kN> x, float w) {
 #pragma unroll
   for (int n = 0; n < kN; ++n) x.v[n] = from_float<T>(__fmul_rn(w, to_float(x.v[n])));
   return x;
-}
-
-// Zeroes rows [n, slots), n being the number of in-range row_map entries. Every block counts n
-// on its own, so no workspace is needed; row_map is small next to the rows.
-template <typename C>
-__global__ void __launch_bounds__(kZeroThreads)
-    zero_unmapped_rows(const int32_t* __restrict__ row_map, int64_t slots, int64_t chunks,
-                       C* __restrict__ dst) {
-  using Reduce = cub::BlockReduce<int32_t, kZeroThreads>;
-  __shared__ typename Reduce::TempStorage storage;
-  __shared__ int32_t mapped;
-  int32_t count = 0;
-#pragma unroll 8
-  for (int64_t i = threadIdx.x; i < slots; i += kZeroThreads) count += in_rows(row_map[i], slots);
-  count = Reduce(storage).Sum(count);
-  if (threadIdx.x == 0) mapped = count;
-  __syncthreads();
-  const int64_t end = slots * chunks;
-  for (int64_t c = mapped * chunks + int64_t(blockIdx.x) * kZeroThreads + threadIdx.x; c < end;
-       c += int64_t(gridDim.x) * kZeroThreads) {
-    dst[c] = C{};
-  }
 }
 
 // dst[row_map[i]] = w[i] * src[i / k], one slot per threadIdx.y.
@@ -451,11 +428,8 @@ Status permute_rows(const void* src, DType dtype, const int32_t* row_map, const 
   if (!status.ok()) return status;
   if (slots == 0 || H == 0) return Status::Ok();
   if (src == nullptr || row_map == nullptr || dst == nullptr) return fail(fn, "a buffer is null");
-  int device = 0, sm_count = 0;
-  cudaError_t error = cudaGetDevice(&device);
-  if (error == cudaSuccess) {
-    error = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
-  }
+  int sm_count = 0;
+  const cudaError_t error = detail::sm_count(&sm_count);
   if (error != cudaSuccess) return fail(fn, cudaGetErrorString(error));
   const int64_t row_bytes = H * element_bytes(dtype);
   dispatch_chunks(dtype, use_vectors(row_bytes, {src, dst}), [&](auto tag, auto width) {
@@ -463,8 +437,8 @@ Status permute_rows(const void* src, DType dtype, const int32_t* row_map, const 
     const int64_t chunks = row_bytes / sizeof(C);
     // Zero first: a row that is both past n and mapped (possible only for a row_map that
     // sort_by_expert did not make) then ends up written, as on the CPU.
-    zero_unmapped_rows<<<sm_count, kZeroThreads, 0, stream>>>(row_map, slots, chunks,
-                                                              static_cast<C*>(dst));
+    detail::fill_unmapped_rows<<<sm_count, detail::kFillThreads, 0, stream>>>(
+        row_map, slots, chunks, C{}, static_cast<C*>(dst));
     const dim3 block = row_block(chunks, kScatterThreads);
     permute_rows_kernel<<<unsigned((slots + block.y - 1) / block.y), block, 0, stream>>>(
         static_cast<const C*>(src), row_map, weights, slots, static_cast<int32_t>(k), chunks,

@@ -75,6 +75,15 @@ Status topk_router_grad(const float* logits, const int32_t* ids, const float* gr
 Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t block, uint8_t* q,
                     float* scale, ParallelRunner* runner = nullptr);
 
+// permute_rows (weights 1) and quantize_fp8 (blocks of 128) of its result in one call, each token
+// quantised once: dst [T*k, H] in dtype, q [T*k, H] E4M3 bytes, scale [T*k, ceil(H / 128)]
+// float32, bitwise quantize_fp8(permute_rows(src)). Rows that no slot maps to are zero, with
+// zero codes and scale 1 (a zero row's quantisation). Row-map entries outside [0, T*k) are
+// skipped.
+Status permute_rows_fp8(const void* src, DType dtype, const int32_t* row_map, int64_t T,
+                        int64_t k, int64_t H, void* dst, uint8_t* q, float* scale,
+                        ParallelRunner* runner = nullptr);
+
 // The weight gradient's operand of the blockwise recipe: x [M, C] (float32, float16 or bfloat16)
 // with group_sizes [G] (clamped as clamp_group_offsets; with `checked`, invalid sizes are an
 // error) -> q_t [C, P] E4M3 bytes and scale [PB, C] float32, PB = fp8_contract_blocks(M, G),

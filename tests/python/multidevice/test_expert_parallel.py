@@ -174,15 +174,21 @@ def test_expert_parallel_with_shared_experts_and_group_limited_routing(mesh):
     assert_same_block(DEEPSEEK, "uniform", mesh_of(mesh))
 
 
-@pytest.mark.parametrize("variant", ["remat", "reference_ops", "ragged_dot_experts"])
+@pytest.mark.parametrize("variant", ["remat", "reference_ops", "ragged_dot_experts",
+                                     "fp8_blockwise"])
 def test_expert_parallel_under_remat_and_on_the_other_implementations(variant):
     """jax.checkpoint around the block; MoEConfig(ops="reference") and matmul="ragged_dot" take
-    the same expert-parallel path on their own ops."""
+    the same expert-parallel path on their own ops; with the blockwise FP8 recipe each rank
+    regroups its received rows with permute_fp8. FP8 runs on expert=8 (each expert's rows all on
+    one rank, under 128 of them): a data axis would split an expert's rows between ranks, and
+    the weight gradient's blocks of 128 rows with them, which changes its quantisation."""
     worst_case = dataclasses.replace(SOFTMAX_TOP2, ep_buffer_factor=None)
     config = {"remat": worst_case,
               "reference_ops": dataclasses.replace(worst_case, ops="reference"),
-              "ragged_dot_experts": dataclasses.replace(worst_case, matmul="ragged_dot")}
-    assert_same_block(config[variant], "zipf", mesh_of("data2_ep4"), remat=variant == "remat")
+              "ragged_dot_experts": dataclasses.replace(worst_case, matmul="ragged_dot"),
+              "fp8_blockwise": dataclasses.replace(worst_case, fp8="blockwise")}
+    mesh = mesh_of("ep8" if variant == "fp8_blockwise" else "data2_ep4")
+    assert_same_block(config[variant], "zipf", mesh, remat=variant == "remat")
 
 
 def test_expert_parallel_with_the_split_router_matmul():

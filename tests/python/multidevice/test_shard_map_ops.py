@@ -76,6 +76,37 @@ def test_grouped_matmul_in_shard_map(transpose_rhs, dtype):
     assert_close(grad_rhs, ref_grad_rhs, tolerance(dtype), "grad rhs")
 
 
+@pytest.mark.parametrize("weight_gradient", ["fp8", "unquantised"])
+@pytest.mark.parametrize("forward", ["kernel", "emulated"])
+def test_fp8_grouped_matmul_in_shard_map(forward, weight_gradient):
+    """The blockwise FP8 recipe with lhs split over the devices and the weights replicated, on
+    the engine's FP8 kernels and emulated: each device's rows as the recipe on its shard alone,
+    the weight gradient the sum of the shards' (its custom VJP returns each gradient with its
+    operand's type: the lhs gradient varying, the weights' summed)."""
+    from nodrop.ops import fp8
+
+    rng = np.random.default_rng(5)
+    rows, k, n, groups = 40, 256, 136, 3
+    lhs = random_normal(rng, (SHARDS * rows, k), jnp.bfloat16)
+    rhs = random_normal(rng, (groups, k, n), jnp.bfloat16)
+    sizes = group_sizes_per_shard(rng, rows, groups)
+    cot = random_normal(rng, (SHARDS * rows, n), jnp.bfloat16)
+
+    def op(lhs, sizes, rhs):
+        return fp8.fp8_grouped_matmul(lhs, rhs, sizes, forward=forward,
+                                      weight_gradient=weight_gradient)
+
+    run = in_shard_map(op, (SPLIT, SPLIT, WHOLE), SPLIT)
+    out, vjp = jax.vjp(lambda lhs, rhs: run(lhs, sizes, rhs), lhs, rhs)
+    grad_lhs, grad_rhs = vjp(cot)
+    pieces = [jax.vjp(lambda a, b: op(a, s, b), a, rhs) for a, s in
+              zip(lhs.reshape(SHARDS, rows, k), sizes.reshape(SHARDS, groups))]
+    grads = [vjp_s(c) for (_, vjp_s), c in zip(pieces, cot.reshape(SHARDS, rows, n))]
+    assert_close(out, jnp.concatenate([o for o, _ in pieces]), 1e-2, "output")
+    assert_close(grad_lhs, jnp.concatenate([g[0] for g in grads]), 1e-2, "grad lhs")
+    assert_close(grad_rhs, sum(g[1].astype(jnp.float32) for g in grads), 1e-2, "grad rhs")
+
+
 def test_grouped_matmul_contract_in_shard_map():
     """Each device's weight gradient of its own rows, stacked [SHARDS, G, K, N]."""
     rng = np.random.default_rng(1)

@@ -271,9 +271,9 @@ struct Problem {
   }
   void quantize_transposed(cudaStream_t stream) const {
     CHECK(nodrop::cuda::quantize_fp8_transposed(lhs16, nodrop::DType::kBFloat16, sizes, s.M, s.K,
-                                                s.G, lhs8_t, lhs_t_scales, stream));
+                                                s.G, nullptr, lhs8_t, lhs_t_scales, stream));
     CHECK(nodrop::cuda::quantize_fp8_transposed(dout16, nodrop::DType::kBFloat16, sizes, s.M,
-                                                s.N, s.G, dout8_t, dout_t_scales, stream));
+                                                s.N, s.G, nullptr, dout8_t, dout_t_scales, stream));
   }
   void run_fp8_dgrad(cudaStream_t stream) const {
     CHECK(nodrop::cuda::grouped_matmul_fp8_blockwise(dout8, dout_scales, rhs8_t, rhs_scales,
@@ -390,10 +390,10 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
     CHECK(cudaGetLastError());
     const double transposed32_ms = time([&] {
       CHECK(nodrop::cuda::quantize_fp8_transposed(lhs32, nodrop::DType::kFloat32, problem.sizes,
-                                                  s.M, s.K, s.G, problem.lhs8_t,
+                                                  s.M, s.K, s.G, nullptr, problem.lhs8_t,
                                                   problem.lhs_t_scales, stream));
       CHECK(nodrop::cuda::quantize_fp8_transposed(dout32, nodrop::DType::kFloat32, problem.sizes,
-                                                  s.M, s.N, s.G, problem.dout8_t,
+                                                  s.M, s.N, s.G, nullptr, problem.dout8_t,
                                                   problem.dout_t_scales, stream));
     });
     const double copy32_ms = copy_ms(lhs32, dout32, 4);

@@ -97,17 +97,26 @@ auto bind_permute_fp8(Binding binding) {
 struct QuantizeTransposedCall {
   DType dtype;
   int64_t M, C, G;
+  const float* given_scale;  // null: each block's own
 };
 
-// x [M, C] (float), group_sizes [G] -> q_t [C, P] float8_e4m3fn, scale [PB, C] float32,
+// x [M, C] (float), group_sizes [G], given_scale [0] (each block's own scale) or [1] (that one
+// for every block) -> q_t [C, P] float8_e4m3fn, scale [PB, C] float32,
 // PB = fp8_contract_blocks(M, G), P = 128 * PB.
 inline ffi::ErrorOr<QuantizeTransposedCall> decode_quantize_fp8_transposed(
-    const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& group_sizes, const ffi::AnyBuffer& q_t,
+    const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& group_sizes,
+    const ffi::Buffer<ffi::F32>& given_scale, const ffi::AnyBuffer& q_t,
     const ffi::Buffer<ffi::F32>& scale) {
   auto dtype = require_float("x", x);
   if (!dtype) return dtype.error();
   NODROP_RETURN_IF_ERROR(require_rank("x", x, 2));
   NODROP_RETURN_IF_ERROR(require_rank("group_sizes", group_sizes, 1));
+  NODROP_RETURN_IF_ERROR(require_rank("given_scale", given_scale, 1));
+  const int64_t given = given_scale.dimensions()[0];
+  if (given > 1) {
+    return ffi::Error::InvalidArgument("given_scale must hold 0 or 1 elements, got " +
+                                       std::to_string(given));
+  }
   const int64_t M = x.dimensions()[0], C = x.dimensions()[1], G = group_sizes.dimensions()[0];
   const int64_t PB = fp8_contract_blocks(M, G);
   NODROP_RETURN_IF_ERROR(require_e4m3("q_t", q_t));
@@ -117,16 +126,17 @@ inline ffi::ErrorOr<QuantizeTransposedCall> decode_quantize_fp8_transposed(
   NODROP_RETURN_IF_ERROR(require_rank("scale", scale, 2));
   NODROP_RETURN_IF_ERROR(require_dim("scale", scale, 0, PB));
   NODROP_RETURN_IF_ERROR(require_dim("scale", scale, 1, C));
-  return QuantizeTransposedCall{*dtype, M, C, G};
+  return QuantizeTransposedCall{*dtype, M, C, G, given == 1 ? given_scale.typed_data() : nullptr};
 }
 
-// The operands after the platform's context: x, group_sizes -> q_t, scale; the attribute
-// checked.
+// The operands after the platform's context: x, group_sizes, given_scale -> q_t, scale; the
+// attribute checked.
 template <typename Binding>
 auto bind_quantize_fp8_transposed(Binding binding) {
   return std::move(binding)
       .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::Buffer<ffi::F32>>()
       .template Attr<bool>("checked");

@@ -51,14 +51,15 @@ ffi::Error GroupedMatmulFp8Blockwise(ffi::ThreadPool pool, ffi::AnyBuffer lhs,
 
 ffi::Error QuantizeFp8Transposed(ffi::ThreadPool pool, ffi::AnyBuffer x,
                                  ffi::Buffer<ffi::S32> group_sizes,
+                                 ffi::Buffer<ffi::F32> given_scale,
                                  ffi::Result<ffi::AnyBuffer> q_t,
                                  ffi::Result<ffi::Buffer<ffi::F32>> scale, bool checked) {
-  auto call = decode_quantize_fp8_transposed(x, group_sizes, *q_t, *scale);
+  auto call = decode_quantize_fp8_transposed(x, group_sizes, given_scale, *q_t, *scale);
   if (!call) return call.error();
   XlaThreadPoolRunner runner(pool);
   return to_ffi_error(cpu::quantize_fp8_transposed(
       x.untyped_data(), call->dtype, group_sizes.typed_data(), call->M, call->C, call->G,
-      static_cast<uint8_t*>(q_t->untyped_data()), scale->typed_data(), checked, &runner));
+      call->given_scale, static_cast<uint8_t*>(q_t->untyped_data()), scale->typed_data(), checked, &runner));
 }
 
 ffi::Error GroupedMatmulFp8BlockwiseContract(ffi::ThreadPool pool, ffi::AnyBuffer lhs_t,

@@ -40,13 +40,14 @@ ffi::Error PermuteFp8(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
 
 ffi::Error QuantizeFp8Transposed(cudaStream_t stream, ffi::AnyBuffer x,
                                  ffi::Buffer<ffi::S32> group_sizes,
+                                 ffi::Buffer<ffi::F32> given_scale,
                                  ffi::Result<ffi::AnyBuffer> q_t,
                                  ffi::Result<ffi::Buffer<ffi::F32>> scale, bool /*checked*/) {
-  auto call = decode_quantize_fp8_transposed(x, group_sizes, *q_t, *scale);
+  auto call = decode_quantize_fp8_transposed(x, group_sizes, given_scale, *q_t, *scale);
   if (!call) return call.error();
   return to_ffi_error(cuda::quantize_fp8_transposed(
       x.untyped_data(), call->dtype, group_sizes.typed_data(), call->M, call->C, call->G,
-      static_cast<uint8_t*>(q_t->untyped_data()), scale->typed_data(), stream));
+      call->given_scale, static_cast<uint8_t*>(q_t->untyped_data()), scale->typed_data(), stream));
 }
 
 ffi::Error GroupedMatmulFp8Blockwise(cudaStream_t stream, ffi::AnyBuffer lhs,

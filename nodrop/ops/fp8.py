@@ -349,34 +349,12 @@ def _tensorwise_weights(w):
     return q, jnp.broadcast_to(scale, (w.shape[0], *grid))
 
 
-def _contract_rows(group_sizes, num_rows: int):
-    """For each column of quantize_transposed's layout (P = 128 * PB of them), the row of x it
-    holds (_group_blocks numbers the blocks), or num_rows where it holds none."""
-    num_groups = group_sizes.shape[0]
-    starts, ends, first_block, blocks = _group_blocks(group_sizes, num_rows)
-    block = jnp.arange(_contract_blocks(num_rows, num_groups))
-    # the group of each block; G for the blocks past the groups'
-    group = jnp.searchsorted(first_block + blocks, block, side="right")
-    safe = jnp.minimum(group, num_groups - 1)
-    begin = starts[safe] + (block - first_block[safe]) * BLOCK
-    size = jnp.where(group < num_groups, jnp.minimum(ends[safe] - begin, BLOCK), 0)
-    j = jnp.arange(BLOCK)
-    rows = jnp.where(j[None, :] < size[:, None], begin[:, None] + j[None, :], num_rows)
-    return rows.reshape(-1)
-
-
 def _tensorwise_transposed(x, group_sizes):
-    """quantize_transposed's layout with one scale over the rows in the groups: the codes
-    gathered into their columns (zero where no row is), the scale repeated over every block."""
-    num_rows, cols = x.shape
-    num_blocks = _contract_blocks(num_rows, group_sizes.shape[0])
-    q, scale = quantize(_rows_in_groups(x, group_sizes), "tensor")
-    if group_sizes.shape[0] == 0:
-        return (jnp.zeros((cols, BLOCK * num_blocks), E4M3),
-                jnp.ones((num_blocks, cols), jnp.float32))
-    with_zero_row = jnp.concatenate([q, jnp.zeros((1, cols), E4M3)])
-    q_t = with_zero_row[_contract_rows(group_sizes, num_rows)].T
-    return q_t, jnp.broadcast_to(scale, (num_blocks, cols))
+    """quantize_transposed's layout with one scale over the rows in the groups (their amax in
+    XLA, then the engine's pass with that scale given): the scale is repeated over every
+    block."""
+    _, scale = quantize(_rows_in_groups(x, group_sizes), "tensor")
+    return quantize_transposed(x, group_sizes, scale=scale)
 
 
 def _kernel_quantisers(recipe: str):
@@ -699,7 +677,8 @@ def _contract_blocks(num_rows: int, num_groups: int) -> int:
     return -(-num_rows // BLOCK) + num_groups
 
 
-def quantize_transposed(x: ArrayLike, group_sizes: ArrayLike) -> tuple[jax.Array, jax.Array]:
+def quantize_transposed(x: ArrayLike, group_sizes: ArrayLike, *, scale: ArrayLike | None = None
+                        ) -> tuple[jax.Array, jax.Array]:
     """The blockwise weight gradient's operand in one engine call: x [M, C] (float32, float16 or
     bfloat16) and group_sizes [G] -> (q_t float8_e4m3fn [C, P], scale float32 [PB, C]), with
     PB = ceil(M / 128) + G blocks and P = 128 * PB.
@@ -712,39 +691,52 @@ def quantize_transposed(x: ArrayLike, group_sizes: ArrayLike) -> tuple[jax.Array
     past the groups are read by nothing. `grouped_matmul_fp8_blockwise_contract` reads two of
     these (Hopper's FP8 wgmma wants both operands contraction-major, hence the transpose).
     Columns partition locally under sharding; the rows are gathered. Not differentiable.
+
+    scale: None, or one float32 scale (one element) that every block takes instead of its
+    own: the tensorwise recipe's, from an amax taken over the tensor beforehand. Then q_t holds
+    x * (1 / scale) rounded and saturated alike, and every scale, unused blocks' included, is
+    that one.
     """
     x, group_sizes = jnp.asarray(x), _checks.as_array(group_sizes)
     _checks.require_rank("x", x, 2, "[M, C]")
     _checks.require_float("x", x)
     _checks.require_rank("group_sizes", group_sizes, 1, "[G]")
     group_sizes = _checks.as_int32("group_sizes", group_sizes)
-    return tuple(_quantize_transposed_p.bind(*_ffi.match_vma(x, group_sizes),
+    if scale is None:
+        given = jnp.zeros((0,), jnp.float32)
+    else:
+        given = jnp.asarray(scale)
+        if given.dtype != jnp.float32 or given.size != 1:
+            raise ValueError("scale must be one float32 value (any shape of one element), got "
+                             f"{jnp.dtype(given.dtype).name}{list(given.shape)}")
+        given = given.reshape(1)
+    return tuple(_quantize_transposed_p.bind(*_ffi.match_vma(x, group_sizes, given),
                                              checked=_checks.checks_enabled()))
 
 
-def _quantize_transposed_lowering(x, group_sizes, *, checked, partition):
-    def run(x, group_sizes):
+def _quantize_transposed_lowering(x, group_sizes, given_scale, *, checked, partition):
+    def run(x, group_sizes, given_scale):
         num_rows, cols = x.shape
         blocks = _contract_blocks(num_rows, group_sizes.shape[0])
         return _ffi.call(
             "nodrop_quantize_fp8_transposed",
             (jax.ShapeDtypeStruct((cols, BLOCK * blocks), E4M3),
              jax.ShapeDtypeStruct((blocks, cols), jnp.float32)),
-            x, group_sizes, checked=_checks.attr_bool(checked))
+            x, group_sizes, given_scale, checked=_checks.attr_bool(checked))
 
     if not partition:
-        return run(x, group_sizes)
+        return run(x, group_sizes, given_scale)
     # Each column is quantised on its own: split columns stay local; the rows, whose blocks
     # follow the global group sizes, are gathered.
     return _partition.partitioned(
-        run, "m c, g -> c p, b c", (("m", "c"), ("g",)), (("c", "p"), ("b", "c")),
+        run, "m c, g, s -> c p, b c", (("m", "c"), ("g",), ("s",)), (("c", "p"), ("b", "c")),
         lambda axes_of, *args: run(*args), ("c",),
-        need_replication_factors=("m", "g", "p", "b"))(x, group_sizes)
+        need_replication_factors=("m", "g", "s", "p", "b"))(x, group_sizes, given_scale)
 
 
 _quantize_transposed_p = _primitives.define(
     "nodrop_quantize_fp8_transposed",
-    abstract_eval=lambda x, group_sizes, *, checked: (
+    abstract_eval=lambda x, group_sizes, given_scale, *, checked: (
         _primitives.result_aval(
             (x, group_sizes),
             (x.shape[1], BLOCK * _contract_blocks(x.shape[0], group_sizes.shape[0])), E4M3),

@@ -259,13 +259,14 @@ struct Transposed {
 // fenced (no read past them).
 Transposed quantize_transposed(const TransposedProblem& p, const Array& x,
                                nodrop::ParallelRunner* runner, bool checked = false,
-                               nodrop::Status* status = nullptr) {
+                               nodrop::Status* status = nullptr,
+                               const float* given_scale = nullptr) {
   Guarded<uint8_t> q_t(p.C * p.P(), 0xab);
   Guarded<float> scale(p.PB() * p.C, std::nanf(""));
   const Fenced x_in(x), sizes_in(p.sizes);
   const auto s = nodrop::cpu::quantize_fp8_transposed(
-      x_in.data(), x.dtype(), sizes_in.as<int32_t>(), p.M, p.C, p.G(), q_t.data(), scale.data(),
-      checked, runner);
+      x_in.data(), x.dtype(), sizes_in.as<int32_t>(), p.M, p.C, p.G(), given_scale, q_t.data(),
+      scale.data(), checked, runner);
   if (status) *status = s;
   else EXPECT_TRUE(s.ok()) << s.message();
   EXPECT_TRUE(q_t.canaries_intact() && scale.canaries_intact());
@@ -273,8 +274,10 @@ Transposed quantize_transposed(const TransposedProblem& p, const Array& x,
 }
 
 // The layout re-derived: group g's rows (clamped) in blocks of 128 from its first row, numbered
-// on from the blocks of the groups before it; everything else zero codes and unit scales.
-void expect_transposed(const TransposedProblem& p, const Array& x, const Transposed& got) {
+// on from the blocks of the groups before it; everything else zero codes and unit scales. With
+// given_scale, every scale is that one.
+void expect_transposed(const TransposedProblem& p, const Array& x, const Transposed& got,
+                       const float* given_scale = nullptr) {
   std::vector<bool> written(p.C * p.P(), false), scaled(p.PB() * p.C, false);
   int64_t begin = 0, b = 0;
   for (int64_t g = 0; g < p.G(); ++g) {
@@ -284,7 +287,7 @@ void expect_transposed(const TransposedProblem& p, const Array& x, const Transpo
       for (int64_t c = 0; c < p.C; ++c) {
         std::vector<float> values(rows);
         for (int64_t j = 0; j < rows; ++j) values[j] = static_cast<float>(x.at((first + j) * p.C + c));
-        const float s = want_scale(values);
+        const float s = given_scale ? *given_scale : want_scale(values);
         const std::string where = "block " + std::to_string(b) + " column " + std::to_string(c);
         ASSERT_NO_FATAL_FAILURE(expect_scale(got.scale[b * p.C + c], s, where));
         scaled[b * p.C + c] = true;
@@ -303,7 +306,10 @@ void expect_transposed(const TransposedProblem& p, const Array& x, const Transpo
     if (!written[i]) ASSERT_EQ(got.q_t[i], 0) << "q_t[" << i / p.P() << ", " << i % p.P() << "]";
   }
   for (int64_t i = 0; i < p.PB() * p.C; ++i) {
-    if (!scaled[i]) ASSERT_EQ(got.scale[i], 1.0f) << "scale of unused block " << i / p.C;
+    if (!scaled[i]) {
+      ASSERT_NO_FATAL_FAILURE(expect_scale(got.scale[i], given_scale ? *given_scale : 1.0f,
+                                           "unused block " + std::to_string(i / p.C)));
+    }
   }
 }
 
@@ -328,6 +334,27 @@ TEST_P(QuantizeFp8Transposed, MatchesTheLayoutAndTheBruteForceEncoder) {
   EXPECT_EQ(threaded.q_t, serial.q_t);  // threads change nothing (bitwise: NaN scales too)
   EXPECT_EQ(0, std::memcmp(threaded.scale.data(), serial.scale.data(),
                            serial.scale.size() * sizeof(float)));
+}
+
+// A tensorwise recipe's scale given: the amax of every row in the groups, then half of it (the
+// largest values saturate), a tiny one (everything saturates) and NaN (every code NaN).
+TEST_P(QuantizeFp8Transposed, AGivenScaleReplacesEveryBlocksOwn) {
+  const auto& [dtype, p] = GetParam();
+  std::mt19937 rng(12);
+  const Array x = nodrop_test::random_array(dtype, p.M * p.C, rng, -3.0, 3.0);
+  std::vector<float> in_groups;
+  int64_t end = 0;
+  for (int32_t size : p.sizes) end = std::min<int64_t>(p.M, end + std::max<int32_t>(size, 0));
+  for (int64_t i = 0; i < end * p.C; ++i) in_groups.push_back(static_cast<float>(x.at(i)));
+  const float tensorwise = want_scale(in_groups);
+  for (const float given : {tensorwise, tensorwise * 0.5f, 1e-30f, std::nanf("")}) {
+    SCOPED_TRACE(given);
+    const Transposed serial = quantize_transposed(p, x, nullptr, false, nullptr, &given);
+    ASSERT_NO_FATAL_FAILURE(expect_transposed(p, x, serial, &given));
+    ThreadRunner runner(3);
+    const Transposed threaded = quantize_transposed(p, x, &runner, false, nullptr, &given);
+    EXPECT_EQ(threaded.q_t, serial.q_t);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -394,7 +421,7 @@ TEST(QuantizeFp8TransposedArgs, RejectsNegativeShapesAndNullBuffers) {
   const std::vector<int32_t> sizes = {2, 2, 0};
   auto call = [&](int64_t M, int64_t C, int64_t G, const float* x_data, uint8_t* q_data) {
     return nodrop::cpu::quantize_fp8_transposed(x_data, DType::kFloat32, sizes.data(), M, C, G,
-                                                q_data, scale.data(), false);
+                                                nullptr, q_data, scale.data(), false);
   };
   EXPECT_TRUE(call(4, 2, 3, x.data(), q_t.data()).ok());  // PB = 1 + 3
   auto status = call(-4, 2, 3, x.data(), q_t.data());

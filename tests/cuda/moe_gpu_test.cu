@@ -839,7 +839,9 @@ class QuantizeFp8TransposedGpu : public testing::TestWithParam<DType> {};
 // empty group, one row, 130 and 200 rows and 69 rows past the groups; invalid sizes (clamped);
 // 300 groups, most of them tiny; C = 300 (a partial column tile) and C = 1100 (9 tiles, the last
 // partial), with a zero block, a NaN block (whose padding must stay 0), an inf block, a block of
-// subnormals (a scale whose reciprocal is inf) and columns of large and small magnitudes.
+// subnormals (a scale whose reciprocal is inf) and columns of large and small magnitudes. Each
+// case with each block's own scale, and with a given one (a tensorwise scale: 0.01, which
+// saturates the large columns, and NaN).
 TEST_P(QuantizeFp8TransposedGpu, MatchesTheCpuBitwise) {
   const DType dtype = GetParam();
   std::mt19937 rng(5);
@@ -869,28 +871,36 @@ TEST_P(QuantizeFp8TransposedGpu, MatchesTheCpuBitwise) {
         set_value(x, dtype, r * C + 31, small[r]);
       }
     }
-    Bytes want_q(C * P);
-    Floats want_scale(blocks * C);
-    ASSERT_TRUE(nodrop::cpu::quantize_fp8_transposed(x.data(), dtype, sizes.data(), M, C, G,
-                                                     want_q.data(), want_scale.data(),
-                                                     /*checked=*/false)
-                    .ok());
     const DeviceBuffer d_sizes(std::max<int64_t>(G, 1) * sizeof(int32_t), 0, sizes.data());
-    // Aligned (the vector path) and not (element by element).
-    for (const size_t shift : {size_t{0}, 2 * bytes_of(dtype)}) {
-      const DeviceBuffer d_x = to_device(x, shift);
-      const DeviceBuffer q(C * P), scale(blocks * C * sizeof(float));
-      run_twice(
-          [&] {
-            return nodrop::cuda::quantize_fp8_transposed(d_x.get(), dtype, d_sizes.as<int32_t>(),
-                                                         M, C, G, q.as<uint8_t>(),
-                                                         scale.as<float>(), stream());
-          },
-          {&q, &scale});
-      EXPECT_EQ(mismatch(download<uint8_t>(q), want_q), "")
-          << "M " << M << ", C " << C << ", G " << G << ", shift " << shift;
-      EXPECT_EQ(mismatch(download<uint32_t>(scale), as_bits(want_scale)), "")
-          << "M " << M << ", C " << C << ", G " << G << ", shift " << shift;
+    const float given_scales[] = {0.01f, std::nanf("")};
+    const DeviceBuffer d_given(sizeof(given_scales), 0, given_scales);
+    for (const int given : {-1, 0, 1}) {  // -1: each block's own scale
+      const float* host_given = given < 0 ? nullptr : &given_scales[given];
+      const float* device_given = given < 0 ? nullptr : d_given.as<float>() + given;
+      Bytes want_q(C * P);
+      Floats want_scale(blocks * C);
+      ASSERT_TRUE(nodrop::cpu::quantize_fp8_transposed(x.data(), dtype, sizes.data(), M, C, G,
+                                                       host_given, want_q.data(),
+                                                       want_scale.data(), /*checked=*/false)
+                      .ok());
+      // Aligned (the vector path) and not (element by element).
+      for (const size_t shift : {size_t{0}, 2 * bytes_of(dtype)}) {
+        const DeviceBuffer d_x = to_device(x, shift);
+        const DeviceBuffer q(C * P), scale(blocks * C * sizeof(float));
+        run_twice(
+            [&] {
+              return nodrop::cuda::quantize_fp8_transposed(
+                  d_x.get(), dtype, d_sizes.as<int32_t>(), M, C, G, device_given,
+                  q.as<uint8_t>(), scale.as<float>(), stream());
+            },
+            {&q, &scale});
+        EXPECT_EQ(mismatch(download<uint8_t>(q), want_q), "")
+            << "M " << M << ", C " << C << ", G " << G << ", shift " << shift << ", given "
+            << given;
+        EXPECT_EQ(mismatch(download<uint32_t>(scale), as_bits(want_scale)), "")
+            << "M " << M << ", C " << C << ", G " << G << ", shift " << shift << ", given "
+            << given;
+      }
     }
   }
 }
@@ -981,14 +991,14 @@ TEST(PermuteRowsFp8GpuArgs, RejectsBadShapesAndDoesNothingWhenEmpty) {
 TEST(QuantizeFp8TransposedGpuArgs, RejectsBadShapesAndDoesNothingWhenEmpty) {
   const DeviceBuffer buffer(1 << 12);
   EXPECT_NE(nodrop::cuda::quantize_fp8_transposed(buffer.get(), DType::kFloat32,
-                                                  buffer.as<int32_t>(), -1, 4, 1,
+                                                  buffer.as<int32_t>(), -1, 4, 1, nullptr,
                                                   buffer.as<uint8_t>(), buffer.as<float>(),
                                                   stream())
                 .message()
                 .find("M = -1"),
             std::string::npos);
   EXPECT_TRUE(nodrop::cuda::quantize_fp8_transposed(nullptr, DType::kFloat32, nullptr, 0, 4, 0,
-                                                    nullptr, nullptr, stream())
+                                                    nullptr, nullptr, nullptr, stream())
                   .ok());
   CUDA_CHECK(cudaStreamSynchronize(stream()));
 }

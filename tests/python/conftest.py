@@ -201,25 +201,27 @@ def moe_params(rng, *, layers: int, hidden: int, ffn: int, experts: int, dtype=j
             random_normal(rng, (layers, experts, ffn, hidden), dtype, scale=ffn**-0.5))
 
 
-def numpy_quantize_transposed(x, sizes):
+def numpy_quantize_transposed(x, sizes, given_scale=None):
     """quantize_transposed written out in numpy: each group's (clamped) rows in blocks of 128
     from its first row, numbered on over the groups; a block's scale per column is amax *
-    float32(1 / 448) (1 for zeros, NaN for a NaN or an inf), its codes x * (1 / scale) in float32,
-    clipped to +-448 and rounded to nearest even (ml_dtypes' cast); the codes of block b's row j
-    at column 128 * b + j. Returns the codes' bytes and the scales."""
+    float32(1 / 448) (1 for zeros, NaN for a NaN or an inf), or given_scale for every block (the
+    unused ones too), its codes x * (1 / scale) in float32, clipped to +-448 and rounded to
+    nearest even (ml_dtypes' cast); the codes of block b's row j at column 128 * b + j. Returns
+    the codes' bytes and the scales."""
     x = as_f64(x).astype(np.float32)
     m, c = x.shape
     blocks = -(-m // BLOCK) + len(sizes)
     values = np.zeros((c, BLOCK * blocks), np.float32)
-    scale = np.ones((blocks, c), np.float32)
+    scale = np.full((blocks, c), 1 if given_scale is None else given_scale, np.float32)
     bounds, b = group_offsets(sizes, m), 0
     for start, end in zip(bounds[:-1], bounds[1:]):
         for first in range(start, end, BLOCK):
             block = x[first:min(first + BLOCK, end)]
-            amax = np.max(np.abs(np.where(np.isfinite(block), block, 0)), axis=0)
-            s = amax * np.float32(1 / E4M3_MAX)
-            s = np.where(np.isfinite(block).all(axis=0), np.where(s > 0, s, 1), np.nan)
-            scale[b] = s.astype(np.float32)
+            if given_scale is None:
+                amax = np.max(np.abs(np.where(np.isfinite(block), block, 0)), axis=0)
+                s = amax * np.float32(1 / E4M3_MAX)
+                s = np.where(np.isfinite(block).all(axis=0), np.where(s > 0, s, 1), np.nan)
+                scale[b] = s.astype(np.float32)
             with np.errstate(invalid="ignore"):
                 v = block * (np.float32(1) / scale[b])
                 v = np.where(np.isnan(v), v, np.clip(v, -E4M3_MAX, E4M3_MAX))

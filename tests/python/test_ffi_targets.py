@@ -222,7 +222,8 @@ def check_quantize_fp8_transposed():
     q_t, scale = ffi("nodrop_quantize_fp8_transposed",
                      (jax.ShapeDtypeStruct((2, 384), jnp.float8_e4m3fn),
                       jax.ShapeDtypeStruct((3, 2), jnp.float32)),
-                     jnp.asarray(x), int32([1, 2]), checked=np.bool_(True))
+                     jnp.asarray(x), int32([1, 2]), jnp.zeros((0,), jnp.float32),
+                     checked=np.bool_(True))
     amax = np.stack([np.abs(x[:1]).max(axis=0), np.abs(x[1:]).max(axis=0), [0, 0]])
     want_scale = np.where(amax > 0, amax * np.float32(1 / 448), 1).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(scale), want_scale)
@@ -230,6 +231,16 @@ def check_quantize_fp8_transposed():
     want = np.zeros((2, 384), np.float32)
     want[:, 0], want[:, 128:130] = x[0], x[1:].T
     np.testing.assert_allclose(back, want, rtol=2 ** -4)
+    # A given scale (one element) for every block, unused ones included: under 0.5 the codes
+    # are 2x exactly, and 448 saturates (896 -> 448, back to 224).
+    q_t, scale = ffi("nodrop_quantize_fp8_transposed",
+                     (jax.ShapeDtypeStruct((2, 384), jnp.float8_e4m3fn),
+                      jax.ShapeDtypeStruct((3, 2), jnp.float32)),
+                     jnp.asarray(x), int32([1, 2]), jnp.asarray([0.5], jnp.float32),
+                     checked=np.bool_(True))
+    np.testing.assert_array_equal(np.asarray(scale), np.full((3, 2), 0.5, np.float32))
+    want[1, 128] = 224
+    np.testing.assert_array_equal(np.asarray(q_t, np.float32) * 0.5, want)
 
 
 def check_grouped_matmul_fp8_blockwise_contract():

@@ -777,12 +777,13 @@ def test_an_unquantised_weight_gradient_is_the_matmuls_own(case, recipe, forward
             np.abs(as_f64(drhs) - as_f64(want)))
 
 
-@pytest.mark.parametrize("recipe, engine_quantisers", [("blockwise", 2), ("tensorwise", 0)])
-def test_both_gradients_run_on_the_fp8_kernels(recipe, engine_quantisers):
+@pytest.mark.parametrize("recipe, engine_row_quantisers", [("blockwise", 2), ("tensorwise", 0)])
+def test_both_gradients_run_on_the_fp8_kernels(recipe, engine_row_quantisers):
     """With forward="kernel": the FP8 kernel twice (forward, input gradient), the FP8
-    contraction once on two transposed quantisations (the weight gradient), and none of
-    nodrop's bf16 grouped matmuls: no float32 contraction of dequantised operands. The
-    blockwise recipe quantises on the engine; the tensorwise one in XLA (one amax per tensor)."""
+    contraction once on two transposed quantisations on the engine (the weight gradient), and
+    none of nodrop's bf16 grouped matmuls: no float32 contraction of dequantised operands. The
+    blockwise recipe quantises the rows on the engine; the tensorwise one in XLA (one amax per
+    tensor), which also gives the transposed quantisations their scale."""
     lhs, rhs = jnp.ones((8, 128), jnp.bfloat16), jnp.ones((2, 128, 8), jnp.bfloat16)
     loss = lambda a, b: jnp.sum(jnp.sin(fp8.fp8_grouped_matmul(  # noqa: E731
         a, b, int32([3, 5]), recipe=recipe, forward="kernel").astype(jnp.float32)))
@@ -793,8 +794,8 @@ def test_both_gradients_run_on_the_fp8_kernels(recipe, engine_quantisers):
         "nodrop_grouped_matmul_contract")}
     assert calls == {"nodrop_grouped_matmul_fp8_blockwise": 2,
                      "nodrop_grouped_matmul_fp8_blockwise_contract": 1,
-                     "nodrop_quantize_fp8": engine_quantisers,
-                     "nodrop_quantize_fp8_transposed": engine_quantisers,
+                     "nodrop_quantize_fp8": engine_row_quantisers,
+                     "nodrop_quantize_fp8_transposed": 2,
                      "nodrop_grouped_matmul": 0, "nodrop_grouped_matmul_contract": 0}
     # and the emulation's segment reductions of the weight gradient's blocks are gone
     assert "scatter" not in text
@@ -930,6 +931,36 @@ def test_quantize_transposed_is_bitwise_the_numpy_derivation(case, dtype):
     np.testing.assert_array_equal(np.asarray(scale), want_scale)  # NaN == NaN here
     jitted = jax.jit(fp8.quantize_transposed)(x, int32(sizes))
     np.testing.assert_array_equal(bits(jitted[0]), bits(q_t))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", TRANSPOSED_CASES)
+def test_quantize_transposed_with_a_given_scale_is_bitwise_the_numpy_derivation(case, dtype):
+    """The tensorwise recipe's call: one scale for every block, unused ones included; the
+    tensor's own (no code saturates), a quarter of it (the largest do) and NaN (every code)."""
+    m, c, sizes = TRANSPOSED_CASES[case]
+    rng = np.random.default_rng(m + c + 1)
+    x = jnp.asarray(rng.standard_normal((m, c)) * np.exp2(rng.integers(-6, 6, (1, c))), dtype)
+    _, tensor_scale = fp8.quantize(x, "tensor")
+    for given_scale in (tensor_scale, tensor_scale / 4, jnp.float32(jnp.nan)):
+        q_t, scale = jax.jit(fp8.quantize_transposed)(x, int32(sizes), scale=given_scale)
+        want_q, want_scale = numpy_quantize_transposed(x, sizes, np.float32(given_scale.item()))
+        np.testing.assert_array_equal(bits(q_t), want_q)
+        np.testing.assert_array_equal(np.asarray(scale), want_scale)
+
+
+def test_the_tensorwise_weight_gradient_operand_is_the_emulations():
+    """The kernel path's tensorwise operand (the scale of the rows in the groups, then
+    quantize_transposed with it given) dequantises to the emulation's tensorwise quantisation
+    of those rows, and ignores the rows past the groups."""
+    m, c, sizes = TRANSPOSED_CASES["unaligned_groups_and_rows_past_them"]
+    x = jax.random.normal(jax.random.key(4), (m, c), jnp.bfloat16) * 3
+    x = x.at[m - 1].set(1e4)  # past the groups: no effect on the scale
+    q_t, scale = fp8._tensorwise_transposed(x, int32(sizes))
+    used = group_offsets(sizes, m)[-1]
+    want = np.zeros((m, c))
+    want[:used] = as_f64(fp8.dequantize(*fp8.quantize(x[:used], "tensor"), "tensor"))
+    np.testing.assert_array_equal(untransposed(q_t, scale, sizes, m), want)
 
 
 def untransposed(q_t, scale, sizes, m):
@@ -1118,3 +1149,14 @@ def test_grouped_matmul_fp8_blockwise_contract_refuses_bad_input(changes, error,
 def test_quantize_transposed_refuses_bad_input(args, error, message):
     with pytest.raises(error, match=re.escape(message)):
         fp8.quantize_transposed(*args)
+
+
+@pytest.mark.parametrize("scale, message", [
+    (jnp.ones((2,), jnp.float32), "scale must be one float32 value (any shape of one element), "
+     "got float32[2]"),
+    (jnp.ones((), jnp.bfloat16), "got bfloat16[]"),
+    (jnp.ones((1, 0), jnp.float32), "got float32[1, 0]"),
+])
+def test_quantize_transposed_refuses_a_bad_given_scale(scale, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fp8.quantize_transposed(jnp.ones((4, 4), jnp.float32), int32([4]), scale=scale)

@@ -420,8 +420,9 @@ def test_fp8_recipe_runs_the_kernels_forward_and_both_gradients_on_the_gpu(recip
 def test_fp8_quantize_transposed_is_bitwise_the_numpy_derivation_on_the_gpu(dtype):
     """The CUDA transposed quantisation against its numpy derivation (test_fp8.py checks the CPU
     engine against the same): the same codes and scales (NaN, all-zero blocks, groups not
-    multiples of 128, empty groups, rows past the groups and the unused blocks included);
-    jitted once and replayed with new group sizes."""
+    multiples of 128, empty groups, rows past the groups and the unused blocks included), each
+    block's own scale and a given one (the tensorwise recipe's); jitted once and replayed with
+    new group sizes."""
     from nodrop.ops import fp8
 
     m, c, g = 1000, 200, 8
@@ -431,10 +432,13 @@ def test_fp8_quantize_transposed_is_bitwise_the_numpy_derivation_on_the_gpu(dtyp
     quantize = jax.jit(fp8.quantize_transposed)
     for kind in SIZE_KINDS:
         sizes = group_sizes(kind, m, g, rng)
-        q_t, scale = quantize(x, sizes)
-        want_q, want_scale = numpy_quantize_transposed(x, np.asarray(sizes).tolist())
-        np.testing.assert_array_equal(np.asarray(q_t.view(jnp.uint8)), want_q, err_msg=kind)
-        np.testing.assert_array_equal(np.asarray(scale), want_scale, err_msg=kind)
+        for given_scale in (None, np.float32(0.01)):
+            q_t, scale = quantize(x, sizes, scale=given_scale)
+            want_q, want_scale = numpy_quantize_transposed(x, np.asarray(sizes).tolist(),
+                                                           given_scale)
+            where = f"{kind}, given scale {given_scale}"
+            np.testing.assert_array_equal(np.asarray(q_t.view(jnp.uint8)), want_q, err_msg=where)
+            np.testing.assert_array_equal(np.asarray(scale), want_scale, err_msg=where)
 
 
 @pytest.mark.parametrize("kind", SIZE_KINDS)

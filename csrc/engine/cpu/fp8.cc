@@ -90,8 +90,8 @@ Status permute_rows_fp8(const void* src, DType dtype, const int32_t* row_map, in
 }
 
 Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_sizes, int64_t M,
-                               int64_t C, int64_t G, uint8_t* q_t, float* scale, bool checked,
-                               ParallelRunner* runner) {
+                               int64_t C, int64_t G, const float* given_scale, uint8_t* q_t,
+                               float* scale, bool checked, ParallelRunner* runner) {
   const int64_t PB = fp8_contract_blocks(M, G), P = kFp8Block * PB;
   Status status = check_arguments(
       "quantize_fp8_transposed", {{"M", M}, {"C", C}, {"G", G}},
@@ -110,7 +110,7 @@ Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_
     }
   }
   const int64_t used = static_cast<int64_t>(block_begin.size());
-  std::fill(scale + used * C, scale + PB * C, 1.0f);
+  std::fill(scale + used * C, scale + PB * C, given_scale ? *given_scale : 1.0f);
   for (int64_t c = 0; c < C; ++c) std::fill(q_t + c * P + used * kFp8Block, q_t + (c + 1) * P, 0);
   parallel_blocks(runner, used, 1, [&](int64_t first, int64_t last) {
     std::vector<float> values(kFp8Block * C), amax(C), inverse(C);
@@ -121,7 +121,7 @@ Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_
                rows * C, values.data());
       std::fill(amax.begin(), amax.end(), 0.0f);
       std::fill(finite.begin(), finite.end(), 1);
-      for (int64_t j = 0; j < rows; ++j) {
+      for (int64_t j = 0; j < rows && !given_scale; ++j) {
         for (int64_t c = 0; c < C; ++c) {
           const float v = values[j * C + c];
           finite[c] = finite[c] && std::isfinite(v);
@@ -129,7 +129,7 @@ Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_
         }
       }
       for (int64_t c = 0; c < C; ++c) {
-        const float s = block_scale(amax[c], finite[c]);
+        const float s = given_scale ? *given_scale : block_scale(amax[c], finite[c]);
         scale[b * C + c] = s;
         inverse[c] = 1.0f / s;
       }

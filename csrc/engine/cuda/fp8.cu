@@ -10,8 +10,8 @@
 //   the permuted rows are not read again to be quantised.
 // - quantize_fp8_transposed: one thread block per 128-column tile of two consecutive 128-row
 //   blocks. Each thread holds 8 rows x 8 columns of a row block's tile; column amaxes are
-//   reduced across the thread block, and the transposed codes pass through shared memory so
-//   that q_t is written in 256-byte runs.
+//   reduced across the thread block (skipped where one scale is given for all), and the
+//   transposed codes pass through shared memory so that q_t is written in 256-byte runs.
 // All scale and round every element alike (block_scale, to_e4m3), by the hardware's float32 ->
 // E4M3 conversion (nearest even, saturating), so they are bitwise the CPU engine.
 #include <cuda_bf16.h>
@@ -267,7 +267,8 @@ template <typename T, bool kVector>
 __global__ void __launch_bounds__(kThreads, kTransposedBlocksPerSm<T>)
 quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restrict__ group_sizes,
                                int64_t M, int64_t C, int64_t G, int64_t P,
-                               uint8_t* __restrict__ q_t, float* __restrict__ scale_t) {
+                               const float* __restrict__ given_scale, uint8_t* __restrict__ q_t,
+                               float* __restrict__ scale_t) {
   __shared__ detail::GroupScanStorage scan_storage;
   __shared__ int64_t block_begin[kRowBlocks];
   __shared__ int block_rows[kRowBlocks];
@@ -283,6 +284,9 @@ quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restric
   const int row_blocks = int(min(int64_t(kRowBlocks), P / kBlock - b0));
   const int t = threadIdx.x, warp = t / 32;
   const int cg = t % kLanesPerBlock, rg = t / kLanesPerBlock;  // column and row group
+  // A given scale replaces every block's: no amax, no reduction, the same for the whole grid.
+  const bool given = given_scale != nullptr;
+  const float fixed = given ? *given_scale : 1.0f, fixed_inverse = __frcp_rn(fixed);
 
   if (t < kRowBlocks) block_begin[t] = 0, block_rows[t] = 0;  // past the groups: 0 rows
   __syncthreads();
@@ -312,7 +316,7 @@ quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restric
         // them (up to 32 of DeepSeek-V3 EP8's 96). rows is the same for the whole thread block,
         // so all of it skips the barriers. Its codes are written as zeros below.
         const int64_t c = tile * kTileColumns + t;
-        if (t < kTileColumns && c < C) scale_t[(b0 + r) * C + c] = key_scale(0);
+        if (t < kTileColumns && c < C) scale_t[(b0 + r) * C + c] = given ? fixed : key_scale(0);
         continue;
       }
       Chunk<T> chunk[kRowsPerThread];
@@ -329,29 +333,34 @@ quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restric
         }
       }
 
-      // Column amaxes over the block's rows (rows past it were read as zeros): the thread's 8
-      // rows, its warp's 16, then all 128.
-      ColumnKeys<T> keys;
-#pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) keys.add(chunk[i]);
-      keys.add_lane_xor(kLanesPerBlock);
-      if (t % 32 < kLanesPerBlock) {
-        uint4* part = reinterpret_cast<uint4*>(&part_key[warp][kChunk * cg]);
-        part[0] = make_uint4(keys.column(0), keys.column(1), keys.column(2), keys.column(3));
-        part[1] = make_uint4(keys.column(4), keys.column(5), keys.column(6), keys.column(7));
-      }
-      __syncthreads();
-
-      if (t < kTileColumns) {
-        uint32_t key = 0;
-#pragma unroll
-        for (int w = 0; w < kWarpsPerBlock; ++w) key = max(key, part_key[w][t]);
-        const float s = key_scale(key);
-        column_inverse[(t % kChunk) * kLanesPerBlock + t / kChunk] = __frcp_rn(s);
+      if (given) {
         const int64_t c = tile * kTileColumns + t;
-        if (c < C) scale_t[(b0 + r) * C + c] = s;
+        if (t < kTileColumns && c < C) scale_t[(b0 + r) * C + c] = fixed;
+      } else {
+        // Column amaxes over the block's rows (rows past it were read as zeros): the thread's 8
+        // rows, its warp's 16, then all 128.
+        ColumnKeys<T> keys;
+#pragma unroll
+        for (int i = 0; i < kRowsPerThread; ++i) keys.add(chunk[i]);
+        keys.add_lane_xor(kLanesPerBlock);
+        if (t % 32 < kLanesPerBlock) {
+          uint4* part = reinterpret_cast<uint4*>(&part_key[warp][kChunk * cg]);
+          part[0] = make_uint4(keys.column(0), keys.column(1), keys.column(2), keys.column(3));
+          part[1] = make_uint4(keys.column(4), keys.column(5), keys.column(6), keys.column(7));
+        }
+        __syncthreads();
+
+        if (t < kTileColumns) {
+          uint32_t key = 0;
+#pragma unroll
+          for (int w = 0; w < kWarpsPerBlock; ++w) key = max(key, part_key[w][t]);
+          const float s = key_scale(key);
+          column_inverse[(t % kChunk) * kLanesPerBlock + t / kChunk] = __frcp_rn(s);
+          const int64_t c = tile * kTileColumns + t;
+          if (c < C) scale_t[(b0 + r) * C + c] = s;
+        }
+        __syncthreads();
       }
-      __syncthreads();
 
       // The thread's 8 rows of each of its columns as one run; rows past the block are 0 (even
       // where the scale is NaN). The next row block's first barrier orders these reads of
@@ -364,7 +373,7 @@ quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restric
 #pragma unroll
       for (int j = 0; j < kChunk; ++j) {
         const int c = kChunk * cg + j;
-        const float inverse = column_inverse[j * kLanesPerBlock + cg];
+        const float inverse = given ? fixed_inverse : column_inverse[j * kLanesPerBlock + cg];
         const uint2 run = pack_pairs([&](int p) {
           return to_e4m3_pair(chunk[2 * p][j], chunk[2 * p + 1][j], inverse);
         });
@@ -533,8 +542,8 @@ Status permute_rows_fp8(const void* src, DType dtype, const int32_t* row_map, in
 }
 
 Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_sizes, int64_t M,
-                               int64_t C, int64_t G, uint8_t* q_t, float* scale,
-                               cudaStream_t stream) {
+                               int64_t C, int64_t G, const float* given_scale, uint8_t* q_t,
+                               float* scale, cudaStream_t stream) {
   auto fail = [](const std::string& what) {
     return Status::Error("quantize_fp8_transposed: " + what);
   };
@@ -557,7 +566,8 @@ Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed_x)>>;
     auto kernel = vector ? quantize_fp8_transposed_kernel<T, true>
                          : quantize_fp8_transposed_kernel<T, false>;
-    kernel<<<grid, kThreads, 0, stream>>>(typed_x, group_sizes, M, C, G, P, q_t, scale);
+    kernel<<<grid, kThreads, 0, stream>>>(typed_x, group_sizes, M, C, G, P, given_scale, q_t,
+                                          scale);
   });
   return launched("quantize_fp8_transposed");
 }

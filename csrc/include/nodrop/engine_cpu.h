@@ -91,10 +91,12 @@ Status permute_rows_fp8(const void* src, DType dtype, const int32_t* row_map, in
 // q_t[c, 128 * b + j] = x[r, c] * (1 / scale[b, c]) saturated and rounded as quantize_fp8, with
 // scale[b, c] = amax of column c over the block's rows * float32(1 / 448) (1 where 0, NaN for a
 // NaN or an inf). Every other element of q_t is 0 and every other scale 1: rows past the groups
-// are read by nothing.
+// are read by nothing. given_scale: null, or one float32 that every block takes instead of its
+// own (a tensorwise recipe's scale, from an amax taken elsewhere): q_t = x * (1 / *given_scale)
+// rounded alike, and every scale, unused ones included, is *given_scale.
 Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_sizes, int64_t M,
-                               int64_t C, int64_t G, uint8_t* q_t, float* scale, bool checked,
-                               ParallelRunner* runner = nullptr);
+                               int64_t C, int64_t G, const float* given_scale, uint8_t* q_t,
+                               float* scale, bool checked, ParallelRunner* runner = nullptr);
 
 // FP8 blockwise-scaled grouped matmul (the DeepSeek-V3 recipe's forward), the CUDA engine's
 // grouped_matmul_fp8_blockwise on the CPU: the same layouts, rules and errors. KB = ceil(K/128),

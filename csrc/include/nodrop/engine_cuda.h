@@ -238,10 +238,10 @@ Status permute_rows_fp8(const void* src, DType dtype, const int32_t* row_map, in
 
 // engine_cpu.h's quantize_fp8_transposed (bitwise the same q_t and scale): one thread block per
 // 128-row block and 128-column tiles, read row by row and written transposed through shared
-// memory.
+// memory. given_scale is null or in device memory.
 Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_sizes, int64_t M,
-                               int64_t C, int64_t G, uint8_t* q_t, float* scale,
-                               cudaStream_t stream);
+                               int64_t C, int64_t G, const float* given_scale, uint8_t* q_t,
+                               float* scale, cudaStream_t stream);
 
 
 }  // namespace nodrop::cuda

@@ -222,20 +222,23 @@ def test_permute_partitions_the_hidden_axis_locally():
     np.testing.assert_array_equal(np.asarray(row_map), np.asarray(ref_map))
 
 
-def test_fp8_weight_gradient_partitions_its_columns_locally():
-    """quantize_transposed and the FP8 contraction with their operands' columns split (K over
-    x, N over y): no collective, the output keeps both splits, and the values are the
-    one device's, bit for bit (the rows, summed over, stay whole)."""
+@pytest.mark.parametrize("given_scale", [None, 0.05])
+def test_fp8_weight_gradient_partitions_its_columns_locally(given_scale):
+    """quantize_transposed (each block's scale, or one given, as the tensorwise recipe's) and
+    the FP8 contraction with their operands' columns split (K over x, N over y): no
+    collective, the output keeps both splits, and the values are the one device's, bit for bit
+    (the rows, summed over, stay whole)."""
     from nodrop.ops import fp8
 
     rng = np.random.default_rng(5)
     lhs = random_normal(rng, (M, 16), jnp.bfloat16)
     dout = random_normal(rng, (M, 12), jnp.bfloat16)
+    scale = None if given_scale is None else jnp.float32(given_scale)
 
     def weight_gradient(a, d):
         return nodrop.grouped_matmul_fp8_blockwise_contract(
-            *fp8.quantize_transposed(a, SIZES), *fp8.quantize_transposed(d, SIZES), SIZES,
-            num_rows=M)
+            *fp8.quantize_transposed(a, SIZES, scale=scale),
+            *fp8.quantize_transposed(d, SIZES, scale=scale), SIZES, num_rows=M)
 
     out, found = compiled(weight_gradient, put(lhs, P(None, "x")), put(dout, P(None, "y")))
     assert found == set() and tuple(out.sharding.spec) == (None, "x", "y")
@@ -248,8 +251,7 @@ def test_fp8_recipes_on_the_kernels_give_the_one_device_values_under_sharding(re
     """The FP8 kernels' forward and both gradients (forward="kernel") with the rows split over
     x and the weight's N over y: the one device's gradients, bit for bit (the loss, a sum over
     shards, to float32 rounding): the tensorwise recipe's one scale per tensor is the amax
-    over every shard's rows, and its codes' gather into the weight gradient's layout crosses
-    the shards."""
+    over every shard's rows, which its transposed quantisations are then given."""
     from nodrop.ops import fp8
 
     rng = np.random.default_rng(6)

@@ -59,7 +59,8 @@ ffi::Error QuantizeFp8Transposed(ffi::ThreadPool pool, ffi::AnyBuffer x,
   XlaThreadPoolRunner runner(pool);
   return to_ffi_error(cpu::quantize_fp8_transposed(
       x.untyped_data(), call->dtype, group_sizes.typed_data(), call->M, call->C, call->G,
-      call->given_scale, static_cast<uint8_t*>(q_t->untyped_data()), scale->typed_data(), checked, &runner));
+      call->given_scale, static_cast<uint8_t*>(q_t->untyped_data()), scale->typed_data(),
+      checked, &runner));
 }
 
 ffi::Error GroupedMatmulFp8BlockwiseContract(ffi::ThreadPool pool, ffi::AnyBuffer lhs_t,

@@ -69,6 +69,10 @@ const Shape kShapes[] = {
     {"qwen3-2k", "Qwen3-30B-A3B 2k tokens", 16384, 2048, 768, 128, false},
     {"mixtral-gate-up", "Mixtral-8x7B layer gate+up", 16384, 4096, 28672, 8, false},
     {"mixtral-down", "Mixtral-8x7B layer down", 16384, 14336, 4096, 8, false},
+    // Qwen3's layer as MoEBlock runs it; the down projection's forward has the shape of the
+    // gate and up projection's input gradient (a short contraction into wide rows).
+    {"qwen3-gate-up", "Qwen3-30B-A3B layer gate+up", 131072, 2048, 1536, 128, false},
+    {"qwen3-down", "Qwen3-30B-A3B layer down", 131072, 768, 2048, 128, false},
     // DeepGEMM's published grouped (contiguous layout) shapes: 4 groups of 8192 rows.
     {"deepgemm-n4096", "DeepGEMM 4x8192 N4096 K7168", 32768, 7168, 4096, 4, true},
     {"deepgemm-n7168", "DeepGEMM 4x8192 N7168 K2048", 32768, 2048, 7168, 4, true},

@@ -14,6 +14,7 @@ import jax
 
 import nodrop
 from nodrop import _deps, _ffi, _gpu, demo
+from nodrop.moe.block import DEFAULT_FP8_WEIGHT_GRADIENT
 from nodrop.ops.fp8 import RECIPES as FP8_RECIPES
 from nodrop.ops.fp8 import WEIGHT_GRADIENTS as FP8_WEIGHT_GRADIENTS
 from nodrop.parallel import distributed
@@ -256,10 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      f"these FP8 recipes ({', '.join(FP8_RECIPES)}), the same "
                                      "batches and initial weights as the bf16 run")
     compare_parser.add_argument("--fp8-weight-gradients", nargs="+",
-                                choices=FP8_WEIGHT_GRADIENTS, default=("fp8",),
-                                metavar="WGRAD",
+                                choices=FP8_WEIGHT_GRADIENTS,
+                                default=(DEFAULT_FP8_WEIGHT_GRADIENT,), metavar="WGRAD",
                                 help="train each --fp8-recipes recipe once per weight gradient "
-                                     f"listed ({', '.join(FP8_WEIGHT_GRADIENTS)}; default fp8)")
+                                     f"listed ({', '.join(FP8_WEIGHT_GRADIENTS)}; default "
+                                     f"{DEFAULT_FP8_WEIGHT_GRADIENT})")
     compare_parser.set_defaults(run=compare)
     export_parser = commands.add_parser(
         "export", help="a run's trained weights as safetensors, with config.json and tokenizer",

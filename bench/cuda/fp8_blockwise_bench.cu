@@ -10,8 +10,10 @@
 // gradients (rows for the forward and input gradient, transposed for the weight gradient;
 // the weights' 128 x 128 quantisation runs in JAX and is not counted), and the quantisers'
 // bandwidth against a device-to-device copy of the same input (the transposed quantiser's also
-// from float32 inputs). --configs=all there times every
-// weight-gradient kernel (NODROP_FP8_CONTRACT_TILE) in two orders.
+// from float32 inputs); the last two columns are the same layer with the weight gradient on the
+// bf16 kernel instead (`--fp8-weight-gradient unquantised`: no transposed quantisation).
+// --configs=all there times every weight-gradient kernel (NODROP_FP8_CONTRACT_TILE) in two
+// orders.
 //
 // --configs=auto (the default) times the automatic schedule; --configs=all times every kernel of
 // fp8_tiles.def (along M, swizzle 1), then the fastest of them with three other tile orders, and
@@ -323,10 +325,11 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
   std::printf("Forward, input gradient and weight gradient of one layer (ms; FP8 with its "
               "activation and output-gradient quantisation):\n\n");
   std::printf("| shape | M | K | N | G | bf16 fwd | bf16 dgrad | bf16 wgrad | bf16 total | "
-              "fp8 quantise | fp8 fwd | fp8 dgrad | fp8 wgrad | fp8 wgrad kernel | fp8 total | "
-              "fp8 wgrad TFLOP/s | fp8 vs bf16 |\n");
+              "fp8 quantise rows | fp8 quantise transposed | fp8 fwd | fp8 dgrad | fp8 wgrad | "
+              "fp8 wgrad kernel | fp8 total | fp8 wgrad TFLOP/s | fp8 vs bf16 | "
+              "fp8, bf16 wgrad: total | fp8, bf16 wgrad vs bf16 |\n");
   std::printf("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-              "| ---: | --- | ---: | ---: | ---: |\n");
+              "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |\n");
   for (const Shape& s : kShapes) {
     if (!selected(s, shape_ids)) continue;
     const Problem problem(s, stream, /*training=*/true);
@@ -354,6 +357,8 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
     const Fp8GemmSchedule automatic =
         nodrop::cuda::grouped_matmul_fp8_contract_schedule(s.M, s.N, s.K, s.G);
     const double bf16_total = bf16_fwd + bf16_dgrad + bf16_wgrad;
+    // --fp8-weight-gradient unquantised: no transposed quantisation, the bf16 weight gradient.
+    const double unquantised_wgrad_total = rows_ms + fp8_fwd + fp8_dgrad + bf16_wgrad;
     for (const Fp8GemmSchedule& schedule : candidates) {
       const double fp8_wgrad = time([&] { problem.run_fp8_wgrad(schedule, stream); });
       const double fp8_total = rows_ms + transposed_ms + fp8_fwd + fp8_dgrad + fp8_wgrad;
@@ -362,11 +367,12 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
               ? "auto: " + schedule_name(automatic)
               : schedule_name(schedule);
       std::printf("| %s | %lld | %lld | %lld | %lld | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | "
-                  "%.3f | %.3f | %s | %.3f | %.0f | %.2fx |\n",
+                  "%.3f | %.3f | %.3f | %s | %.3f | %.0f | %.2fx | %.3f | %.2fx |\n",
                   s.id, static_cast<long long>(s.M), static_cast<long long>(s.K),
                   static_cast<long long>(s.N), static_cast<long long>(s.G), bf16_fwd, bf16_dgrad,
-                  bf16_wgrad, bf16_total, rows_ms + transposed_ms, fp8_fwd, fp8_dgrad, fp8_wgrad,
-                  name.c_str(), fp8_total, tflop / (fp8_wgrad * 1e-3), bf16_total / fp8_total);
+                  bf16_wgrad, bf16_total, rows_ms, transposed_ms, fp8_fwd, fp8_dgrad, fp8_wgrad,
+                  name.c_str(), fp8_total, tflop / (fp8_wgrad * 1e-3), bf16_total / fp8_total,
+                  unquantised_wgrad_total, bf16_total / unquantised_wgrad_total);
       std::fflush(stdout);
     }
     // Bandwidth: bytes read and written per second, against a copy of the same input; the

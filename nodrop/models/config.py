@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from nodrop._fields import is_finite_number, is_int, requirer, unknown_fields
 from nodrop.moe import MoEConfig
+from nodrop.moe.block import DEFAULT_FP8_WEIGHT_GRADIENT
 
 # ModelConfig fields that MoEConfig names differently; MoEConfig's errors are reported under ours.
 _MOE_FIELD_NAMES = {"ffn": "expert_ffn", "matmul": "moe_matmul"}
@@ -26,7 +27,7 @@ class ModelConfig:
       scaling_factor, capacity_factor: each MoE layer, as in `nodrop.moe.MoEConfig`
       (expert_ffn is its `ffn`). moe_matmul: its `matmul`, "nodrop" or "ragged_dot". fp8:
       its `fp8`, the experts' FP8 recipe ("off", "blockwise" or "tensorwise").
-      fp8_weight_gradient: its `fp8_weight_gradient` ("fp8" or "unquantised"). router_matmul:
+      fp8_weight_gradient: its `fp8_weight_gradient` ("unquantised" or "fp8"). router_matmul:
       its `router_matmul` ("float32" or "split").
     moe_every, first_dense: layer i (0-based) is MoE iff i >= first_dense and
       (i - first_dense) % moe_every == 0; the first `first_dense` layers are dense.
@@ -66,7 +67,7 @@ class ModelConfig:
     expert_parallel: bool = False
     ep_buffer_factor: float | None = 2.0
     fp8: str = "off"
-    fp8_weight_gradient: str = "fp8"
+    fp8_weight_gradient: str = DEFAULT_FP8_WEIGHT_GRADIENT
     router_matmul: str = "split"
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32

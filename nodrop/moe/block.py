@@ -40,6 +40,9 @@ from nodrop.parallel.mesh import (EXPERT_AXIS, check_batch, check_experts, exper
 EXPERT_MATMULS = ("nodrop", "ragged_dot")
 ROUTER_MATMULS = ("float32", "split")
 FP8_MODES = ("off", *FP8_RECIPES)
+# Chosen by measurement (docs/performance.md, "FP8 grouped matmul"): the FP8 weight gradient's
+# transposed quantisation costs more than its faster kernel saves on most layer shapes.
+DEFAULT_FP8_WEIGHT_GRADIENT = "unquantised"
 # config.ops -> the implementation of each op the block calls.
 OPS = {
     "nodrop": dict(topk_router=topk_router, permute=permute, grouped_matmul=grouped_matmul,
@@ -83,9 +86,11 @@ class MoEConfig:
       capacity_factor, its einsum); on nodrop's ops on the GPU, in bfloat16, the forward and
       both gradients run nodrop's FP8 kernels instead. The router, the shared
       experts and everything outside the block stay as they are.
-    fp8_weight_gradient: under an fp8 recipe, the experts' weight gradients on FP8 operands
-      ("fp8", the default) or on the unquantised activations and output gradients
-      ("unquantised"), as `nodrop.fp8_grouped_matmul`'s `weight_gradient`.
+    fp8_weight_gradient: under an fp8 recipe, the experts' weight gradients on the unquantised
+      activations and output gradients ("unquantised", the default: without the transposed
+      quantisation the FP8 one needs, faster on every layer shape timed but Mixtral's gate and
+      up projection; see docs/performance.md) or on FP8 operands ("fp8", DeepSeek-V3's
+      recipe), as `nodrop.fp8_grouped_matmul`'s `weight_gradient`.
     router_matmul: how the router's float32 logits are multiplied (see `router_logits`):
       "split" (the default: the float32 weights split exactly into three bfloat16 parts, so the
       same products run as bfloat16 GEMMs with float32 accumulation, on tensor cores; where the
@@ -112,7 +117,7 @@ class MoEConfig:
     expert_parallel: bool = False
     ep_buffer_factor: float | None = 2.0
     fp8: str = "off"
-    fp8_weight_gradient: str = "fp8"
+    fp8_weight_gradient: str = DEFAULT_FP8_WEIGHT_GRADIENT
     router_matmul: str = "split"
 
     def __post_init__(self) -> None:

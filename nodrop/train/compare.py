@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nodrop.moe.block import DEFAULT_FP8_WEIGHT_GRADIENT
 from nodrop.train import data, plots, trainer
 from nodrop.train.config import ConfigError, build
 from nodrop.train.metrics import read_jsonl
@@ -29,19 +30,25 @@ ONE_SEED_CAVEAT = ("one seed: a difference between the variants may be seed nois
                    "runs it often is); give --seeds 0 1 2 for the spread")
 
 
+# How a variant's name and folder say its weight gradient, where it is not the default.
+WEIGHT_GRADIENT_LABELS = {"fp8": ("FP8 weight gradients", "fp8-wgrad"),
+                          "unquantised": ("unquantised weight gradients", "unquantised-wgrad")}
+
+
 def variants(capacity_factors, with_ragged_dot: bool, fp8_recipes=(),
-             fp8_weight_gradients=("fp8",)) -> list[tuple[str, str, dict]]:
+             fp8_weight_gradients=(DEFAULT_FP8_WEIGHT_GRADIENT,)) -> list[tuple[str, str, dict]]:
     """(name, sub-folder, model overrides) of each run, dropless first; each FP8 recipe once per
     weight gradient."""
     out = [("dropless (nodrop)", "dropless", {"capacity_factor": None, "moe_matmul": "nodrop"})]
     for recipe in fp8_recipes:
         for weight_gradient in fp8_weight_gradients:
-            unquantised = weight_gradient == "unquantised"
-            out.append((f"dropless (nodrop, FP8 {recipe}"
-                         + (", unquantised weight gradients)" if unquantised else ")"),
-                         f"dropless-fp8-{recipe}" + ("-unquantised-wgrad" if unquantised else ""),
-                         {"capacity_factor": None, "moe_matmul": "nodrop", "fp8": recipe,
-                          "fp8_weight_gradient": weight_gradient}))
+            name, folder = f"dropless (nodrop, FP8 {recipe}", f"dropless-fp8-{recipe}"
+            if weight_gradient != DEFAULT_FP8_WEIGHT_GRADIENT:
+                label, suffix = WEIGHT_GRADIENT_LABELS[weight_gradient]
+                name, folder = f"{name}, {label}", f"{folder}-{suffix}"
+            out.append((name + ")", folder,
+                        {"capacity_factor": None, "moe_matmul": "nodrop", "fp8": recipe,
+                         "fp8_weight_gradient": weight_gradient}))
     if with_ragged_dot:
         out.append(("dropless (jax.lax.ragged_dot)", "dropless-ragged-dot",
                     {"capacity_factor": None, "moe_matmul": "ragged_dot"}))
@@ -52,7 +59,7 @@ def variants(capacity_factors, with_ragged_dot: bool, fp8_recipes=(),
 
 def run(overrides: dict, out: str | os.PathLike, *,
         capacity_factors=DEFAULT_CAPACITY_FACTORS, with_ragged_dot: bool = False,
-        fp8_recipes=(), fp8_weight_gradients=("fp8",), seeds=None,
+        fp8_recipes=(), fp8_weight_gradients=(DEFAULT_FP8_WEIGHT_GRADIENT,), seeds=None,
         progress: bool | None = None, echo=print) -> dict[str, dict[int, trainer.Summary]]:
     """Trains every variant for every seed (default: the `seed` of `overrides`, else 0) into
     `out`/<variant>/seed-<seed>/ and writes compare.md, compare.json and compare.png there.

@@ -416,10 +416,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> No
                             "forward and both gradients run nodrop's FP8 kernels; elsewhere "
                             "emulated by quantising and dequantising")
     model.add_argument("--fp8-weight-gradient", choices=FP8_WEIGHT_GRADIENTS, default=S,
-                       help="under --fp8, the experts' weight gradients on FP8 operands (fp8, "
-                            "the default) or on the unquantised activations and output "
-                            "gradients (unquantised: no transposed quantisation; on the GPU "
-                            "the bf16 kernel)")
+                       help="under --fp8, the experts' weight gradients on the unquantised "
+                            "activations and output gradients (unquantised, the default: no "
+                            "transposed quantisation; on the GPU the bf16 kernel) or on FP8 "
+                            "operands (fp8, DeepSeek-V3's recipe)")
     model.add_argument("--router-matmul", choices=ROUTER_MATMULS, default=S,
                        help="the router's float32 logits: for bfloat16 inputs, the float32 "
                             "weights split into three bfloat16 parts (split, the default: the "

@@ -161,7 +161,7 @@ ADDED_FIELDS = {"train": {"seq_aux_loss_coef": 0.0, "bias_update_rule": "sign"},
 # Model fields whose default changed after runs were saved: the model is rebuilt from its preset
 # and model_overrides, so a resumed or loaded run is given the value it computed with (its
 # config.json's, or the ADDED_FIELDS one) unless a flag says otherwise.
-CHANGED_DEFAULTS = ("router_matmul",)
+CHANGED_DEFAULTS = ("router_matmul", "fp8_weight_gradient")
 
 
 def _saved_config(saved: dict, overrides: dict) -> tuple[TrainConfig, ModelConfig]:

@@ -267,6 +267,22 @@ def test_a_run_saved_before_the_split_router_default_keeps_its_router_matmul():
     assert trainer.configure({}, new_run)[1].router_matmul == "split"
 
 
+def test_a_run_saved_before_the_unquantised_weight_gradient_default_keeps_fp8():
+    """fp8_weight_gradient's default became "unquantised" after FP8 runs were saved with "fp8"
+    (or before the field existed): resumed or loaded, they keep the weight gradient they
+    trained with; a new run takes the new default."""
+    config, model = build({"model_overrides": {"fp8": "blockwise"}})
+    assert model.fp8_weight_gradient == "unquantised"
+    saved = {"train": config.to_dict(), "model": {**model.to_dict(), "fp8_weight_gradient": "fp8"}}
+    assert trainer.configure({}, saved)[1].fp8_weight_gradient == "fp8"
+    del saved["model"]["fp8_weight_gradient"]
+    assert trainer.configure({}, saved)[1].fp8_weight_gradient == "fp8"
+    with pytest.raises(ConfigError, match="model.fp8_weight_gradient: 'fp8' -> 'unquantised'"):
+        trainer.configure({"model_overrides": {"fp8_weight_gradient": "unquantised"}}, saved)
+    new_run = {"train": config.to_dict(), "model": model.to_dict()}
+    assert trainer.configure({}, new_run)[1].fp8_weight_gradient == "unquantised"
+
+
 def test_a_run_saved_before_the_bias_rule_resumes_with_the_sign_rule():
     """Runs saved before bias_update_rule existed moved their biases by the sign rule; resumed,
     they keep it, where a new softmax run takes the proportional one."""
@@ -1034,10 +1050,11 @@ def test_compare_bf16_against_fp8_recipes_without_capacity_factors(tmp_path, cap
     assert code == 0, err
     table = (out / "compare.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
-    names = ["dropless (nodrop)", "dropless (nodrop, FP8 blockwise)",
-             "dropless (nodrop, FP8 blockwise, unquantised weight gradients)",
-             "dropless (nodrop, FP8 tensorwise)",
-             "dropless (nodrop, FP8 tensorwise, unquantised weight gradients)"]
+    # A variant names its weight gradient where it is not the default (unquantised).
+    names = ["dropless (nodrop)", "dropless (nodrop, FP8 blockwise, FP8 weight gradients)",
+             "dropless (nodrop, FP8 blockwise)",
+             "dropless (nodrop, FP8 tensorwise, FP8 weight gradients)",
+             "dropless (nodrop, FP8 tensorwise)"]
     assert [row.split("|")[1].strip() for row in rows[1:]] == names
     assert "MFU" not in rows[0]  # the CPU has no known peak
     results = json.loads((out / "compare.json").read_text())
@@ -1047,6 +1064,9 @@ def test_compare_bf16_against_fp8_recipes_without_capacity_factors(tmp_path, cap
     assert [(model["fp8"], model["fp8_weight_gradient"]) for model in saved] == [
         ("blockwise", "fp8"), ("blockwise", "unquantised"), ("tensorwise", "fp8"),
         ("tensorwise", "unquantised")]
+    assert sorted(path.name for path in out.iterdir() if path.is_dir()) == [
+        "dropless", "dropless-fp8-blockwise", "dropless-fp8-blockwise-fp8-wgrad",
+        "dropless-fp8-tensorwise", "dropless-fp8-tensorwise-fp8-wgrad"]
     for run in fp8_runs:
         # The same training, rounded differently: close, not equal.
         assert run["val_loss"] != bf16["val_loss"]

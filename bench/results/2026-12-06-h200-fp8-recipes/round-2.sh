@@ -8,6 +8,7 @@
 # 2. nodrop compare, qwen3 and deepseek: bf16, FP8 blockwise (the new default) and FP8 blockwise
 #    with FP8 weight gradients, 120 steps, same seed and batches.
 set -u
+BUDGET=${BUDGET:-580}  # seconds the whole round may take
 start=$(date +%s); el() { echo "[$(( $(date +%s) - start ))s] $*"; }
 left() { echo $(( $1 - ($(date +%s) - start) )); }
 mkdir -p $OUT/r/logs /tmp/v
@@ -25,7 +26,7 @@ pack
 export PYTHONPATH=$PWD NODROP_CACHE=$PWD/runs/cache PYTHONUNBUFFERED=1
 cp /tmp/v/libnodrop_ffi_cuda.so /tmp/v/libnodrop_ffi_cpu.so nodrop/
 for preset in qwen3 deepseek; do
-  timeout $(left 580) python3 -m nodrop compare --preset $preset --steps 120 --seeds 0 \
+  timeout $(left $BUDGET) python3 -m nodrop compare --preset $preset --steps 120 --seeds 0 \
     --fp8-recipes blockwise --fp8-weight-gradients unquantised fp8 --capacity-factors \
     --eval-every 20 --eval-batches 2 --checkpoint-every 0 --no-progress \
     --out runs/compare-$preset > $L/compare-$preset.log 2>&1

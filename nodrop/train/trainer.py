@@ -35,7 +35,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -273,13 +273,14 @@ def optimizer(config: TrainConfig) -> optax.GradientTransformation:
         weight_decay=config.weight_decay,
         # Decay matrices (and the embedding) only; norm scales stay undecayed.
         mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
-    clip = [optax.clip_by_global_norm(config.grad_clip)] if config.grad_clip > 0 else []
+    clip = [clip_by_global_norm(config.grad_clip)] if config.grad_clip > 0 else []
     # The routers' steps scaled by router_lr_scale (docs/quality.md: why); left out at 1, so the
     # optimizer state, and with it a checkpoint, has the structure of runs that predate it.
     router = ([optax.masked(optax.scale(config.router_lr_scale), _router_mask)]
               if config.router_lr_scale != 1 else [])
     chain = [*clip, adamw, *router]
-    return chain[0] if len(chain) == 1 else optax.chain(*chain)
+    # update(..., grad_norm=) reaches the clip; the wrapper keeps the state's structure.
+    return optax.with_extra_args_support(chain[0] if len(chain) == 1 else optax.chain(*chain))
 
 
 def _router_mask(params):
@@ -293,19 +294,64 @@ def _mean(values):
     return values.sum() / max(values.shape[0], 1)
 
 
-def _norm(tree):
-    """The global L2 norm, scaled by the largest magnitude first, so that it overflows only
-    where the norm itself is past float32's range (optax's squares overflow from 1.8e19)."""
+# One pass over a tree gives its L2 norm, even where the plain sum of squares overflows (values
+# past 1.8e19) or underflows (values below 1e-19): beside it, the sums of the squares scaled by
+# these fixed powers of two, which stay in float32's range there.
+_SCALE_DOWN, _SCALE_UP = 2.0 ** -70, 2.0 ** 70
+_TINY_SUM = 1e-20  # below it the plain sum may have lost squares that underflowed
+
+
+class TreeStats(NamedTuple):
+    norm: jax.Array  # the global L2 norm of the floating-point values
+    finite: jax.Array  # every value finite, and every value of `also`
+    squares_finite: jax.Array  # every value's square finite (|x| < 1.8e19)
+
+
+def tree_stats(tree, also=None) -> TreeStats:
+    """A tree's norm and finiteness in ONE pass: per leaf one variadic reduction of five sums
+    (squares plain and scaled both ways, non-finite values, non-finite squares), which XLA can
+    fuse into the kernel that computes the leaf. `also`, a tree shaped like `tree` (the updated
+    parameters beside their updates), is checked for finiteness leaf by leaf in the same pass.
+    The norm overflows only where it is itself past float32's range (optax's squares overflow
+    from 1.8e19) and is NaN where a value is."""
     leaves = jax.tree.leaves(tree)
-    largest = jnp.max(jnp.stack([jnp.max(jnp.abs(leaf)) for leaf in leaves]))
-    scale = jnp.where((largest > 0) & jnp.isfinite(largest), largest, 1.0)
-    return scale * jnp.sqrt(sum(jnp.sum(jnp.square(leaf / scale)) for leaf in leaves))
+    others = jax.tree.leaves(also) if also is not None else [None] * len(leaves)
+    sums = []
+    for leaf, other in zip(leaves, others, strict=True):
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            continue
+        x = jnp.asarray(leaf, jnp.float32)
+        nonfinite = (~jnp.isfinite(x)).astype(jnp.float32)
+        if other is not None:
+            nonfinite = nonfinite + (~jnp.isfinite(other)).astype(jnp.float32)
+        operands = (x * x, jnp.square(x * _SCALE_DOWN), jnp.square(x * _SCALE_UP), nonfinite,
+                    (~jnp.isfinite(x * x)).astype(jnp.float32))
+        sums.append(jax.lax.reduce(operands, (jnp.float32(0),) * len(operands),
+                                   lambda a, b: tuple(i + j for i, j in zip(a, b)),
+                                   tuple(range(x.ndim))))
+    plain, down, up, nonfinite, square_overflows = (
+        sum(column, jnp.float32(0)) for column in zip(*sums, strict=True)) if sums else (
+        jnp.float32(0),) * 5
+    norm = jnp.where(~jnp.isfinite(plain), jnp.sqrt(down) / _SCALE_DOWN,
+                     jnp.where(plain < _TINY_SUM, jnp.sqrt(up) / _SCALE_UP, jnp.sqrt(plain)))
+    return TreeStats(norm, nonfinite == 0, square_overflows == 0)
 
 
-def _all_finite(tree):
-    """True where every floating-point value in the tree is finite."""
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)
-                              if jnp.issubdtype(leaf.dtype, jnp.floating)]))
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """optax.clip_by_global_norm (the same state and scaling) on tree_stats' norm, or on the
+    `grad_norm` the caller passes (the train step's, computed once for the clip and its
+    metrics); a norm that clips gradients past 1.8e19 instead of zeroing them (optax's
+    overflows to inf)."""
+
+    def update(updates, state, params=None, *, grad_norm=None, **extra_args):
+        del params, extra_args
+        norm = tree_stats(updates).norm if grad_norm is None else grad_norm
+        trigger = norm < max_norm
+        return jax.tree.map(
+            lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm),
+            updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
 def make_steps(config: TrainConfig, graphdef, tx, *, can_overflow: bool = False):
@@ -341,8 +387,9 @@ def make_steps(config: TrainConfig, graphdef, tx, *, can_overflow: bool = False)
         # nnx.remat must see the model's variables under an nnx transform.
         model = nnx.merge(graphdef, params, model_state)
         (loss, (ce, aux)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+        grad_stats = tree_stats(grads)
         with jax.named_scope("optimizer"):
-            updates, opt_state = tx.update(grads, opt_state, params)
+            updates, opt_state = tx.update(grads, opt_state, params, grad_norm=grad_stats.norm)
             params = optax.apply_updates(params, updates)
         if config.bias_update_rate > 0:
             model = nnx.merge(graphdef, params, model_state)
@@ -358,17 +405,22 @@ def make_steps(config: TrainConfig, graphdef, tx, *, can_overflow: bool = False)
             new, treedef = jax.tree.flatten((params, opt_state, model_state))
             params, opt_state, model_state = jax.tree.unflatten(
                 treedef, [jnp.where(halted, old, value) for old, value in zip(given, new)])
-        grad_norm, update_norm = _norm(grads), _norm(updates)
+        update_stats = tree_stats(updates, also=params)
         metrics = {
             "loss": loss, "ce": ce, "aux_loss": _mean(aux.load_balancing_loss),
             "seq_aux_loss": _mean(aux.sequence_balance_loss),
-            "z_loss": _mean(aux.z_loss), "grad_norm": grad_norm, "update_norm": update_norm,
+            "z_loss": _mean(aux.z_loss), "grad_norm": grad_stats.norm,
+            "update_norm": update_stats.norm,
             "lr": schedule(step - 1), "max_over_mean": aux.max_over_mean,
             "dropped_fraction": aux.dropped_fraction,
             # What is finite, each checked on its values (a norm can overflow while they do
-            # not): only a state with all three true is kept.
-            "finite": {"loss": jnp.isfinite(loss), "gradients": _all_finite(grads),
-                       "state": _all_finite((params, opt_state))},
+            # not): only a state with all three true is kept. Adam's moments are convex
+            # combinations of their previous values (finite: no other state is kept) and of the
+            # gradients and their squares, so they are finite where those are: checked in the
+            # gradients' pass, where reading both moments again would cost two passes.
+            "finite": {"loss": jnp.isfinite(loss), "gradients": grad_stats.finite,
+                       "state": update_stats.finite & grad_stats.finite
+                       & grad_stats.squares_finite},
             "overflow": aux.overflow,
         }
         return params, opt_state, model_state, metrics, halted

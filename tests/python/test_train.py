@@ -27,6 +27,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -802,8 +803,106 @@ def test_a_plot_that_cannot_be_written_does_not_hide_why_the_run_stopped(
 def test_norms_do_not_overflow_where_the_values_do_not():
     """optax's norm squares each value (inf from 1.8e19); a norm of 2e30 is 2e30."""
     tree = {"a": np.full((4,), 1e30, np.float32), "b": np.zeros((2, 2), np.float32)}
-    assert float(trainer._norm(tree)) == pytest.approx(2e30, rel=1e-6)
-    assert float(trainer._norm({"a": np.zeros(3, np.float32)})) == 0.0
+    stats = trainer.tree_stats(tree)
+    assert float(stats.norm) == pytest.approx(2e30, rel=1e-6)
+    assert bool(stats.finite) and not bool(stats.squares_finite)
+    assert float(trainer.tree_stats({"a": np.zeros(3, np.float32)}).norm) == 0.0
+
+
+@pytest.mark.parametrize("magnitude", [1e-38, 1e-30, 1e-12, 1e-3, 1.0, 1e3, 1e18, 1e25, 3e38])
+def test_the_one_pass_norm_is_the_l2_norm_at_every_magnitude(magnitude):
+    """Below 1e-19 the squares underflow and past 1.8e19 they overflow: the norm holds at both
+    ends, and where values of both sizes mix, and is inf only past float32's range."""
+    rng = np.random.default_rng(0)
+    values = lambda *shape: (rng.choice([-1.0, 1.0], shape) * rng.uniform(0.5, 1.0, shape)
+                             * magnitude).astype(np.float32)
+    tree = {"w": values(64, 48), "b": values(48),
+            "mixed": np.array([magnitude, 1.0, 1e-30], np.float32),
+            "steps": np.arange(3, dtype=np.int32)}  # not floating point: no part of the norm
+    exact = np.sqrt(sum(np.sum(np.square(x.astype(np.float64)))
+                        for k, x in tree.items() if k != "steps"))
+    stats = jax.jit(trainer.tree_stats)(tree)
+    assert bool(stats.finite)
+    assert bool(stats.squares_finite) == (magnitude < 1e19)
+    if exact > np.finfo(np.float32).max:
+        assert float(stats.norm) == np.inf
+    else:
+        assert float(stats.norm) == pytest.approx(exact, rel=1e-5)
+
+
+def test_a_non_finite_value_is_seen_by_the_one_pass_check():
+    """A non-finite value of the tree, or of the tree read beside it (the updated parameters
+    beside their updates), makes it not finite; the norm of the tree itself is NaN for a NaN
+    and inf for an inf, and a square past float32 (not the value) only clears squares_finite."""
+    ones = {"a": np.ones((3, 2), np.float32), "b": np.ones(4, np.float32)}
+
+    def with_value(tree, value):
+        tree = {k: v.copy() for k, v in tree.items()}
+        tree["b"][2] = value
+        return tree
+
+    check = jax.jit(trainer.tree_stats)
+    assert bool(check(ones, ones).finite)
+    for bad in (np.nan, np.inf, -np.inf):
+        stats = check(with_value(ones, bad))
+        assert not bool(stats.finite) and not bool(stats.squares_finite)
+        assert np.isnan(stats.norm) if np.isnan(bad) else stats.norm == np.inf
+        beside = check(ones, with_value(ones, bad))
+        assert not bool(beside.finite) and bool(beside.squares_finite)
+        assert float(beside.norm) == pytest.approx(np.sqrt(10))
+    stats = check(with_value(ones, 2e19))
+    assert bool(stats.finite) and not bool(stats.squares_finite)
+
+
+def test_the_clip_is_optax_clip_by_global_norm_on_the_one_pass_norm():
+    """The same state (a checkpoint of either restores into the other) and the same clipped
+    gradients, up to the norm's rounding, whether the clip computes the norm or is given it;
+    past 1.8e19 optax's inf norm zeroes the gradients, this one scales them to the limit."""
+    rng = np.random.default_rng(1)
+    grads = {"w": rng.standard_normal((32, 16)).astype(np.float32),
+             "b": rng.standard_normal(16).astype(np.float32)}
+    ours, theirs = trainer.clip_by_global_norm(1.0), optax.clip_by_global_norm(1.0)
+    assert (jax.tree.structure(ours.init(grads)) == jax.tree.structure(theirs.init(grads)))
+    for scale in (1e-3, 1.0, 10.0):
+        scaled = jax.tree.map(lambda g: g * np.float32(scale), grads)
+        want, _ = theirs.update(scaled, theirs.init(grads))
+        given = trainer.tree_stats(scaled).norm
+        for got, _ in (jax.jit(ours.update)(scaled, ours.init(grads)),
+                       ours.update(scaled, ours.init(grads), grad_norm=given)):
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)
+    huge = jax.tree.map(lambda g: g * np.float32(1e25), grads)
+    clipped, _ = ours.update(huge, ours.init(grads))
+    assert float(trainer.tree_stats(clipped).norm) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_the_optimizer_state_keeps_its_structure_and_the_clip_gets_the_steps_norm():
+    """optimizer() takes grad_norm= (the step's gradient norm, so the gradients are read once
+    for the clip and the metrics) and its state has the structure of the optax chain that runs
+    saved before (optax.clip_by_global_norm, AdamW, the routers' scale): their checkpoints
+    restore. Without clipping the argument is accepted and ignored."""
+    params = {"ffn": {"router": np.ones((4, 2), np.float32), "w": np.ones((4, 4), np.float32)},
+              "scale": np.ones(4, np.float32)}
+    grads = jax.tree.map(lambda p: p * np.float32(3.0), params)
+    for grad_clip, router_lr_scale in ((1.0, 0.5), (1.0, 1.0), (0.0, 1.0)):
+        config, _ = build({"grad_clip": grad_clip, "router_lr_scale": router_lr_scale})
+        tx = trainer.optimizer(config)
+        old = [optax.clip_by_global_norm(grad_clip)] if grad_clip > 0 else []
+        old += [optax.adamw(trainer.learning_rate_schedule(config),
+                            mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))]
+        old += [optax.masked(optax.scale(router_lr_scale), trainer._router_mask)
+                ] if router_lr_scale != 1 else []
+        old = old[0] if len(old) == 1 else optax.chain(*old)
+        assert jax.tree.structure(tx.init(params)) == jax.tree.structure(old.init(params))
+        state = tx.init(params)
+        norm = trainer.tree_stats(grads).norm
+        given, _ = tx.update(grads, state, params, grad_norm=norm)
+        computed, _ = tx.update(grads, state, params)
+        for a, b in zip(jax.tree.leaves(given), jax.tree.leaves(computed)):
+            np.testing.assert_array_equal(a, b)
+        if grad_clip > 0:  # the clip divides by the norm given
+            nan, _ = tx.update(grads, state, params, grad_norm=np.float32(np.nan))
+            assert all(np.isnan(leaf).all() for leaf in jax.tree.leaves(nan))
 
 
 # --- kill -9 and resume ----------------------------------------------------------------------

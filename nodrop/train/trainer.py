@@ -309,9 +309,10 @@ class TreeStats(NamedTuple):
 
 def tree_stats(tree, also=None) -> TreeStats:
     """A tree's norm and finiteness in ONE pass: per leaf one variadic reduction of five sums
-    (squares plain and scaled both ways, non-finite values, non-finite squares), which XLA can
-    fuse into the kernel that computes the leaf. `also`, a tree shaped like `tree` (the updated
-    parameters beside their updates), is checked for finiteness leaf by leaf in the same pass.
+    (squares plain and scaled both ways, non-finite values, non-finite squares), where separate
+    reductions took six passes over the gradients and updates and kept XLA from writing the new
+    state in place. `also`, a tree shaped like `tree` (the updated parameters beside their
+    updates), is checked for finiteness leaf by leaf in the same pass.
     The norm overflows only where it is itself past float32's range (optax's squares overflow
     from 1.8e19) and is NaN where a value is."""
     leaves = jax.tree.leaves(tree)

@@ -1,7 +1,7 @@
 # GPU round 3 (2026-12-06): round 2's training steps again, "after" first in each preset (round
-# 2 ran "before" first), without the tail benchmark, bench/gpu_profile.py's errors kept (in round
-# 2 it failed, its output discarded). Carried as round 2: build/gpulib/cuda.tar.xz and
-# build/gpulib/trainer_before.py.
+# 2 ran "before" first), bench/gpu_profile.py's errors kept (in round 2 it failed, its output
+# discarded); first the tail benchmark on qwen3 with its optimized HLO kept (packed). Carried
+# as round 2: build/gpulib/cuda.tar.xz and build/gpulib/trainer_before.py.
 set -u
 BUDGET=${BUDGET:-570}
 start=$(date +%s); el() { echo "[$(( $(date +%s) - start ))s] $*"; }
@@ -14,6 +14,9 @@ tar xJf build/gpulib/cuda.tar.xz -C /tmp/v
 nvidia-smi -L; nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv
 export LD_LIBRARY_PATH=/tmp/v/lib PYTHONUNBUFFERED=1 NODROP_CACHE=/tmp/cache
 cp /tmp/v/lib/libnodrop_ffi_cuda.so nodrop/
+timeout 100 python3 bench/results/2026-12-06-optimizer-pass/tail_bench.py qwen3 \
+  --out $OUT/r/tail --iters 10
+el "tail rc=$?"; pack
 rm -rf /tmp/before && cp -r . /tmp/before && cp build/gpulib/trainer_before.py /tmp/before/nodrop/train/trainer.py
 for preset in qwen3 mixtral deepseek; do
   for version in after before; do
@@ -33,4 +36,4 @@ for preset in qwen3 mixtral deepseek; do
   pack
 done
 el done
-pack; rm -rf $OUT/r/runs $OUT/r/profile-* $OUT/r/train-*.log
+pack; rm -rf $OUT/r/runs $OUT/r/profile-* $OUT/r/train-*.log $OUT/r/tail

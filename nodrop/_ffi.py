@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 # target name -> exported handler symbol (without its Cpu / Cuda suffix), one per FFI handler.
 TARGETS = {
+    "nodrop_adamw_update": "NodropAdamWUpdate",
     "nodrop_grouped_matmul": "NodropGroupedMatmul",
     "nodrop_grouped_matmul_contract": "NodropGroupedMatmulContract",
     "nodrop_permute": "NodropPermute",
@@ -170,11 +171,13 @@ def cotangent_like(grad, primal):
     return grad
 
 
-def engine_call(target: str, result_types, *, workspace_bytes=None, **attrs):
+def engine_call(target: str, result_types, *, workspace_bytes=None, aliases=None, **attrs):
     """The function of the operands that runs `target`'s handler (`jax.ffi.ffi_call`).
 
     workspace_bytes: for a CUDA handler, a function giving its workspace size; the handler
-    returns the workspace as one more (uint8) result, dropped here. Results are as
+    returns the workspace as one more (uint8) result, dropped here. aliases: {operand index:
+    result index} for results written into their operand's buffer (where XLA can give it up,
+    as for a donated argument; else it copies the operand first). Results are as
     `result_types` (one, or a tuple); inside `jax.shard_map` they vary over the axes the
     operands vary over (`ffi_call` cannot know that: it takes the types it is given).
     """
@@ -187,18 +190,20 @@ def engine_call(target: str, result_types, *, workspace_bytes=None, **attrs):
         workspace = ()  # sized when traced: only the CUDA branch asks the CUDA library
         if workspace_bytes is not None:
             workspace = (_typed_like(operands, (workspace_bytes(),), jnp.uint8),)
-        out = jax.ffi.ffi_call(target, typed + workspace,
-                               vmap_method="sequential")(*operands, **attrs)
+        out = jax.ffi.ffi_call(target, typed + workspace, vmap_method="sequential",
+                               input_output_aliases=aliases)(*operands, **attrs)
         out = tuple(out)[:len(results)]
         return out[0] if single else out
     return run
 
 
-def call(target: str, result_types, *operands, cuda_workspace=None, **attrs):
+def call(target: str, result_types, *operands, cuda_workspace=None, aliases=None, **attrs):
     """`target` on the platform the computation runs on, the same handler name on both.
 
-    cuda_workspace: the CUDA handler's workspace size function (see `engine_call`).
+    cuda_workspace: the CUDA handler's workspace size function; aliases: results written in
+    place (see `engine_call`).
     """
     return on_platform(
-        *operands, cpu=engine_call(target, result_types, **attrs),
-        cuda=engine_call(target, result_types, workspace_bytes=cuda_workspace, **attrs))
+        *operands, cpu=engine_call(target, result_types, aliases=aliases, **attrs),
+        cuda=engine_call(target, result_types, workspace_bytes=cuda_workspace, aliases=aliases,
+                         **attrs))

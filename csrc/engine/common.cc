@@ -1,5 +1,7 @@
-// Backend-independent parts of the engine API: dtypes, group-size clamping, router config checks.
+// Backend-independent parts of the engine API: dtypes, group-size clamping, router and AdamW
+// config checks.
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 #include "nodrop/engine.h"
@@ -61,6 +63,35 @@ Status validate_router_config(const RouterConfig& c) {
                 " experts in the topk_groups=" + std::to_string(c.topk_groups) + " chosen groups");
   }
   return Status::Ok();
+}
+
+Status validate_adamw_config(const AdamWConfig& c) {
+  auto fail = [](const std::string& what) { return Status::Error("adamw config: " + what); };
+  auto number = [](double x) { return std::to_string(x); };
+  if (c.num_elements < 0) {
+    return fail("num_elements must be >= 0, got " + std::to_string(c.num_elements));
+  }
+  if (c.num_partials < 1) {
+    return fail("num_partials must be >= 1, got " + std::to_string(c.num_partials));
+  }
+  if (!(c.b1 >= 0.0f && c.b1 < 1.0f)) return fail("b1 must be in [0, 1), got " + number(c.b1));
+  if (!(c.b2 >= 0.0f && c.b2 < 1.0f)) return fail("b2 must be in [0, 1), got " + number(c.b2));
+  if (!(c.eps >= 0.0f && std::isfinite(c.eps))) {
+    return fail("eps must be finite and >= 0, got " + number(c.eps));
+  }
+  if (!(c.weight_decay >= 0.0f && std::isfinite(c.weight_decay))) {
+    return fail("weight_decay must be finite and >= 0, got " + number(c.weight_decay));
+  }
+  if (!std::isfinite(c.update_scale)) {
+    return fail("update_scale must be finite, got " + number(c.update_scale));
+  }
+  if (std::isnan(c.max_grad_norm)) return fail("max_grad_norm must not be NaN");
+  return Status::Ok();
+}
+
+int64_t adamw_chunk(int64_t num_elements, int64_t num_partials) {
+  const int64_t per_partial = (num_elements + num_partials - 1) / std::max<int64_t>(num_partials, 1);
+  return std::max<int64_t>(4, (per_partial + 3) / 4 * 4);
 }
 
 }  // namespace nodrop

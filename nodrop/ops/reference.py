@@ -159,3 +159,27 @@ def grouped_matmul_fp8_blockwise_contract(lhs_t, lhs_scales, rhs_t, rhs_scales, 
     if not outs:
         return jnp.zeros((0, lhs.shape[1], rhs.shape[1]), jnp.bfloat16)
     return jnp.stack(outs).astype(jnp.bfloat16)
+
+
+def adamw_update(param, grad, mu, nu, *, step_size, count, b1, b2, eps, weight_decay=0.0,
+                 update_scale=1.0, max_grad_norm=0.0, grad_norm=None):
+    """optax.adamw's step after optax.clip_by_global_norm (given the global norm), written out:
+    (param, mu, nu, sums) with the update's five sums (ops.adamw.NUM_SUMS)."""
+    if max_grad_norm > 0:
+        grad = jax.lax.select(grad_norm < max_grad_norm, grad,
+                              (grad / grad_norm.astype(grad.dtype)) * max_grad_norm)
+    mu = (1 - b1) * grad + b1 * mu
+    nu = (1 - b2) * (grad * grad) + b2 * nu
+    update = (mu / (1 - b1 ** count)) / (jnp.sqrt(nu / (1 - b2 ** count)) + eps)
+    if weight_decay != 0:
+        update = update + weight_decay * param
+    update = jnp.asarray(step_size, param.dtype) * update
+    if update_scale != 1:
+        update = update_scale * update
+    param = param + update
+    square = update * update
+    down, up = update * 2.0 ** -70, update * 2.0 ** 70
+    sums = jnp.stack([square.sum(), (down * down).sum(), (up * up).sum(),
+                      (~(jnp.isfinite(update) & jnp.isfinite(param))).sum().astype(param.dtype),
+                      (~jnp.isfinite(square)).sum().astype(param.dtype)])
+    return param, mu, nu, sums

@@ -47,7 +47,9 @@ class TrainConfig:
     lr, warmup_steps, min_lr_ratio: linear warm-up to lr over warmup_steps (None: a tenth of
       steps), then cosine decay to lr * min_lr_ratio at `steps`.
     weight_decay, beta1, beta2, adam_eps: AdamW (decay applied to matrices only, not to norm
-      scales). grad_clip: global-norm clipping threshold (0: off).
+      scales). grad_clip: global-norm clipping threshold (0: off). fused_adamw: the step in
+      one engine call per parameter (nodrop.ops.adamw), which also sums the update's norm;
+      False runs optax's (the same arithmetic and state; XLA reads the update back to sum it).
     aux_loss_coef, z_loss_coef: weights of each MoE layer's load-balancing and router z-losses,
       summed over the MoE layers and added to the cross-entropy. seq_aux_loss_coef: the same
       for DeepSeek-V3's sequence-wise balance loss (0: off).
@@ -86,6 +88,7 @@ class TrainConfig:
     beta2: float = 0.95
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
+    fused_adamw: bool = True
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 1e-3
     seq_aux_loss_coef: float = 0.0
@@ -142,6 +145,7 @@ class TrainConfig:
                       "seq_aux_loss_coef"):
             require(number(field) and getattr(self, field) >= 0, field,
                     "a finite number >= 0")
+        require(isinstance(self.fused_adamw, bool), "fused_adamw", "true or false")
         require(number("router_lr_scale") and self.router_lr_scale > 0, "router_lr_scale",
                 "a positive finite number")
         require(self.bias_update_rate is None
@@ -245,9 +249,10 @@ DEFAULT_EVALUATIONS = 10
 
 # Fields that may change when a run is resumed: they do not change what is computed (steps
 # extends or shortens the run, and with it the cosine schedule's remaining steps; mesh only
-# where the state lives, up to float32 rounding: Orbax reshards the checkpoint onto it).
+# where the state lives, up to float32 rounding: Orbax reshards the checkpoint onto it;
+# fused_adamw only which kernels run the same step on the same state).
 RESUMABLE_CHANGES = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints",
-                     "log_every", "mesh", "profile")
+                     "log_every", "mesh", "profile", "fused_adamw")
 
 # The GPU presets' training defaults (the tiny preset's are TrainConfig's own).
 # Their routers read a 2048-wide residual stream: Adam moves every router weight by about lr a
@@ -365,6 +370,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> No
     opt.add_argument("--adam-eps", type=float, default=S, help=f"default {d.adam_eps}")
     opt.add_argument("--grad-clip", type=float, default=S,
                      help=f"global-norm clip, 0 for none (default {d.grad_clip})")
+    opt.add_argument("--fused-adamw", action=argparse.BooleanOptionalAction, default=S,
+                     help="the AdamW step and its update norm in one engine call per "
+                          "parameter (the default); --no-fused-adamw runs optax's")
     moe = parser.add_argument_group("MoE losses and balancing")
     moe.add_argument("--aux-loss-coef", type=float, default=S,
                      help=f"load-balancing loss weight (default {d.aux_loss_coef})")

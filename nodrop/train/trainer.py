@@ -46,6 +46,7 @@ from flax import nnx
 import nodrop
 from nodrop.models import ModelConfig, MoELM
 from nodrop.moe import updated_expert_bias
+from nodrop.ops.adamw import NUM_SUMS, AdamWStep, adamw_update
 from nodrop.parallel import (check_batch, check_experts, distributed, make_mesh,
                              state_shardings)
 from nodrop.parallel.mesh import token_axes
@@ -283,6 +284,49 @@ def optimizer(config: TrainConfig) -> optax.GradientTransformation:
     return optax.with_extra_args_support(chain[0] if len(chain) == 1 else optax.chain(*chain))
 
 
+def fused_adamw_update(config: TrainConfig, params, opt_state, grads, grad_norm):
+    """optimizer(config)'s update and optax.apply_updates, one engine call per parameter
+    (nodrop.ops.adamw: the parameter and both moments read once and written in place), and
+    the update's TreeStats (its values and the new parameters') from the same pass. The state
+    keeps optax's structure, so a checkpoint is the same whichever path wrote it.
+    Returns (params, opt_state, update_stats)."""
+    is_counted = lambda node: isinstance(node, (optax.ScaleByAdamState,
+                                                optax.ScaleByScheduleState))
+    counted = [node for node in jax.tree.leaves(opt_state, is_leaf=is_counted)
+               if is_counted(node)]
+    adam = next(node for node in counted if isinstance(node, optax.ScaleByAdamState))
+    schedule = next(node for node in counted if isinstance(node, optax.ScaleByScheduleState))
+    count = optax.safe_increment(adam.count)
+    step_size = -learning_rate_schedule(config)(schedule.count)  # scale_by_learning_rate's
+    routers = (_router_mask(params) if config.router_lr_scale != 1
+               else jax.tree.map(lambda _: False, params))
+
+    def step(param, grad, mu, nu, router):
+        return adamw_update(
+            param, grad, mu, nu, step_size=step_size, count=count, b1=config.beta1,
+            b2=config.beta2, eps=config.adam_eps,
+            weight_decay=config.weight_decay if param.ndim >= 2 else 0.0,  # optimizer()'s mask
+            update_scale=config.router_lr_scale if router else 1.0,
+            max_grad_norm=config.grad_clip, grad_norm=grad_norm)
+
+    steps = jax.tree.map(step, params, grads, adam.mu, adam.nu, routers)
+    is_step = lambda node: isinstance(node, AdamWStep)
+    field = lambda name: jax.tree.map(lambda s: getattr(s, name), steps, is_leaf=is_step)
+    mu, nu = field("mu"), field("nu")
+
+    def advance(node):
+        if isinstance(node, optax.ScaleByAdamState):
+            return optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+        if isinstance(node, optax.ScaleByScheduleState):
+            return optax.ScaleByScheduleState(count=optax.safe_increment(node.count))
+        return node
+
+    opt_state = jax.tree.map(advance, opt_state, is_leaf=is_counted)
+    sums = [tuple(s.sums[i] for i in range(NUM_SUMS))
+            for s in jax.tree.leaves(steps, is_leaf=is_step)]
+    return field("param"), opt_state, stats_from_sums(sums)
+
+
 def _router_mask(params):
     """True at the MoE routers' weights."""
     return jax.tree_util.tree_map_with_path(
@@ -330,6 +374,11 @@ def tree_stats(tree, also=None) -> TreeStats:
         sums.append(jax.lax.reduce(operands, (jnp.float32(0),) * len(operands),
                                    lambda a, b: tuple(i + j for i, j in zip(a, b)),
                                    tuple(range(x.ndim))))
+    return stats_from_sums(sums)
+
+
+def stats_from_sums(sums) -> TreeStats:
+    """TreeStats from each leaf's five sums (tree_stats', or nodrop.ops.adamw's of an update)."""
     plain, down, up, nonfinite, square_overflows = (
         sum(column, jnp.float32(0)) for column in zip(*sums, strict=True)) if sums else (
         jnp.float32(0),) * 5
@@ -390,8 +439,13 @@ def make_steps(config: TrainConfig, graphdef, tx, *, can_overflow: bool = False)
         (loss, (ce, aux)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
         grad_stats = tree_stats(grads)
         with jax.named_scope("optimizer"):
-            updates, opt_state = tx.update(grads, opt_state, params, grad_norm=grad_stats.norm)
-            params = optax.apply_updates(params, updates)
+            if config.fused_adamw:
+                params, opt_state, update_stats = fused_adamw_update(
+                    config, params, opt_state, grads, grad_stats.norm)
+            else:
+                updates, opt_state = tx.update(grads, opt_state, params,
+                                               grad_norm=grad_stats.norm)
+                params = optax.apply_updates(params, updates)
         if config.bias_update_rate > 0:
             model = nnx.merge(graphdef, params, model_state)
             for block, counts in zip(model.moe_blocks(), aux.tokens_per_expert):
@@ -406,7 +460,8 @@ def make_steps(config: TrainConfig, graphdef, tx, *, can_overflow: bool = False)
             new, treedef = jax.tree.flatten((params, opt_state, model_state))
             params, opt_state, model_state = jax.tree.unflatten(
                 treedef, [jnp.where(halted, old, value) for old, value in zip(given, new)])
-        update_stats = tree_stats(updates, also=params)
+        if not config.fused_adamw:
+            update_stats = tree_stats(updates, also=params)
         metrics = {
             "loss": loss, "ce": ce, "aux_loss": _mean(aux.load_balancing_loss),
             "seq_aux_loss": _mean(aux.sequence_balance_loss),

@@ -1,4 +1,4 @@
-// GPU tests of the CUDA routing and permutation kernels (engine_cuda.h) against the CPU
+// GPU tests of the CUDA routing, permutation and AdamW kernels (engine_cuda.h) against the CPU
 // engine (nodrop::cpu) on the same inputs. Needs a Hopper GPU, so it is run by hand, not by
 // ctest:  ./nodrop_cuda_moe_tests  [--gtest_filter=...]
 //
@@ -1011,6 +1011,125 @@ TEST(QuantizeFp8GpuArgs, RejectsBadBlocksAndDoesNothingWhenEmpty) {
   EXPECT_TRUE(nodrop::cuda::quantize_fp8(nullptr, DType::kFloat32, 0, 4, 128, nullptr, nullptr,
                                          stream()).ok());
   CUDA_CHECK(cudaStreamSynchronize(stream()));
+}
+
+// ---- the AdamW step ----------------------------------------------------------------------------
+// Parameters and moments bit for bit the CPU's (the same float32 operations, no FMA on either);
+// each chunk's sums to float32 rounding (another order), its non-finite counts exactly.
+
+struct AdamWCase {
+  int64_t n;
+  int64_t partials;
+  size_t shift;         // bytes past a 256-byte boundary: 4 takes the element-access path
+  float max_grad_norm;  // 0.25 clips (the norm is 0.5), 0 does not
+  bool poison_inputs;   // a NaN gradient and an infinite parameter
+};
+
+std::string adamw_name(const testing::TestParamInfo<AdamWCase>& info) {
+  const AdamWCase& c = info.param;
+  return "n" + std::to_string(c.n) + "_p" + std::to_string(c.partials) + "_shift" +
+         std::to_string(c.shift) + (c.max_grad_norm > 0 ? "_clip" : "") +
+         (c.poison_inputs ? "_nonfinite" : "");
+}
+
+class AdamWGpu : public testing::TestWithParam<AdamWCase> {};
+
+TEST_P(AdamWGpu, MatchesCpu) {
+  const AdamWCase& c = GetParam();
+  std::mt19937 rng(static_cast<uint32_t>(c.n * 31 + c.partials));
+  auto random = [&](double lo, double hi) {
+    Floats v(c.n);
+    std::uniform_real_distribution<double> dist(lo, hi);
+    for (float& x : v) x = static_cast<float>(dist(rng));
+    return v;
+  };
+  Floats param = random(-1, 1), grad = random(-1e-3, 1e-3), mu = random(-1e-3, 1e-3),
+         nu = random(0, 1e-6);
+  if (c.poison_inputs && c.n > 3) {
+    grad[1] = NAN;
+    param[c.n - 2] = INFINITY;
+  }
+  const Floats scalars = {-3e-4f, 0.5f, 0.271f, 0.142625f};
+  nodrop::AdamWConfig config;
+  config.num_elements = c.n;
+  config.num_partials = c.partials;
+  config.b1 = 0.9f;
+  config.b2 = 0.95f;
+  config.eps = 1e-8f;
+  config.weight_decay = 0.1f;
+  config.update_scale = 0.5f;
+  config.max_grad_norm = c.max_grad_norm;
+
+  Floats want_param(c.n), want_mu(c.n), want_nu(c.n), want_partials(c.partials * 5);
+  ASSERT_TRUE(nodrop::cpu::adamw_update(param.data(), grad.data(), mu.data(), nu.data(),
+                                        scalars.data(), config, want_param.data(),
+                                        want_mu.data(), want_nu.data(), want_partials.data())
+                  .ok());
+
+  const size_t bytes = c.n * sizeof(float);
+  const DeviceBuffer d_param(bytes, c.shift, param.data()), d_grad(bytes, c.shift, grad.data()),
+      d_mu(bytes, c.shift, mu.data()), d_nu(bytes, c.shift, nu.data()),
+      d_scalars(4 * sizeof(float), 0, scalars.data()), out_param(bytes, c.shift),
+      out_mu(bytes, c.shift), out_nu(bytes, c.shift),
+      out_partials(c.partials * nodrop::kAdamWSums * sizeof(float));
+  run_twice(
+      [&] {
+        return nodrop::cuda::adamw_update(d_param.as<float>(), d_grad.as<float>(),
+                                          d_mu.as<float>(), d_nu.as<float>(),
+                                          d_scalars.as<float>(), config, out_param.as<float>(),
+                                          out_mu.as<float>(), out_nu.as<float>(),
+                                          out_partials.as<float>(), stream());
+      },
+      {&out_param, &out_mu, &out_nu, &out_partials});
+  EXPECT_EQ(mismatch(download<float>(out_param), want_param), "") << "param";
+  EXPECT_EQ(mismatch(download<float>(out_mu), want_mu), "") << "mu";
+  EXPECT_EQ(mismatch(download<float>(out_nu), want_nu), "") << "nu";
+  const Floats partials = download<float>(out_partials);
+  for (int64_t i = 0; i < c.partials * nodrop::kAdamWSums; ++i) {
+    const float got = partials[i], want = want_partials[i];
+    if (i % nodrop::kAdamWSums >= 3 || !std::isfinite(want)) {
+      EXPECT_TRUE(got == want || (std::isnan(got) && std::isnan(want)))
+          << "partials[" << i << "] = " << got << ", want " << want;
+    } else {
+      EXPECT_NEAR(got, want, 1e-5f * std::abs(want)) << "partials[" << i << "]";
+    }
+  }
+
+  // In place (the trainer's donated state): the same bits.
+  run_twice(
+      [&] {
+        d_param.upload(param.data());
+        d_mu.upload(mu.data());
+        d_nu.upload(nu.data());
+        return nodrop::cuda::adamw_update(d_param.as<float>(), d_grad.as<float>(),
+                                          d_mu.as<float>(), d_nu.as<float>(),
+                                          d_scalars.as<float>(), config, d_param.as<float>(),
+                                          d_mu.as<float>(), d_nu.as<float>(),
+                                          out_partials.as<float>(), stream());
+      },
+      {&out_partials});
+  EXPECT_EQ(mismatch(download<float>(d_param), want_param), "") << "param in place";
+  EXPECT_EQ(mismatch(download<float>(d_mu), want_mu), "") << "mu in place";
+  EXPECT_EQ(mismatch(download<float>(d_nu), want_nu), "") << "nu in place";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, AdamWGpu,
+    testing::Values(AdamWCase{0, 1, 0, 0.0f, false}, AdamWCase{1, 3, 0, 0.0f, false},
+                    AdamWCase{5, 8, 0, 0.25f, false}, AdamWCase{1003, 7, 0, 0.0f, true},
+                    AdamWCase{1003, 7, 4, 0.25f, true}, AdamWCase{196615, 13, 0, 0.25f, false},
+                    AdamWCase{196615, 64, 4, 0.0f, true},
+                    AdamWCase{(1 << 22) + 4, 512, 0, 0.0f, false}),
+    adamw_name);
+
+TEST(AdamWGpuArgs, RejectsABadConfigNamingTheField) {
+  nodrop::AdamWConfig config;
+  config.num_elements = 4;
+  config.b2 = 1.0f;
+  const Status status = nodrop::cuda::adamw_update(nullptr, nullptr, nullptr, nullptr, nullptr,
+                                                   config, nullptr, nullptr, nullptr, nullptr,
+                                                   stream());
+  EXPECT_NE(status.message().find("b2"), std::string::npos) << status.message();
 }
 
 }  // namespace

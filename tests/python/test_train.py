@@ -905,6 +905,51 @@ def test_the_optimizer_state_keeps_its_structure_and_the_clip_gets_the_steps_nor
             assert all(np.isnan(leaf).all() for leaf in jax.tree.leaves(nan))
 
 
+def test_fused_adamw_is_optaxs_step_and_update_stats():
+    """fused_adamw_update (one engine call per parameter) gives optax's parameters, state and
+    update statistics, over three steps (the counts and the schedule advance), for the three
+    chain shapes (clip and router scale on or off), with gradients clipped and not; a
+    non-finite gradient is reported as optax's path reports it."""
+    with jax.enable_x64(False):  # as trainer.run traces
+        keys = iter(jax.random.split(jax.random.key(3), 64))
+        params = {"ffn": {"router": jax.random.normal(next(keys), (8, 4)),
+                          "w": jax.random.normal(next(keys), (3, 16, 8))},
+                  "scale": jax.random.normal(next(keys), (16,))}
+        for grad_clip, router_lr_scale, magnitude in ((1.0, 0.5, 1.0), (1.0, 1.0, 1e-3),
+                                                      (0.0, 1.0, 1.0), (0.5, 0.1, 10.0)):
+            config, _ = build({"grad_clip": grad_clip, "router_lr_scale": router_lr_scale,
+                               "lr": 1e-2, "steps": 10, "warmup_steps": 2})
+            tx = trainer.optimizer(config)
+
+            @jax.jit
+            def optax_step(params, state, grads):
+                norm = trainer.tree_stats(grads).norm
+                updates, state = tx.update(grads, state, params, grad_norm=norm)
+                params = optax.apply_updates(params, updates)
+                return params, state, trainer.tree_stats(updates, also=params)
+
+            fused_step = jax.jit(lambda params, state, grads: trainer.fused_adamw_update(
+                config, params, state, grads, trainer.tree_stats(grads).norm))
+            want = got = (params, tx.init(params))
+            for _ in range(3):
+                grads = jax.tree.map(lambda p: magnitude * jax.random.normal(next(keys), p.shape),
+                                     params)
+                *want, want_stats = optax_step(*want, grads)
+                *got, got_stats = fused_step(*got, grads)
+                assert jax.tree.structure(got[1]) == jax.tree.structure(want[1])
+                for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                    np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
+                assert float(got_stats.norm) == pytest.approx(float(want_stats.norm), rel=1e-5)
+                assert bool(got_stats.finite) and bool(want_stats.finite)
+        grads = jax.tree.map(lambda p: np.zeros(p.shape, np.float32), params)
+        grads["scale"][3] = np.nan
+        config, _ = build({"grad_clip": 0.0})
+        state = trainer.optimizer(config).init(params)
+        new, _, stats = trainer.fused_adamw_update(config, params, state, grads, np.float32(0))
+        assert not bool(stats.finite) and np.isnan(new["scale"][3])
+        assert np.isfinite(new["ffn"]["w"]).all()
+
+
 # --- kill -9 and resume ----------------------------------------------------------------------
 
 

@@ -26,6 +26,7 @@
 #include <type_traits>
 
 #include "engine/cuda/grouped_matmul/group_scan.cuh"
+#include "engine/cuda/launch_status.cuh"
 #include "engine/cuda/unmapped_rows.cuh"
 #include "nodrop/engine_cuda.h"
 
@@ -462,12 +463,6 @@ void with_element_type(const void* x, DType dtype, F f) {
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-Status launched(const char* name) {
-  const cudaError_t error = cudaGetLastError();
-  return error == cudaSuccess ? Status::Ok()
-                              : Status::Error(std::string(name) + ": " + cudaGetErrorString(error));
-}
-
 }  // namespace
 
 Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t block, uint8_t* q,
@@ -494,7 +489,7 @@ Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t bl
           <<<grid, kThreads, 0, stream>>>(typed_x, M, C, block, blocks_per_row, q, scale);
     }
   });
-  return launched("quantize_fp8");
+  return launch_status("quantize_fp8");
 }
 
 Status permute_rows_fp8(const void* src, DType dtype, const int32_t* row_map, int64_t T,
@@ -538,7 +533,7 @@ Status permute_rows_fp8(const void* src, DType dtype, const int32_t* row_map, in
     kernel<<<grid, kThreads, 0, stream>>>(typed_src, row_map, T, static_cast<int32_t>(k), H,
                                           blocks_per_row, typed_dst, q, scale);
   });
-  return launched("permute_rows_fp8");
+  return launch_status("permute_rows_fp8");
 }
 
 Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_sizes, int64_t M,
@@ -569,7 +564,7 @@ Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_
     kernel<<<grid, kThreads, 0, stream>>>(typed_x, group_sizes, M, C, G, P, given_scale, q_t,
                                           scale);
   });
-  return launched("quantize_fp8_transposed");
+  return launch_status("quantize_fp8_transposed");
 }
 
 }  // namespace nodrop::cuda

@@ -13,6 +13,7 @@
 
 #include <cub/block/block_scan.cuh>
 
+#include "engine/cuda/launch_status.cuh"
 #include "engine/cuda/unmapped_rows.cuh"
 #include "nodrop/engine_cuda.h"
 
@@ -23,11 +24,6 @@ constexpr unsigned kFullMask = 0xffffffffu;
 
 Status fail(const char* fn, const std::string& what) {
   return Status::Error(std::string(fn) + ": " + what);
-}
-
-Status launch_status(const char* fn) {
-  const cudaError_t error = cudaGetLastError();
-  return error == cudaSuccess ? Status::Ok() : fail(fn, cudaGetErrorString(error));
 }
 
 // T*k as a row count: row_map holds int32 row indices, so there are at most 2^31 - 1 rows.

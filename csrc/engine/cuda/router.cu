@@ -9,6 +9,7 @@
 #include <string>
 #include <type_traits>
 
+#include "engine/cuda/launch_status.cuh"
 #include "nodrop/engine_cuda.h"
 
 namespace nodrop::cuda {
@@ -336,12 +337,6 @@ void dispatch_experts(int64_t E, Fn&& launch) {
 static_assert(kMaxExperts <= 32 * 32, "a lane's entries are the bits of a 32-bit mask");
 
 unsigned token_blocks(int64_t T) { return unsigned((T + kWarpsPerBlock - 1) / kWarpsPerBlock); }
-
-Status launch_status(const char* fn) {
-  const cudaError_t error = cudaGetLastError();
-  if (error == cudaSuccess) return Status::Ok();
-  return Status::Error(std::string(fn) + ": " + cudaGetErrorString(error));
-}
 
 }  // namespace
 

@@ -84,4 +84,40 @@ struct RouterConfig {
 // Checks a RouterConfig (k <= E, E divisible by num_groups, enough experts in the allowed groups).
 Status validate_router_config(const RouterConfig& config);
 
+// AdamW's step on one float32 parameter tensor and the statistics of that step, in one pass over
+// it (the training step's optimizer; nodrop.ops.adamw). optax.adamw's arithmetic after
+// optax.clip_by_global_norm, operation for operation (the divisions are divisions):
+//   g     = grad, or (grad / grad_norm) * max_grad_norm where max_grad_norm > 0 and
+//           grad_norm >= max_grad_norm
+//   mu    = (1 - b1) * g + b1 * mu;   nu = (1 - b2) * (g * g) + b2 * nu
+//   u     = (mu / bias_correction1) / (sqrt(nu / bias_correction2) + eps)
+//   u     = u + weight_decay * param             (only where weight_decay != 0)
+//   u     = update_scale * (step_size * u)       (step_size = -learning rate)
+//   param = param + u
+// The run-time scalars are device values (the schedule and the norm are computed on the
+// device): scalars [4] float32 = step_size, grad_norm, bias_correction1 = 1 - b1^t,
+// bias_correction2 = 1 - b2^t. param, mu and nu may be updated in place (the outputs may be the
+// inputs). The elements split into num_partials chunks (adamw_chunk); for chunk i,
+// partials[i, 0..4] (float32) are the sums over it of u^2, (u * 2^-70)^2, (u * 2^70)^2, the
+// count of u or new param values that are not finite, and the count of u^2 that are not
+// (nodrop.train.trainer.tree_stats' five sums). A chunk past the elements sums to zero.
+struct AdamWConfig {
+  int64_t num_elements = 0;
+  int64_t num_partials = 1;
+  float b1 = 0.9f;
+  float b2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+  float update_scale = 1.0f;
+  float max_grad_norm = 0.0f;  // <= 0: no clipping
+};
+inline constexpr int64_t kAdamWSums = 5;
+
+// Checks an AdamWConfig (sizes, betas in [0, 1), finite non-negative eps and weight decay).
+Status validate_adamw_config(const AdamWConfig& config);
+
+// Elements per chunk: chunk i covers [i * chunk, min(num_elements, (i + 1) * chunk)). A multiple
+// of 4 (16-byte accesses on the GPU), at least 4.
+int64_t adamw_chunk(int64_t num_elements, int64_t num_partials);
+
 }  // namespace nodrop

@@ -127,5 +127,13 @@ Status grouped_matmul_fp8_blockwise_contract(const void* lhs_t, const float* lhs
                                              int64_t N, int64_t G, void* out, bool checked,
                                              ParallelRunner* runner = nullptr);
 
+// AdamW's step and its statistics (engine.h, AdamWConfig): param, grad, mu, nu [n] float32,
+// scalars [4] float32, partials [num_partials, kAdamWSums] float32. The outputs may be the
+// inputs. Each chunk is summed in element order.
+Status adamw_update(const float* param, const float* grad, const float* mu, const float* nu,
+                    const float* scalars, const AdamWConfig& config, float* param_out,
+                    float* mu_out, float* nu_out, float* partials,
+                    ParallelRunner* runner = nullptr);
+
 }  // namespace cpu
 }  // namespace nodrop

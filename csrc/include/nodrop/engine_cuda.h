@@ -243,5 +243,13 @@ Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_
                                int64_t C, int64_t G, const float* given_scale, uint8_t* q_t,
                                float* scale, cudaStream_t stream);
 
+// ---- AdamW (adamw.cu) ---------------------------------------------------------------------------
+
+// engine_cpu.h's adamw_update on the GPU: one thread block per chunk, 16-byte accesses where
+// every array is 16-byte aligned. The same float32 operations per element; each chunk's sums
+// are added in a fixed order (so a call repeats bit for bit) that differs from the CPU's.
+Status adamw_update(const float* param, const float* grad, const float* mu, const float* nu,
+                    const float* scalars, const AdamWConfig& config, float* param_out,
+                    float* mu_out, float* nu_out, float* partials, cudaStream_t stream);
 
 }  // namespace nodrop::cuda

@@ -268,3 +268,23 @@ def test_fp8_recipes_on_the_kernels_give_the_one_device_values_under_sharding(re
     np.testing.assert_allclose(float(value), float(one_device_value), rtol=1e-6)
     for got, want in zip(grads, one_device_grads):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("spec", [P("x", "y"), P(None, "y"), P()], ids=str)
+def test_adamw_update_partitions_locally_and_sums_the_shards(spec):
+    """The AdamW step is elementwise: each device updates its shard, and the update's sums are
+    added over the shards (one all-reduce of five numbers); the parameters as on one device."""
+    rng = np.random.default_rng(0)
+    param, grad, mu, nu = (random_normal(rng, (16, 12), scale=scale)
+                           for scale in (1.0, 1e-3, 1e-3, 1e-3))
+    nu = jnp.abs(nu)
+    kwargs = dict(step_size=jnp.float32(-0.05), count=jnp.int32(2), b1=0.9, b2=0.95, eps=1e-8,
+                  weight_decay=0.1, max_grad_norm=1.0, grad_norm=jnp.float32(3.0))
+    want = nodrop.adamw_update(param, grad, mu, nu, **kwargs)
+    got, found = compiled(lambda *a: nodrop.adamw_update(*a, **kwargs),
+                          *(put(x, spec) for x in (param, grad, mu, nu)))
+    assert found == ({"all-reduce"} if spec != P() else set())
+    for a, b in zip(got[:3], want[:3]):
+        np.testing.assert_array_equal(a, b)
+        assert a.sharding.spec == spec or spec == P()
+    np.testing.assert_allclose(got.sums, want.sums, rtol=1e-6)

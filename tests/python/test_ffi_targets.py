@@ -263,7 +263,27 @@ def check_grouped_matmul_fp8_blockwise_contract():
     np.testing.assert_allclose(as_f64(out), want, rtol=2 ** -8)
 
 
+def check_adamw_update():
+    # Two elements in two chunks of 4 (the second empty); step 1, no decay, no clip: the step is
+    # step_size * g / (|g| + eps).
+    param, grad = np.asarray([1.0, -2.0], np.float32), np.asarray([0.5, -4.0], np.float32)
+    zeros = np.zeros(2, np.float32)
+    like = jax.ShapeDtypeStruct((2,), jnp.float32)
+    new_param, mu, nu, partials = ffi(
+        "nodrop_adamw_update", (like, like, like, jax.ShapeDtypeStruct((2, 5), jnp.float32)),
+        param, grad, zeros, zeros, np.asarray([-0.1, 0.0, 0.1, 0.05], np.float32),
+        b1=np.float32(0.9), b2=np.float32(0.95), eps=np.float32(0.0),
+        weight_decay=np.float32(0.0), update_scale=np.float32(1.0),
+        max_grad_norm=np.float32(0.0))
+    np.testing.assert_allclose(np.asarray(new_param), [0.9, -1.9], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(mu), 0.1 * grad, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(nu), 0.05 * grad ** 2, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(partials)[:, 0], [0.02, 0.0], rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(partials)[:, 3:], 0)
+
+
 CHECKS = {
+    "nodrop_adamw_update": check_adamw_update,
     "nodrop_grouped_matmul": check_grouped_matmul,
     "nodrop_grouped_matmul_contract": check_grouped_matmul_contract,
     "nodrop_permute": check_permute,
@@ -307,9 +327,9 @@ def test_ops_and_their_gradients_lower_to_every_registered_target():
 
     grad_fn = jax.jit(jax.grad(loss, argnums=(0, 1)))
     lowered = grad_fn.lower(x, params).as_text()
-    # Every target but the FP8 recipes' (test_fp8.py lowers those).
+    # Every target but the FP8 recipes' (test_fp8.py lowers those) and the optimizer's.
     assert set(re.findall(r"custom_call @(nodrop_\w+)", lowered)) == set(_ffi.CPU_TARGETS) - {
-        "nodrop_quantize_fp8", "nodrop_permute_fp8", "nodrop_grouped_matmul_fp8_blockwise",
+        "nodrop_adamw_update", "nodrop_quantize_fp8", "nodrop_permute_fp8", "nodrop_grouped_matmul_fp8_blockwise",
         "nodrop_quantize_fp8_transposed", "nodrop_grouped_matmul_fp8_blockwise_contract"}
     grads = jax.block_until_ready(grad_fn(x, params))
     assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))

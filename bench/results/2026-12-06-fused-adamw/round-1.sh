@@ -1,9 +1,9 @@
-# GPU round 1 (2026-12-06): build the CUDA engine on the GPU machine (CUTLASS's wheel, oneDNN
-# and GoogleTest carried in build/gpulib/), the AdamW kernel's GPU tests (bitwise against the
+# GPU round 1 (2026-12-06): the CUDA engine built beforehand (build/gpulib/bin.tar.xz), or else
+# built on the GPU machine (CUTLASS's wheel, oneDNN and GoogleTest carried in build/gpulib/); the
+# oneDNN runtime from build/gpulib/deps.tar.xz. Then the AdamW kernel's GPU tests (bitwise against the
 # CPU engine) with compute-sanitizer memcheck and racecheck, the JAX op's GPU tests, the
 # optimizer benchmark (bench/gpu_optimizer.py) on the three GPU presets, then the training step
-# with the fused step and with optax's, alternating order. The built FFI library is packed for
-# round 2.
+# with the fused step and with optax's, alternating order. A library built here is packed for round 2.
 set -u
 BUDGET=${BUDGET:-570}
 start=$(date +%s); el() { echo "[$(( $(date +%s) - start ))s] $*"; }
@@ -15,17 +15,22 @@ pack() { tar czf $OUT/r.tgz --exclude='*tfevents*' --exclude='*.pb' --exclude='*
 nvidia-smi -L; nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv
 git log -1 --format='commit %H' 2>/dev/null
 tar xJf build/gpulib/deps.tar.xz -C / --skip-old-files
-python3 -m pip install -q --no-deps --no-index --target /tmp/cutlass \
-  build/gpulib/nvidia_cutlass-4.2.0.0-py3-none-any.whl
-cmake -S . -B build/gpu -G Ninja -DNODROP_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release \
-  -DNODROP_CUTLASS_DIR=/tmp/cutlass/cutlass_library/source > $OUT/r/cmake.log 2>&1
-el "cmake rc=$?"; tail -3 $OUT/r/cmake.log
-cmake --build build/gpu -j16 --target nodrop_ffi_cuda nodrop_ffi_cpu nodrop_cuda_moe_tests \
-  > $OUT/r/build.log 2>&1
-el "build rc=$?"; grep -E 'error|FAILED' $OUT/r/build.log | head -20
+if [ -f build/gpulib/bin.tar.xz ]; then  # built beforehand (a fresh-clone CI build, sm_90a)
+  mkdir -p build/gpu && tar xJf build/gpulib/bin.tar.xz -C build/gpu
+else
+  python3 -m pip install -q --no-deps --no-index --target /tmp/cutlass \
+    build/gpulib/nvidia_cutlass-4.2.0.0-py3-none-any.whl
+  cmake -S . -B build/gpu -G Ninja -DNODROP_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release \
+    -DNODROP_CUTLASS_DIR=/tmp/cutlass/cutlass_library/source > $OUT/r/cmake.log 2>&1
+  el "cmake rc=$?"; tail -3 $OUT/r/cmake.log
+  cmake --build build/gpu -j16 --target nodrop_ffi_cuda nodrop_ffi_cpu nodrop_cuda_moe_tests \
+    > $OUT/r/build.log 2>&1
+  el "build rc=$?"; grep -E 'error|FAILED' $OUT/r/build.log | head -20
+  mkdir -p $OUT/lib && for lib in libnodrop_ffi_cuda.so libnodrop_ffi_cpu.so; do
+    strip -o $OUT/lib/$lib build/gpu/$lib; done \
+    && tar cJf $OUT/lib.tar.xz -C $OUT/lib . && rm -rf $OUT/lib
+fi
 cp build/gpu/libnodrop_ffi_cuda.so build/gpu/libnodrop_ffi_cpu.so nodrop/
-mkdir -p $OUT/lib && strip -o $OUT/lib/libnodrop_ffi_cuda.so build/gpu/libnodrop_ffi_cuda.so \
-  && tar cJf $OUT/lib.tar.xz -C $OUT/lib libnodrop_ffi_cuda.so && rm -rf $OUT/lib
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NODROP_CACHE=/tmp/cache
 build/gpu/nodrop_cuda_moe_tests --gtest_brief=1 > $OUT/r/moe-tests.log 2>&1
 el "nodrop_cuda_moe_tests rc=$?"; tail -3 $OUT/r/moe-tests.log

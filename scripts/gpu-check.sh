@@ -6,8 +6,9 @@
 #   scripts/gpu-check.sh RESULTS_DIR [BIN_DIR]
 #
 # BIN_DIR holds nodrop_cuda_tests, nodrop_cuda_moe_tests, nodrop_cuda_bench, nodrop_cuda_fp8_bench,
-# nodrop_cuda_permute_bench and libnodrop_ffi_cuda.so; without it they are built into build/gpu
-# (needs nvcc, CUTLASS in .cutlass/ or the nvidia-cutlass package, oneDNN and GoogleTest).
+# nodrop_cuda_permute_bench, nodrop_cuda_adamw_bench and libnodrop_ffi_cuda.so; without it they
+# are built into build/gpu (needs nvcc, CUTLASS in .cutlass/ or the nvidia-cutlass package,
+# oneDNN and GoogleTest).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu-check.sh RESULTS_DIR [BIN_DIR]}
@@ -59,6 +60,8 @@ done
 { echo; "$bin/nodrop_cuda_fp8_bench" --mode=training; } >> "$out/gemm-bench.md" 2>&1
 record "FP8 training benchmark" $?
 "$bin/nodrop_cuda_permute_bench" > "$out/permute-bench.log" 2>&1; record "permute benchmark" $?
+# The AdamW step against a copy, after the permute benchmark's log.
+"$bin/nodrop_cuda_adamw_bench" >> "$out/permute-bench.log" 2>&1; record "AdamW benchmark" $?
 "$python" bench/gpu_moe.py --out "$out" > /dev/null 2>> "$out/tests.log"
 record "JAX benchmark against the peers (bench/gpu_moe.py)" $?
 

@@ -1,6 +1,7 @@
 """Draws fused-adamw.png and prints the table of the README: the optimizer benchmark per
 version (round-1/optimizer/optimizer.md) and the training step's tokens/s, fused over optax,
-per round (round-*/runs/PRESET-VERSION/metrics.jsonl, the intervals after the compile's).
+per round (round-*/runs/PRESET-VERSION/metrics.jsonl, the intervals after the compile's and
+outside the traced steps).
 
     python3 plot.py
 """
@@ -26,7 +27,8 @@ def optimizer_times():
 
 def steady_tokens_per_s(run):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    timing = [r for r in records if r["kind"] == "timing" and r["first_step"] > 1]
+    timing = [r for r in records if r["kind"] == "timing" and r["first_step"] > 1
+              and r["steps"] > 3]  # not the compile's interval, not a traced one (round 2)
     return sum(r["tokens_per_s"] * r["steps"] for r in timing) / sum(r["steps"] for r in timing)
 
 

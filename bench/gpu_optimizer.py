@@ -6,7 +6,8 @@ it. Three versions, each the trainer's own code:
   also sums the update's squares), after the gradients' `tree_stats`; the default;
 - optax: the same step on optax (`--no-fused-adamw`): `tx.update`, `optax.apply_updates`, then
   `tree_stats` of the updates beside the new parameters;
-- optax, update only: optax's update without any statistic (what XLA's floor is).
+- optax, update only: optax's update with the gradients' norm its clip needs and no other
+  statistic (XLA's floor for this program).
 
 Writes a markdown table (median and min of --iters calls, ms) and counts each version's copies
 and fusions in its optimized HLO.

@@ -19,22 +19,13 @@
 #include <cstring>
 #include <vector>
 
+#include "check.h"
 #include "engine/adamw_element.h"
 #include "nodrop/engine_cuda.h"
 
 namespace {
 
-void check(cudaError_t error, const char* what) {
-  if (error == cudaSuccess) return;
-  std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(error));
-  std::exit(1);
-}
-void check(const nodrop::Status& status, const char* what) {
-  if (status.ok()) return;
-  std::fprintf(stderr, "%s: %s\n", what, status.message().c_str());
-  std::exit(1);
-}
-#define CHECK(expr) check((expr), #expr)
+using nodrop_bench::check;
 
 constexpr int64_t kElements = int64_t{1} << 28;
 constexpr int kThreads = 256;

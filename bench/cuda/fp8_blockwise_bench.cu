@@ -36,23 +36,14 @@
 #include <utility>
 #include <vector>
 
+#include "check.h"
 #include "nodrop/engine_cuda.h"
 
 namespace {
 
 using Sizes = std::vector<int32_t>;
 
-void check(cudaError_t error, const char* what) {
-  if (error == cudaSuccess) return;
-  std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(error));
-  std::exit(1);
-}
-void check(const nodrop::Status& status, const char* what) {
-  if (status.ok()) return;
-  std::fprintf(stderr, "%s: %s\n", what, status.message().c_str());
-  std::exit(1);
-}
-#define CHECK(expr) check((expr), #expr)
+using nodrop_bench::check;
 
 struct Shape {
   const char* id;    // for --shapes

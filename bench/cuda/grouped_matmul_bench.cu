@@ -38,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "check.h"
 #include "cutlass_batched_gemm.h"
 #include "nodrop/engine_cuda.h"
 #include "rows_grouped_gemm.h"
@@ -51,22 +52,12 @@ using nodrop::cuda::GemmTile;
 using Sizes = std::vector<int32_t>;
 using bf16 = __nv_bfloat16;
 
-void check(cudaError_t error, const char* what) {
-  if (error == cudaSuccess) return;
-  std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(error));
-  std::exit(1);
-}
 void check(cublasStatus_t status, const char* what) {
   if (status == CUBLAS_STATUS_SUCCESS) return;
   std::fprintf(stderr, "%s: cuBLAS status %d\n", what, static_cast<int>(status));
   std::exit(1);
 }
-void check(const nodrop::Status& status, const char* what) {
-  if (status.ok()) return;
-  std::fprintf(stderr, "%s: %s\n", what, status.message().c_str());
-  std::exit(1);
-}
-#define CHECK(expr) check((expr), #expr)
+using nodrop_bench::check;
 
 struct Shape {
   std::string name;

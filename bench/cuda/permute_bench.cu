@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "check.h"
 #include "nodrop/engine_cuda.h"
 
 namespace {
@@ -31,17 +32,7 @@ using nodrop::DType;
 using nodrop::RouterConfig;
 using nodrop::ScoreFunction;
 
-void check(cudaError_t error, const char* what) {
-  if (error == cudaSuccess) return;
-  std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(error));
-  std::exit(1);
-}
-void check(const nodrop::Status& status, const char* what) {
-  if (status.ok()) return;
-  std::fprintf(stderr, "%s: %s\n", what, status.message().c_str());
-  std::exit(1);
-}
-#define CHECK(expr) check((expr), #expr)
+using nodrop_bench::check;
 
 constexpr int64_t kSlots = 65536;  // T*k rows
 constexpr int64_t kHidden = 4096;

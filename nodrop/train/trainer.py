@@ -272,8 +272,7 @@ def optimizer(config: TrainConfig) -> optax.GradientTransformation:
     adamw = optax.adamw(
         learning_rate_schedule(config), b1=config.beta1, b2=config.beta2, eps=config.adam_eps,
         weight_decay=config.weight_decay,
-        # Decay matrices (and the embedding) only; norm scales stay undecayed.
-        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
+        mask=lambda params: jax.tree.map(_decays, params))
     clip = [clip_by_global_norm(config.grad_clip)] if config.grad_clip > 0 else []
     # The routers' steps scaled by router_lr_scale (docs/quality.md: why); left out at 1, so the
     # optimizer state, and with it a checkpoint, has the structure of runs that predate it.
@@ -305,7 +304,7 @@ def fused_adamw_update(config: TrainConfig, params, opt_state, grads, grad_norm)
         return adamw_update(
             param, grad, mu, nu, step_size=step_size, count=count, b1=config.beta1,
             b2=config.beta2, eps=config.adam_eps,
-            weight_decay=config.weight_decay if param.ndim >= 2 else 0.0,  # optimizer()'s mask
+            weight_decay=config.weight_decay if _decays(param) else 0.0,
             update_scale=config.router_lr_scale if router else 1.0,
             max_grad_norm=config.grad_clip, grad_norm=grad_norm)
 
@@ -325,6 +324,12 @@ def fused_adamw_update(config: TrainConfig, params, opt_state, grads, grad_norm)
     sums = [tuple(s.sums[i] for i in range(NUM_SUMS))
             for s in jax.tree.leaves(steps, is_leaf=is_step)]
     return field("param"), opt_state, stats_from_sums(sums)
+
+
+def _decays(param) -> bool:
+    """Whether AdamW decays a parameter: matrices (and the embedding) only; norm scales
+    stay undecayed."""
+    return param.ndim >= 2
 
 
 def _router_mask(params):

@@ -8,10 +8,15 @@ GEMM (nodrop.grouped_matmul_fp8_blockwise: activations in 1 x 128 blocks, each e
 in 128 x 128 blocks, DeepSeek-V3's recipe) at least as fast as PyTorch's FP8 grouped GEMM
 (torch._scaled_grouped_mm: CUTLASS, row-wise scales, one per activation row and one per output
 column of each expert) on every shape and group sizes of the bf16 benchmark (bench/gpu_moe.py),
-and at least 1200 TFLOP/s on DeepGEMM's two grouped shapes (4 equal groups of 8192 rows).
+and at least 1200 TFLOP/s on DeepGEMM's two grouped shapes (4 equal groups of 8192 rows). The
+same two targets are checked apart for nodrop's tensorwise GEMM (the tensorwise recipe's
+forward: one scale for the activations and one per expert, fast accumulation, as torch's
+use_fast_accum).
 
 Timed side by side (bench/timing.py), in turns:
 - nodrop FP8 GEMM: grouped_matmul_fp8_blockwise on operands quantised beforehand;
+- nodrop tensorwise FP8 GEMM: grouped_matmul_fp8_tensorwise on operands quantised beforehand
+  (one scale over the activations, one per expert's weight);
 - nodrop quantize_rows + GEMM: the forward from bf16 activations, their quantisation included
   (the weights quantised beforehand, as for the GEMM);
 - torch._scaled_grouped_mm with use_fast_accum False and True, on operands quantised
@@ -56,8 +61,11 @@ MIN_VS_TORCH = 1.0  # nodrop FP8 GEMM / the faster torch._scaled_grouped_mm, GEM
 MIN_TFLOPS = 1200.0  # nodrop FP8 GEMM, DEEPGEMM_SHAPES
 
 TORCH_IMPLS = {"torch": False, "torch_fast_accum": True}  # impl -> use_fast_accum
+GEMM_IMPLS = ("nodrop_gemm", "nodrop_tensorwise")  # nodrop's GEMMs alone, each held to the targets
+NODROP_IMPLS = (*GEMM_IMPLS, "nodrop_forward")
 IMPL_LABELS = {
     "nodrop_gemm": "nodrop FP8 GEMM",
+    "nodrop_tensorwise": "nodrop tensorwise FP8 GEMM",
     "nodrop_forward": "nodrop quantize_rows + FP8 GEMM",
     "torch": "torch._scaled_grouped_mm",
     "torch_fast_accum": "torch._scaled_grouped_mm use_fast_accum",
@@ -113,8 +121,9 @@ def sum_squares(*pairs) -> list[float]:
 
 
 def nodrop_fp8(dims):
-    """{impl: run(group sizes)} and errors(out, sizes) of nodrop's FP8 forward at dims, on
-    random normal bf16 operands quantised as fp8_grouped_matmul's kernel forward does."""
+    """{impl: run(group sizes)} and {impl: errors(out, sizes)} of nodrop's FP8 forwards at dims,
+    on random normal bf16 operands quantised as fp8_grouped_matmul's kernel forward does for
+    each recipe."""
     rows, k, n, groups = dims
     keys = jax.random.split(jax.random.key(0), 2)
     lhs = jax.random.normal(keys[0], (rows, k), DTYPE)
@@ -124,24 +133,40 @@ def nodrop_fp8(dims):
     gemm = jax.jit(nodrop.grouped_matmul_fp8_blockwise)
     forward = jax.jit(lambda lhs, *weights: nodrop.grouped_matmul_fp8_blockwise(
         *quantize_rows(lhs), *weights))
+    # The tensorwise recipe's operands: one scale over lhs, one per expert's weight.
+    tensor_q, tensor_scale = jax.jit(lambda x: quantize(x, "tensor"))(lhs)
+    tensor_rhs_q_t, tensor_rhs_scales = jax.jit(
+        lambda w: quantize(jnp.swapaxes(w, 1, 2), "tensor"))(rhs)
+    tensorwise = jax.jit(nodrop.grouped_matmul_fp8_tensorwise)
     runs = {"nodrop_gemm": lambda gs: functools.partial(gemm, lhs_q, lhs_scales, rhs_q_t,
                                                         rhs_scales, gs),
+            "nodrop_tensorwise": lambda gs: functools.partial(
+                tensorwise, tensor_q, tensor_scale.reshape(1), tensor_rhs_q_t,
+                tensor_rhs_scales.reshape(groups), gs),
             "nodrop_forward": lambda gs: functools.partial(forward, lhs, rhs_q_t, rhs_scales, gs)}
 
-    def errors(out, sizes):
-        squares = []
-        for g, start, end in sampled_groups(sizes):
-            got = out[start:end].astype(jnp.float32)
-            dequantised = jnp.dot(
-                dequantize(lhs_q[start:end], lhs_scales[start:end], ACTIVATION_BLOCK),
-                dequantize(rhs_q_t[g], rhs_scales[g], WEIGHT_BLOCK).T,
-                precision=jax.lax.Precision.HIGHEST)
-            exact = jnp.dot(lhs[start:end], rhs[g], precision=jax.lax.Precision.HIGHEST,
-                            preferred_element_type=jnp.float32)
-            squares.append(sum_squares((got, dequantised), (got, exact)))
-        return relative_errors(squares)
+    def errors_of(dequantised_lhs, dequantised_rhs_t):
+        """errors(out, sizes) against the product of the dequantised operands' groups."""
+        def errors(out, sizes):
+            squares = []
+            for g, start, end in sampled_groups(sizes):
+                got = out[start:end].astype(jnp.float32)
+                dequantised = jnp.dot(dequantised_lhs(start, end), dequantised_rhs_t(g).T,
+                                      precision=jax.lax.Precision.HIGHEST)
+                exact = jnp.dot(lhs[start:end], rhs[g], precision=jax.lax.Precision.HIGHEST,
+                                preferred_element_type=jnp.float32)
+                squares.append(sum_squares((got, dequantised), (got, exact)))
+            return relative_errors(squares)
+        return errors
 
-    return runs, errors
+    blockwise_errors = errors_of(
+        lambda start, end: dequantize(lhs_q[start:end], lhs_scales[start:end], ACTIVATION_BLOCK),
+        lambda g: dequantize(rhs_q_t[g], rhs_scales[g], WEIGHT_BLOCK))
+    tensorwise_errors = errors_of(
+        lambda start, end: dequantize(tensor_q[start:end], tensor_scale, "tensor"),
+        lambda g: dequantize(tensor_rhs_q_t[g], tensor_rhs_scales[g], "tensor"))
+    return runs, {"nodrop_gemm": blockwise_errors, "nodrop_tensorwise": tensorwise_errors,
+                  "nodrop_forward": blockwise_errors}
 
 
 def rowwise(torch, x):
@@ -212,7 +237,7 @@ def shape_cases(name: str, dims, kinds, iters: int, torch, torch_status: str,
         runs, errors, results = {}, {}, {}
         for impl, make in nodrop_runs.items():
             runs[impl] = make(group_sizes_jax), jax.block_until_ready
-            errors[impl] = nodrop_errors
+            errors[impl] = nodrop_errors[impl]
         if torch_runs:
             offs = torch.tensor(np.cumsum(sizes), dtype=torch.int32, device="cuda")
             for impl, make in torch_runs.items():
@@ -266,28 +291,29 @@ def summary(cases: list[dict]) -> list[dict]:
             row["sizes"] = case["sizes"]
     for row in rows.values():
         results = row["results"]
-        gemm = results["nodrop_gemm"]
         peers = [impl for impl in TORCH_IMPLS
                  if results[impl]["status"] == "ok" and checked(results[impl])]
         best = max(peers, key=lambda impl: results[impl]["tflops"]) if peers else None
         row["torch_best"] = best
         row["ratios"] = {impl: (results[impl]["tflops"] / results[best]["tflops"]
                                 if best and results[impl]["status"] == "ok" else None)
-                         for impl in ("nodrop_gemm", "nodrop_forward")}
+                         for impl in NODROP_IMPLS}
         targets = {f"check {impl}": dict(minimum=None, verdict=verdict(
-            checked(results[impl]), results[impl])) for impl in ("nodrop_gemm", "nodrop_forward")}
-        if row["shape"] in GEMM_SHAPES:
-            if gemm["status"] == "ok" and best is None:  # no torch variant ran and checked
-                text = "n/a (torch: " + ", ".join(
-                    results[impl]["status"] if results[impl]["status"] != "ok"
-                    else "check failed" for impl in TORCH_IMPLS) + ")"
-            else:
-                text = verdict(best is not None
-                               and row["ratios"]["nodrop_gemm"] >= MIN_VS_TORCH, gemm)
-            targets["vs torch"] = dict(minimum=MIN_VS_TORCH, verdict=text)
-        if row["shape"] in DEEPGEMM_SHAPES:
-            targets["TFLOP/s"] = dict(minimum=MIN_TFLOPS, verdict=verdict(
-                gemm["status"] == "ok" and gemm["tflops"] >= MIN_TFLOPS, gemm))
+            checked(results[impl]), results[impl])) for impl in NODROP_IMPLS}
+        for impl in GEMM_IMPLS:  # each GEMM against the targets, apart
+            gemm = results[impl]
+            if row["shape"] in GEMM_SHAPES:
+                if gemm["status"] == "ok" and best is None:  # no torch variant ran and checked
+                    text = "n/a (torch: " + ", ".join(
+                        results[peer]["status"] if results[peer]["status"] != "ok"
+                        else "check failed" for peer in TORCH_IMPLS) + ")"
+                else:
+                    text = verdict(best is not None
+                                   and row["ratios"][impl] >= MIN_VS_TORCH, gemm)
+                targets[f"vs torch {impl}"] = dict(minimum=MIN_VS_TORCH, verdict=text)
+            if row["shape"] in DEEPGEMM_SHAPES:
+                targets[f"TFLOP/s {impl}"] = dict(minimum=MIN_TFLOPS, verdict=verdict(
+                    gemm["status"] == "ok" and gemm["tflops"] >= MIN_TFLOPS, gemm))
         row["targets"] = targets
     return list(rows.values())
 
@@ -301,23 +327,24 @@ def target_lines(rows: list[dict]) -> list[str]:
     lines = []
     for row in rows:
         where = f"{row['shape']} {row['group_sizes']}"
-        gemm = row["results"]["nodrop_gemm"]
         for name, target in row["targets"].items():
-            if name.startswith("check"):
-                impl = name.split()[1]
+            kind, impl = name.rsplit(" ", 1)
+            label = IMPL_LABELS[impl]
+            if kind == "check":
                 check = row["results"][impl]["check"]
                 measured = "error" if check is None else f"{check:.1e}"
-                lines.append(f"{where}: {IMPL_LABELS[impl]} output vs the dequantised operands' "
+                lines.append(f"{where}: {label} output vs the dequantised operands' "
                              f"product <= {CHECK_TOLERANCE:g}: {measured} {target['verdict']}")
-            elif name == "vs torch":
-                ratio = row["ratios"]["nodrop_gemm"]
+            elif kind == "vs torch":
+                ratio = row["ratios"][impl]
                 measured = f"{ratio:.2f}x " if ratio is not None else ""
-                lines.append(f"{where}: nodrop FP8 GEMM / torch._scaled_grouped_mm"
+                lines.append(f"{where}: {label} / torch._scaled_grouped_mm"
                              f"{torch_best_text(row)} >= {target['minimum']:g}x: {measured}"
                              f"{target['verdict']}")
             else:
+                gemm = row["results"][impl]
                 measured = f"{gemm['tflops']:.1f} " if gemm["status"] == "ok" else ""
-                lines.append(f"{where}: nodrop FP8 GEMM >= {target['minimum']:g} TFLOP/s: "
+                lines.append(f"{where}: {label} >= {target['minimum']:g} TFLOP/s: "
                              f"{measured}{target['verdict']}")
     return lines
 
@@ -355,15 +382,17 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "",
         "Forward only, bf16 output. nodrop: grouped_matmul_fp8_blockwise, activations in 1 x "
         "128 blocks and each expert's weight in 128 x 128 blocks, float32 scales, each block's "
-        "product scaled as it is accumulated; torch._scaled_grouped_mm: row-wise float32 scales "
+        "product scaled as it is accumulated; nodrop tensorwise: grouped_matmul_fp8_tensorwise, "
+        "one scale for the activations and one per expert, fast accumulation, scaled in the "
+        "epilogue; torch._scaled_grouped_mm: row-wise float32 scales "
         "(one per activation row, one per output column of each expert) applied in the "
-        "epilogue, with use_fast_accum False and True. \"nodrop FP8 GEMM\" and both torch "
+        "epilogue, with use_fast_accum False and True. nodrop's two GEMM columns and both torch "
         "columns time the GEMM alone on operands quantised beforehand; \"nodrop quantize_rows "
         "+ FP8 GEMM\" includes the activations' quantisation (weights quantised beforehand). "
         f"Median over {timing['repeats']} repeats of the mean of {timing['iters']} "
         f"back-to-back calls (fewer where those would take over {CASE_BUDGET_S:g} s), after "
         f"{timing['warmup']} warm-up calls and {timing['heat_s']:g} s of untimed calls that "
-        "bring the card to its power limit; the four take turns repeat by repeat, in an order "
+        "bring the card to its power limit; the five take turns repeat by repeat, in an order "
         "reversed every other repeat. A case that fails shows its status (the json has the "
         "message).",
         "",
@@ -375,8 +404,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "## TFLOP/s",
         "",
         "| shape | group sizes | " + " | ".join(IMPL_LABELS.values())
-        + " | nodrop GEMM / torch (the faster) | nodrop quantize_rows + GEMM / torch |",
-        "| --- | --- | " + "---: | " * len(IMPL_LABELS) + "--- | --- |",
+        + " | " + " | ".join(f"{IMPL_LABELS[impl]} / torch (the faster)"
+                             for impl in NODROP_IMPLS) + " |",
+        "| --- | --- | " + "---: | " * len(IMPL_LABELS) + "--- | " * len(NODROP_IMPLS),
     ]
     for row in rows:
         ratios = [f"{value:.2f}x{torch_best_text(row)}" if value is not None else "-"

@@ -10,6 +10,7 @@ from nodrop.ops.fp8 import (
     fp8_grouped_matmul,
     grouped_matmul_fp8_blockwise,
     grouped_matmul_fp8_blockwise_contract,
+    grouped_matmul_fp8_tensorwise,
     quantize,
 )
 from nodrop.ops.grouped_matmul import grouped_matmul, grouped_matmul_contract, ragged_dot
@@ -19,9 +20,10 @@ from nodrop.serve import load
 
 __version__ = "0.1.0"
 __all__ = [
-    "adamw_update", "backends", "checks", "checks_enabled", "dequantize", "fp8_grouped_matmul", "grouped_matmul",
-    "grouped_matmul_contract", "grouped_matmul_fp8_blockwise",
-    "grouped_matmul_fp8_blockwise_contract", "load", "load_balancing_loss", "permute",
-    "quantize", "ragged_dot", "router_z_loss", "tokens_per_expert", "topk_router", "unpermute",
+    "adamw_update", "backends", "checks", "checks_enabled", "dequantize", "fp8_grouped_matmul",
+    "grouped_matmul", "grouped_matmul_contract", "grouped_matmul_fp8_blockwise",
+    "grouped_matmul_fp8_blockwise_contract", "grouped_matmul_fp8_tensorwise", "load",
+    "load_balancing_loss", "permute", "quantize", "ragged_dot", "router_z_loss",
+    "tokens_per_expert", "topk_router", "unpermute",
 ]
 del _ffi

@@ -30,6 +30,7 @@ TARGETS = {
     "nodrop_quantize_fp8": "NodropQuantizeFp8",
     "nodrop_permute_fp8": "NodropPermuteFp8",
     "nodrop_grouped_matmul_fp8_blockwise": "NodropGroupedMatmulFp8Blockwise",
+    "nodrop_grouped_matmul_fp8_tensorwise": "NodropGroupedMatmulFp8Tensorwise",
     "nodrop_quantize_fp8_transposed": "NodropQuantizeFp8Transposed",
     "nodrop_grouped_matmul_fp8_blockwise_contract": "NodropGroupedMatmulFp8BlockwiseContract",
 }

@@ -1,10 +1,11 @@
-// Benchmark of the FP8 blockwise-scaled grouped matmul against the bf16 grouped matmul of the
-// same shapes, printed as markdown tables.
+// Benchmark of the FP8 grouped matmuls (blockwise-scaled, and tensorwise with fast accumulation)
+// against the bf16 grouped matmul of the same shapes, printed as markdown tables.
 //
 //   nodrop_cuda_fp8_bench [--mode=forward|training] [--iters=50] [--warmup=5]
 //                         [--configs=auto|all] [--shapes=ID,...]
 //
-// --mode=forward (the default): the forward (ragged rows, rhs transposed in both precisions).
+// --mode=forward (the default): the forward (ragged rows, rhs transposed in both precisions), on
+// the blockwise kernels and on the tensorwise ones.
 // --mode=training: a layer's three GEMMs (forward, input gradient, weight gradient) in both
 // precisions, the FP8 side with the engine's quantisation of the activations and output
 // gradients (rows for the forward and input gradient, transposed for the weight gradient;
@@ -16,8 +17,8 @@
 // orders.
 //
 // --configs=auto (the default) times the automatic schedule; --configs=all times every kernel of
-// fp8_tiles.def (along M, swizzle 1), then the fastest of them with three other tile orders, and
-// ends with the best per shape. --shapes keeps the shapes of those ids (the first column of
+// fp8_tiles.def and of fp8_tensorwise_tiles.def (along M, swizzle 1), then the fastest of each
+// with three other tile orders, and ends with the best per shape. --shapes keeps the shapes of those ids (the first column of
 // kShapes). Group sizes are equal shares moved about at random, as a router's counts are
 // (DeepGEMM's shapes: equal groups). Each timing is the median of `iters` single calls timed
 // with CUDA events after `warmup` calls. The scales are all one and the E4M3 values finite: the
@@ -43,6 +44,7 @@ namespace {
 
 using Sizes = std::vector<int32_t>;
 
+using nodrop::cuda::GemmRaster;
 using nodrop_bench::check;
 
 struct Shape {
@@ -246,6 +248,12 @@ struct Problem {
                                                      s.M, s.K, s.N, s.G, out, ws8, ws8_bytes,
                                                      stream, schedule));
   }
+  // The tensorwise scales are the first elements of the blockwise ones (all ones).
+  void run_fp8(const nodrop::cuda::Fp8TensorwiseSchedule& schedule, cudaStream_t stream) const {
+    CHECK(nodrop::cuda::grouped_matmul_fp8_tensorwise(lhs8, lhs_scales, rhs8, rhs_scales, sizes,
+                                                      s.M, s.K, s.N, s.G, out, ws8, ws8_bytes,
+                                                      stream, schedule));
+  }
 
   // --mode=training. The input gradient dout [M, N] @ rhs[g] [N, K]; the weight gradient of
   // rhs [G, N, K]: dout_g^T @ lhs_g.
@@ -289,6 +297,37 @@ std::string schedule_name(const nodrop::cuda::Fp8GemmSchedule& schedule) {
          nodrop::cuda::gemm_raster_name(schedule.raster) + ", swizzle " +
          std::to_string(schedule.swizzle);
 }
+std::string schedule_name(const nodrop::cuda::Fp8TensorwiseSchedule& schedule) {
+  return std::string("tensorwise ") + nodrop::cuda::fp8_tensorwise_tile_name(schedule.tile) +
+         ", " + nodrop::cuda::gemm_raster_name(schedule.raster) + ", swizzle " +
+         std::to_string(schedule.swizzle);
+}
+
+// Every kernel of one kind (the blockwise or the tensorwise tiles), then the fastest three more
+// tile orders. The tiles, their automatic choice and the timing come from the caller.
+template <class Schedule, class Tiles, class Time>
+std::pair<Schedule, double> sweep(const Tiles& tiles, const Schedule& automatic, Time time,
+                                  double* automatic_ms) {
+  Schedule best;
+  double best_ms = 0;
+  auto consider = [&](const Schedule& schedule) {
+    const double ms = time(schedule, schedule_name(schedule));
+    if (best_ms == 0 || ms < best_ms) {
+      best_ms = ms;
+      best = schedule;
+    }
+    return ms;
+  };
+  for (auto tile : tiles) {
+    const double ms = consider(Schedule(tile, GemmRaster::kAlongM, 1));
+    if (tile == automatic.tile) *automatic_ms = ms;
+  }
+  const auto fastest = best.tile;
+  const std::pair<GemmRaster, int> other_orders[] = {
+      {GemmRaster::kAlongM, 4}, {GemmRaster::kAlongN, 1}, {GemmRaster::kAlongN, 4}};
+  for (const auto& [raster, swizzle] : other_orders) consider(Schedule(fastest, raster, swizzle));
+  return {best, best_ms};
+}
 
 bool selected(const Shape& s, const std::string& ids) {
   if (ids.empty()) return true;
@@ -298,8 +337,10 @@ bool selected(const Shape& s, const std::string& ids) {
 
 struct Best {
   const Shape* shape;
-  double bf16_tflops, default_tflops, best_tflops;
+  double bf16_tflops, default_tflops = 0, best_tflops = 0;
   std::string best_name;
+  double tensorwise_default_tflops = 0, tensorwise_best_tflops = 0;
+  std::string tensorwise_best_name;
 };
 
 // --mode=training: per shape, the three GEMMs of a layer in bf16 and in FP8 with the engine's
@@ -307,7 +348,7 @@ struct Best {
 void run_training(int iters, int warmup, bool all_configs, const std::string& shape_ids,
                   cudaStream_t stream) {
   using nodrop::cuda::Fp8GemmSchedule;
-  using nodrop::cuda::GemmRaster;
+  using nodrop::cuda::Fp8TensorwiseSchedule;
   struct Bandwidth {
     const Shape* shape;
     double rows_gbs, transposed_gbs, copy_gbs, transposed32_gbs, copy32_gbs;
@@ -424,7 +465,7 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
 
 int main(int argc, char** argv) {
   using nodrop::cuda::Fp8GemmSchedule;
-  using nodrop::cuda::GemmRaster;
+  using nodrop::cuda::Fp8TensorwiseSchedule;
   int iters = 50, warmup = 5;
   bool all_configs = false, training = false;
   std::string shape_ids;
@@ -478,49 +519,45 @@ int main(int argc, char** argv) {
     };
     bf16_ms = median_ms(iters, warmup, stream, [&] { problem.run_bf16(stream); });
     row("bf16 auto", bf16_ms);
-    auto time_fp8 = [&](const Fp8GemmSchedule& schedule, const std::string& label) {
+    auto time_fp8 = [&](const auto& schedule, const std::string& label) {
       const double ms = median_ms(iters, warmup, stream, [&] { problem.run_fp8(schedule, stream); });
       row(label, ms);
       return ms;
     };
     const Fp8GemmSchedule automatic = nodrop::cuda::grouped_matmul_fp8_schedule(s.M, s.K, s.N, s.G);
+    const Fp8TensorwiseSchedule tensorwise_automatic =
+        nodrop::cuda::grouped_matmul_fp8_tensorwise_schedule(s.M, s.K, s.N, s.G);
     if (!all_configs) {
       time_fp8(Fp8GemmSchedule{}, "fp8 auto: " + schedule_name(automatic));
+      time_fp8(Fp8TensorwiseSchedule{}, "fp8 auto: " + schedule_name(tensorwise_automatic));
       continue;
     }
-    // Every kernel in the same order, then the fastest in other orders.
-    Fp8GemmSchedule best_schedule;
-    double best_ms = 0, default_ms = 0;
-    auto consider = [&](const Fp8GemmSchedule& schedule) {
-      const double ms = time_fp8(schedule, schedule_name(schedule));
-      if (best_ms == 0 || ms < best_ms) {
-        best_ms = ms;
-        best_schedule = schedule;
-      }
-      return ms;
-    };
-    for (nodrop::cuda::Fp8GemmTile tile : nodrop::cuda::kFp8GemmTiles) {
-      const double ms = consider(Fp8GemmSchedule(tile, GemmRaster::kAlongM, 1));
-      if (tile == automatic.tile) default_ms = ms;
-    }
-    const nodrop::cuda::Fp8GemmTile fastest = best_schedule.tile;
-    const std::pair<GemmRaster, int> other_orders[] = {
-        {GemmRaster::kAlongM, 4}, {GemmRaster::kAlongN, 1}, {GemmRaster::kAlongN, 4}};
-    for (const auto& [raster, swizzle] : other_orders) {
-      consider(Fp8GemmSchedule(fastest, raster, swizzle));
-    }
-    bests.push_back({&s, tflop / (bf16_ms * 1e-3), tflop / (default_ms * 1e-3),
-                     tflop / (best_ms * 1e-3), schedule_name(best_schedule)});
+    Best best{&s, tflop / (bf16_ms * 1e-3)};
+    double default_ms = 0, tensorwise_default_ms = 0;
+    const auto [best_schedule, best_ms] =
+        sweep(nodrop::cuda::kFp8GemmTiles, automatic, time_fp8, &default_ms);
+    const auto [tensorwise_best, tensorwise_best_ms] = sweep(
+        nodrop::cuda::kFp8TensorwiseTiles, tensorwise_automatic, time_fp8, &tensorwise_default_ms);
+    best.default_tflops = tflop / (default_ms * 1e-3);
+    best.best_tflops = tflop / (best_ms * 1e-3);
+    best.best_name = schedule_name(best_schedule);
+    best.tensorwise_default_tflops = tflop / (tensorwise_default_ms * 1e-3);
+    best.tensorwise_best_tflops = tflop / (tensorwise_best_ms * 1e-3);
+    best.tensorwise_best_name = schedule_name(tensorwise_best);
+    bests.push_back(best);
   }
   if (!bests.empty()) {
     std::printf("\nBest FP8 schedule per shape (TFLOP/s; default: the automatic tile along M, "
                 "swizzle 1):\n\n");
-    std::printf("| shape | bf16 | fp8 default | fp8 best | best / default | best schedule |\n");
-    std::printf("| --- | ---: | ---: | ---: | ---: | --- |\n");
+    std::printf("| shape | bf16 | blockwise default | blockwise best | best / default | "
+                "best schedule | tensorwise default | tensorwise best | best schedule |\n");
+    std::printf("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |\n");
     for (const Best& b : bests) {
-      std::printf("| %s | %.0f | %.0f | %.0f | %.2fx | %s |\n", b.shape->id, b.bf16_tflops,
-                  b.default_tflops, b.best_tflops, b.best_tflops / b.default_tflops,
-                  b.best_name.c_str());
+      std::printf("| %s | %.0f | %.0f | %.0f | %.2fx | %s | %.0f | %.0f | %s |\n", b.shape->id,
+                  b.bf16_tflops, b.default_tflops, b.best_tflops,
+                  b.best_tflops / b.default_tflops, b.best_name.c_str(),
+                  b.tensorwise_default_tflops, b.tensorwise_best_tflops,
+                  b.tensorwise_best_name.c_str());
     }
   }
   CHECK(cudaStreamDestroy(stream));

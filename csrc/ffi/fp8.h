@@ -1,5 +1,6 @@
-// Decoding and validation of the FP8 handlers (fp8_cpu.cc, fp8_cuda.cc): the quantisations and
-// the blockwise-scaled grouped matmuls (the forward and the weight gradient).
+// Decoding and validation of the FP8 handlers (fp8_cpu.cc, fp8_cuda.cc): the quantisations, the
+// blockwise-scaled grouped matmuls (the forward and the weight gradient) and the forward with
+// one scale per tensor (tensorwise).
 #pragma once
 
 #include <cstdint>
@@ -142,45 +143,71 @@ auto bind_quantize_fp8_transposed(Binding binding) {
       .template Attr<bool>("checked");
 }
 
-// The engine's view of one blockwise-scaled grouped matmul.
+// The engine's view of one FP8 grouped matmul.
 struct Fp8GemmShape {
   int64_t M, K, N, G;
 };
 
-// lhs [M, K] and rhs [G, N, K] float8_e4m3fn, lhs_scales [M, KB] and rhs_scales [G, NB, KB]
-// float32 (KB = ceil(K / 128), NB = ceil(N / 128)), group_sizes [G] -> out [M, N] bfloat16.
-inline ffi::ErrorOr<Fp8GemmShape> decode_grouped_matmul_fp8_blockwise(
-    const ffi::AnyBuffer& lhs, const ffi::Buffer<ffi::F32>& lhs_scales, const ffi::AnyBuffer& rhs,
-    const ffi::Buffer<ffi::F32>& rhs_scales, const ffi::Buffer<ffi::S32>& group_sizes,
-    const ffi::Buffer<ffi::BF16>& out) {
-  constexpr int64_t kBlock = 128;
+// What both ragged-rows forwards take besides their scales: lhs [M, K] and rhs [G, N, K]
+// float8_e4m3fn, group_sizes [G] -> out [M, N] bfloat16.
+inline ffi::ErrorOr<Fp8GemmShape> decode_fp8_rows(const ffi::AnyBuffer& lhs,
+                                                  const ffi::AnyBuffer& rhs,
+                                                  const ffi::Buffer<ffi::S32>& group_sizes,
+                                                  const ffi::Buffer<ffi::BF16>& out) {
   NODROP_RETURN_IF_ERROR(require_e4m3("lhs", lhs));
   NODROP_RETURN_IF_ERROR(require_e4m3("rhs", rhs));
   NODROP_RETURN_IF_ERROR(require_rank("lhs", lhs, 2));
   NODROP_RETURN_IF_ERROR(require_rank("rhs", rhs, 3));
-  NODROP_RETURN_IF_ERROR(require_rank("lhs_scales", lhs_scales, 2));
-  NODROP_RETURN_IF_ERROR(require_rank("rhs_scales", rhs_scales, 3));
   NODROP_RETURN_IF_ERROR(require_rank("group_sizes", group_sizes, 1));
   NODROP_RETURN_IF_ERROR(require_rank("out", out, 2));
   Fp8GemmShape s{lhs.dimensions()[0], lhs.dimensions()[1], rhs.dimensions()[1],
                  rhs.dimensions()[0]};
-  const int64_t KB = (s.K + kBlock - 1) / kBlock, NB = (s.N + kBlock - 1) / kBlock;
   NODROP_RETURN_IF_ERROR(require_dim("rhs", rhs, 2, s.K));
-  NODROP_RETURN_IF_ERROR(require_dim("lhs_scales", lhs_scales, 0, s.M));
-  NODROP_RETURN_IF_ERROR(require_dim("lhs_scales", lhs_scales, 1, KB));
-  NODROP_RETURN_IF_ERROR(require_dim("rhs_scales", rhs_scales, 0, s.G));
-  NODROP_RETURN_IF_ERROR(require_dim("rhs_scales", rhs_scales, 1, NB));
-  NODROP_RETURN_IF_ERROR(require_dim("rhs_scales", rhs_scales, 2, KB));
   NODROP_RETURN_IF_ERROR(require_dim("group_sizes", group_sizes, 0, s.G));
   NODROP_RETURN_IF_ERROR(require_dim("out", out, 0, s.M));
   NODROP_RETURN_IF_ERROR(require_dim("out", out, 1, s.N));
   return s;
 }
 
+// decode_fp8_rows's operands with lhs_scales [M, KB] and rhs_scales [G, NB, KB] float32
+// (KB = ceil(K / 128), NB = ceil(N / 128)).
+inline ffi::ErrorOr<Fp8GemmShape> decode_grouped_matmul_fp8_blockwise(
+    const ffi::AnyBuffer& lhs, const ffi::Buffer<ffi::F32>& lhs_scales, const ffi::AnyBuffer& rhs,
+    const ffi::Buffer<ffi::F32>& rhs_scales, const ffi::Buffer<ffi::S32>& group_sizes,
+    const ffi::Buffer<ffi::BF16>& out) {
+  auto s = decode_fp8_rows(lhs, rhs, group_sizes, out);
+  if (!s) return s.error();
+  const int64_t KB = (s->K + kFp8Block - 1) / kFp8Block, NB = (s->N + kFp8Block - 1) / kFp8Block;
+  NODROP_RETURN_IF_ERROR(require_rank("lhs_scales", lhs_scales, 2));
+  NODROP_RETURN_IF_ERROR(require_rank("rhs_scales", rhs_scales, 3));
+  NODROP_RETURN_IF_ERROR(require_dim("lhs_scales", lhs_scales, 0, s->M));
+  NODROP_RETURN_IF_ERROR(require_dim("lhs_scales", lhs_scales, 1, KB));
+  NODROP_RETURN_IF_ERROR(require_dim("rhs_scales", rhs_scales, 0, s->G));
+  NODROP_RETURN_IF_ERROR(require_dim("rhs_scales", rhs_scales, 1, NB));
+  NODROP_RETURN_IF_ERROR(require_dim("rhs_scales", rhs_scales, 2, KB));
+  return s;
+}
+
+// decode_fp8_rows's operands with lhs_scale [1] (the whole of lhs) and rhs_scales [G] (one per
+// expert) float32.
+inline ffi::ErrorOr<Fp8GemmShape> decode_grouped_matmul_fp8_tensorwise(
+    const ffi::AnyBuffer& lhs, const ffi::Buffer<ffi::F32>& lhs_scale, const ffi::AnyBuffer& rhs,
+    const ffi::Buffer<ffi::F32>& rhs_scales, const ffi::Buffer<ffi::S32>& group_sizes,
+    const ffi::Buffer<ffi::BF16>& out) {
+  auto s = decode_fp8_rows(lhs, rhs, group_sizes, out);
+  if (!s) return s.error();
+  NODROP_RETURN_IF_ERROR(require_rank("lhs_scale", lhs_scale, 1));
+  NODROP_RETURN_IF_ERROR(require_rank("rhs_scales", rhs_scales, 1));
+  NODROP_RETURN_IF_ERROR(require_dim("lhs_scale", lhs_scale, 0, 1));
+  NODROP_RETURN_IF_ERROR(require_dim("rhs_scales", rhs_scales, 0, s->G));
+  return s;
+}
+
 // lhs, lhs_scales, rhs, rhs_scales, group_sizes -> out; attribute checked. The CUDA handler
-// returns its workspace after these.
+// returns its workspace after these. (Taken by reference: a binding cannot be moved into a
+// parameter, and bind_grouped_matmul_fp8_tensorwise passes its own on.)
 template <typename Binding>
-auto bind_grouped_matmul_fp8_blockwise(Binding binding) {
+auto bind_grouped_matmul_fp8_blockwise(Binding&& binding) {
   return std::move(binding)
       .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::F32>>()
@@ -189,6 +216,13 @@ auto bind_grouped_matmul_fp8_blockwise(Binding binding) {
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Ret<ffi::Buffer<ffi::BF16>>()
       .template Attr<bool>("checked");
+}
+
+// The blockwise forward's operands, lhs_scale and rhs_scales in place of its scales (the same
+// buffer types).
+template <typename Binding>
+auto bind_grouped_matmul_fp8_tensorwise(Binding binding) {
+  return bind_grouped_matmul_fp8_blockwise(std::move(binding));
 }
 
 // lhs_t [K, P] and rhs_t [N, P] float8_e4m3fn, lhs_scales [PB, K] and rhs_scales [PB, N]

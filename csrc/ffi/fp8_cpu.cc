@@ -49,6 +49,20 @@ ffi::Error GroupedMatmulFp8Blockwise(ffi::ThreadPool pool, ffi::AnyBuffer lhs,
       group_sizes.typed_data(), s->M, s->K, s->N, s->G, out->untyped_data(), checked, &runner));
 }
 
+ffi::Error GroupedMatmulFp8Tensorwise(ffi::ThreadPool pool, ffi::AnyBuffer lhs,
+                                      ffi::Buffer<ffi::F32> lhs_scale, ffi::AnyBuffer rhs,
+                                      ffi::Buffer<ffi::F32> rhs_scales,
+                                      ffi::Buffer<ffi::S32> group_sizes,
+                                      ffi::Result<ffi::Buffer<ffi::BF16>> out, bool checked) {
+  auto s = decode_grouped_matmul_fp8_tensorwise(lhs, lhs_scale, rhs, rhs_scales, group_sizes,
+                                                *out);
+  if (!s) return s.error();
+  XlaThreadPoolRunner runner(pool);
+  return to_ffi_error(cpu::grouped_matmul_fp8_tensorwise(
+      lhs.untyped_data(), lhs_scale.typed_data(), rhs.untyped_data(), rhs_scales.typed_data(),
+      group_sizes.typed_data(), s->M, s->K, s->N, s->G, out->untyped_data(), checked, &runner));
+}
+
 ffi::Error QuantizeFp8Transposed(ffi::ThreadPool pool, ffi::AnyBuffer x,
                                  ffi::Buffer<ffi::S32> group_sizes,
                                  ffi::Buffer<ffi::F32> given_scale,
@@ -85,6 +99,10 @@ ffi::Error GroupedMatmulFp8BlockwiseContract(ffi::ThreadPool pool, ffi::AnyBuffe
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     NodropGroupedMatmulFp8BlockwiseCpu, GroupedMatmulFp8Blockwise,
     bind_grouped_matmul_fp8_blockwise(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NodropGroupedMatmulFp8TensorwiseCpu, GroupedMatmulFp8Tensorwise,
+    bind_grouped_matmul_fp8_tensorwise(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     NodropGroupedMatmulFp8BlockwiseContractCpu, GroupedMatmulFp8BlockwiseContract,

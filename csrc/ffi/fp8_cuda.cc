@@ -1,5 +1,5 @@
 // The FP8 handlers on the CUDA engine; CUDA-graph compatible. Group sizes stay on the device;
-// both grouped matmuls' workspace is an extra result sized by
+// the three grouped matmuls' workspace is an extra result sized by
 // NodropGroupedMatmulFp8BlockwiseWorkspaceBytes, permute_fp8's sort's by
 // NodropSortByExpertWorkspaceBytes (permute_cuda.cc).
 #include "ffi/fp8.h"
@@ -65,6 +65,21 @@ ffi::Error GroupedMatmulFp8Blockwise(cudaStream_t stream, ffi::AnyBuffer lhs,
       workspace->untyped_data(), workspace->size_bytes(), stream));
 }
 
+ffi::Error GroupedMatmulFp8Tensorwise(cudaStream_t stream, ffi::AnyBuffer lhs,
+                                      ffi::Buffer<ffi::F32> lhs_scale, ffi::AnyBuffer rhs,
+                                      ffi::Buffer<ffi::F32> rhs_scales,
+                                      ffi::Buffer<ffi::S32> group_sizes,
+                                      ffi::Result<ffi::Buffer<ffi::BF16>> out, bool /*checked*/,
+                                      ffi::Result<ffi::AnyBuffer> workspace) {
+  auto s = decode_grouped_matmul_fp8_tensorwise(lhs, lhs_scale, rhs, rhs_scales, group_sizes,
+                                                *out);
+  if (!s) return s.error();
+  return to_ffi_error(cuda::grouped_matmul_fp8_tensorwise(
+      lhs.untyped_data(), lhs_scale.typed_data(), rhs.untyped_data(), rhs_scales.typed_data(),
+      group_sizes.typed_data(), s->M, s->K, s->N, s->G, out->untyped_data(),
+      workspace->untyped_data(), workspace->size_bytes(), stream));
+}
+
 ffi::Error GroupedMatmulFp8BlockwiseContract(cudaStream_t stream, ffi::AnyBuffer lhs_t,
                                              ffi::Buffer<ffi::F32> lhs_scales,
                                              ffi::AnyBuffer rhs_t,
@@ -93,6 +108,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropQuantizeFp8Cuda, QuantizeFp8,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     NodropGroupedMatmulFp8BlockwiseCuda, GroupedMatmulFp8Blockwise,
     bind_grouped_matmul_fp8_blockwise(ffi::Ffi::Bind().Ctx<Stream>())
+        .Ret<ffi::AnyBuffer>(),  // workspace
+    {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NodropGroupedMatmulFp8TensorwiseCuda, GroupedMatmulFp8Tensorwise,
+    bind_grouped_matmul_fp8_tensorwise(ffi::Ffi::Bind().Ctx<Stream>())
         .Ret<ffi::AnyBuffer>(),  // workspace
     {ffi::Traits::kCmdBufferCompatible});
 

@@ -23,8 +23,14 @@ faster than bf16. Both recipes also run for real, forward and both gradients, on
 FP8 grouped matmuls (CUTLASS on the GPU, plain-loop references on the CPU):
 `grouped_matmul_fp8_blockwise` (the forward, and the input gradient) on operands from
 `quantize_rows`, and `grouped_matmul_fp8_blockwise_contract` (the weight gradient) on operands
-from `quantize_transposed`; the tensorwise recipe on the same kernels with its one scale repeated
-over every block. `fp8_grouped_matmul` uses them on the GPU for bfloat16 (`forward`).
+from `quantize_transposed`. The tensorwise recipe's forward runs on
+`grouped_matmul_fp8_tensorwise`, one scale for the rows and one per expert, which on the GPU
+accumulates in the tensor cores' own sums and scales once ("fast accumulation"); its gradients
+run on the blockwise kernels with its one scale repeated over every block, whose float32
+accumulation of each 128-deep block is precise: Transformer Engine's split (fast accumulation
+forward, precise accumulation backward: its GEMMs' split accumulator is off for the forward
+and on for both gradients). `fp8_grouped_matmul` uses the kernels on the GPU for bfloat16
+(`forward`).
 """
 
 from __future__ import annotations
@@ -235,8 +241,8 @@ def fp8_grouped_matmul(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *
                        matmul: Callable[..., jax.Array] = grouped_matmul,
                        forward: str = "auto", weight_gradient: str = "fp8",
                        lhs_quantized: tuple[ArrayLike, ArrayLike] | None = None) -> jax.Array:
-    """The grouped matmul `matmul(lhs, rhs, group_sizes)` on FP8 operands, emulated or (the
-    blockwise recipe, `forward`) on nodrop's FP8 kernels.
+    """The grouped matmul `matmul(lhs, rhs, group_sizes)` on FP8 operands, emulated or
+    (`forward`) on nodrop's FP8 kernels.
 
     Args:
       lhs: [M, K] float32, float16 or bfloat16; rhs: [G, K, N]; group_sizes: [G] integers
@@ -250,13 +256,16 @@ def fp8_grouped_matmul(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *
         gradient, by `quantize_rows`; each expert's weight quantised in 128 x 128 blocks,
         transposed for the forward: a block of rhs[g] is a block of rhs[g].T), the weight
         gradient in `grouped_matmul_fp8_blockwise_contract` (lhs and the output gradient by
-        `quantize_transposed`), whose results are rounded to bfloat16; the tensorwise recipe
-        runs on the same kernels, its one scale per tensor (per expert) repeated over every
-        block, its codes laid out as theirs; "emulated": as below, on `matmul`; "auto" (the
-        default): the kernels on the GPU for bfloat16 lhs, else emulated (the CPU engine's
-        kernels are plain-loop references, slower than the emulation on oneDNN, and a
-        float32 or float16 lhs would lose its precision to the kernels' bfloat16 outputs).
-        The two differ only in where float32 rounds (and the kernels' bfloat16 outputs).
+        `quantize_transposed`), whose results are rounded to bfloat16; the tensorwise recipe's
+        forward in `grouped_matmul_fp8_tensorwise` (one scale for lhs, one per expert; fast
+        accumulation on the GPU), its gradients on the blockwise kernels, its one scale per
+        tensor (per expert) repeated over every block, its codes laid out as theirs;
+        "emulated": as below, on `matmul`; "auto" (the default): the kernels on the GPU for
+        bfloat16 lhs, else emulated (the CPU engine's kernels are plain-loop references,
+        slower than the emulation on oneDNN, and a float32 or float16 lhs would lose its
+        precision to the kernels' bfloat16 outputs).
+        The two differ only in where float32 rounds (and the kernels' bfloat16 outputs; on the
+        GPU the tensorwise forward's fast accumulation rounds its sums more coarsely).
       weight_gradient: "fp8" (the default), the weight gradient on FP8 operands as below; or
         "unquantised": on lhs and the output gradient as they are, by `matmul`'s transpose in
         float32 when emulated, by nodrop's grouped matmul (its contraction kernel, in lhs's
@@ -317,11 +326,15 @@ def _fp8_grouped_matmul(lhs, rhs, group_sizes, lhs_quantized, recipe, matmul, fo
                     weight_gradient)[0]
 
 
-# The operands of the engine's FP8 kernels, per recipe: (rows(x, group_sizes), the forward's rows
-# [M, C] and their [M, ceil(C / 128)] scales; weights(w), an expert's [G, R, C] weight and its
-# [G, ceil(R / 128), ceil(C / 128)] scales; transposed(x, group_sizes), the weight gradient's
-# operand as quantize_transposed lays it out). The kernels multiply each 128-block by its scale,
-# so a tensorwise scale runs on them as that scale repeated over every block.
+# The operands of the engine's FP8 kernels, per recipe. The forward runs the recipe's own
+# kernel: grouped_matmul_fp8_blockwise on 1 x 128 and 128 x 128 scales, or
+# grouped_matmul_fp8_tensorwise on one scale for the rows and one per expert (fast accumulation).
+# Both gradients run on the blockwise kernels (`_kernel_quantisers`: rows(x, group_sizes), the
+# rows [M, C] and their [M, ceil(C / 128)] scales; weights(w), an expert's [G, R, C] weight and
+# its [G, ceil(R / 128), ceil(C / 128)] scales; transposed(x, group_sizes), the weight
+# gradient's operand as quantize_transposed lays it out). Those multiply each 128-block by its
+# scale, so a tensorwise scale runs on them as that scale repeated over every block: fast
+# accumulation forward, precise accumulation backward, Transformer Engine's split.
 
 
 def _blockwise_rows(x, group_sizes):
@@ -335,42 +348,57 @@ def _blockwise_weights(w):
     return quantize(w, WEIGHT_BLOCK)
 
 
-def _tensorwise_rows(x, group_sizes):
-    """One scale over the rows in the groups (those past them zeroed first: the scale must not
-    see them), repeated over every 1 x 128 block."""
+def _tensor_rows(x, group_sizes):
+    """x's codes and one scale [1] over the rows in the groups (those past them zeroed first:
+    the scale must not see them)."""
     q, scale = quantize(_rows_in_groups(x, group_sizes), "tensor")
+    return q, scale.reshape(1)
+
+
+def _expert_weights(w):
+    """Each expert's codes and its one scale, [G]."""
+    q, scale = quantize(w, "tensor")
+    return q, scale.reshape(w.shape[0])
+
+
+def _tensorwise_rows(x, group_sizes):
+    """`_tensor_rows`'s scale repeated over every 1 x 128 block."""
+    q, scale = _tensor_rows(x, group_sizes)
     return q, jnp.broadcast_to(scale, (x.shape[0], -(-x.shape[1] // BLOCK)))
 
 
 def _tensorwise_weights(w):
-    """One scale per expert, repeated over its 128 x 128 blocks."""
-    q, scale = quantize(w, "tensor")
+    """`_expert_weights`'s scales repeated over each expert's 128 x 128 blocks."""
+    q, scale = _expert_weights(w)
     grid = (-(-w.shape[-2] // BLOCK), -(-w.shape[-1] // BLOCK))
-    return q, jnp.broadcast_to(scale, (w.shape[0], *grid))
+    return q, jnp.broadcast_to(scale[:, None, None], (w.shape[0], *grid))
 
 
 def _tensorwise_transposed(x, group_sizes):
     """quantize_transposed's layout with one scale over the rows in the groups (their amax in
     XLA, then the engine's pass with that scale given): the scale is repeated over every
     block."""
-    _, scale = quantize(_rows_in_groups(x, group_sizes), "tensor")
+    _, scale = _tensor_rows(x, group_sizes)
     return quantize_transposed(x, group_sizes, scale=scale)
 
 
 def _kernel_quantisers(recipe: str):
-    """(rows, weights, transposed) of the recipe, as described above."""
+    """The gradients' (rows, weights, transposed) of the recipe, as described above."""
     if recipe == "blockwise":
         return _blockwise_rows, _blockwise_weights, quantize_transposed
     return _tensorwise_rows, _tensorwise_weights, _tensorwise_transposed
 
 
 def _kernel_forward(lhs, rhs, group_sizes, lhs_quantized, recipe):
-    """The forward on the engine's FP8 kernel: each expert's weight transposed (a block of rhs[g]
-    is a block of rhs[g].T); lhs's quantisation as given, if it is."""
-    rows, weights, _ = _kernel_quantisers(recipe)
-    lhs_q = rows(lhs, group_sizes) if lhs_quantized is None else lhs_quantized
-    return grouped_matmul_fp8_blockwise(*lhs_q, *weights(jnp.swapaxes(rhs, 1, 2)),
-                                        group_sizes),
+    """The forward on the recipe's FP8 kernel: each expert's weight transposed (a block of
+    rhs[g] is a block of rhs[g].T, and its tensor scale is rhs[g]'s); lhs's quantisation as
+    given, if it is (blockwise only)."""
+    rhs_t = jnp.swapaxes(rhs, 1, 2)
+    if recipe == "tensorwise":
+        return grouped_matmul_fp8_tensorwise(*_tensor_rows(lhs, group_sizes),
+                                             *_expert_weights(rhs_t), group_sizes),
+    lhs_q = _blockwise_rows(lhs, group_sizes) if lhs_quantized is None else lhs_quantized
+    return grouped_matmul_fp8_blockwise(*lhs_q, *_blockwise_weights(rhs_t), group_sizes),
 
 
 def _emulated_forward(lhs, rhs, group_sizes, lhs_quantized, recipe, matmul):
@@ -393,10 +421,12 @@ def _unquantised_weight_gradient(lhs, dout, group_sizes, rhs, matmul, dtype):
 
 
 def _kernel_backward(lhs, rhs, dout, group_sizes, recipe, weight_gradient):
-    """Both gradients on the engine's FP8 kernels. The input gradient dout @ rhs[g].T runs on
-    the forward's kernel: its "transposed weight" [G, K, N] is rhs itself, whose 128 x 128
-    blocks (and scales) are those of the forward's. The weight gradient is the FP8 ragged
-    contraction, both operands laid out by group. Rows past the groups need no zeroing for the
+    """Both gradients on the engine's blockwise FP8 kernels, for either recipe (the tensorwise
+    one's scales repeated over the blocks: precise accumulation, each 128-deep block's sum
+    scaled and added in float32). The input gradient dout @ rhs[g].T runs on the blockwise
+    forward's kernel: its "transposed weight" [G, K, N] is rhs itself, whose 128 x 128 blocks
+    (and scales) are those of rhs[g].T. The weight gradient is the FP8 ragged contraction,
+    both operands laid out by group. Rows past the groups need no zeroing for the
     blockwise recipe: neither kernel nor the transposed quantisation reads them. (One kernel
     writing dout's rows and its transposed copy from one read measured slower than the two
     quantisers apart on the H200, 2026-12-03.)"""
@@ -575,7 +605,28 @@ _permute_fp8_p = _primitives.define("nodrop_permute_fp8", abstract_eval=_permute
                                     lower=_permute_fp8_lowering, multiple_results=True)
 
 
-# --- the engine's blockwise-scaled grouped matmul ------------------------------------------------
+# --- the engine's FP8 grouped matmuls on ragged rows (the forwards) -----------------------------
+
+
+def _require_e4m3(name: str, q) -> None:
+    if q.dtype != E4M3:
+        raise TypeError(f"{name} must be float8_e4m3fn, got {jnp.dtype(q.dtype).name}")
+
+
+def _require_scales(name: str, scales, shape: tuple[int, ...], what: str) -> None:
+    if jnp.dtype(scales.dtype) != jnp.float32 or scales.shape != shape:
+        raise ValueError(f"{name} must be float32 of shape {shape} ({what}), got "
+                         f"{jnp.dtype(scales.dtype).name} of shape {tuple(scales.shape)}")
+
+
+def _rows_codes(lhs_q, rhs_q_t) -> None:
+    """The codes both forwards read: lhs_q [M, K] and rhs_q_t [G, N, K] float8_e4m3fn."""
+    _checks.require_rank("lhs_q", lhs_q, 2, "[M, K]")
+    _checks.require_rank("rhs_q_t", rhs_q_t, 3, "[G, N, K]")
+    _require_e4m3("lhs_q", lhs_q)
+    _require_e4m3("rhs_q_t", rhs_q_t)
+    _checks.require_dim("rhs_q_t", rhs_q_t, 2, lhs_q.shape[1],
+                        "columns along axis 2 (K, lhs_q's columns)")
 
 
 def grouped_matmul_fp8_blockwise(lhs_q: ArrayLike, lhs_scales: ArrayLike, rhs_q_t: ArrayLike,
@@ -596,76 +647,112 @@ def grouped_matmul_fp8_blockwise(lhs_q: ArrayLike, lhs_scales: ArrayLike, rhs_q_
     """
     lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes = map(
         _checks.as_array, (lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes))
-    _checks.require_rank("lhs_q", lhs_q, 2, "[M, K]")
-    _checks.require_rank("rhs_q_t", rhs_q_t, 3, "[G, N, K]")
-    for name, q in (("lhs_q", lhs_q), ("rhs_q_t", rhs_q_t)):
-        if q.dtype != E4M3:
-            raise TypeError(f"{name} must be float8_e4m3fn, got {jnp.dtype(q.dtype).name}")
+    _rows_codes(lhs_q, rhs_q_t)
     (num_rows, depth), (num_groups, num_cols, _) = lhs_q.shape, rhs_q_t.shape
-    _checks.require_dim("rhs_q_t", rhs_q_t, 2, depth, "columns along axis 2 (K, lhs_q's columns)")
     k_blocks, n_blocks = -(-depth // BLOCK), -(-num_cols // BLOCK)
-    for name, scales, shape in (("lhs_scales", lhs_scales, (num_rows, k_blocks)),
-                                ("rhs_scales", rhs_scales, (num_groups, n_blocks, k_blocks))):
-        if jnp.dtype(scales.dtype) != jnp.float32 or scales.shape != shape:
-            raise ValueError(
-                f"{name} must be float32 of shape {shape} (one scale per block of {BLOCK}), got "
-                f"{jnp.dtype(scales.dtype).name} of shape {tuple(scales.shape)}")
+    per_block = f"one scale per block of {BLOCK}"
+    _require_scales("lhs_scales", lhs_scales, (num_rows, k_blocks), per_block)
+    _require_scales("rhs_scales", rhs_scales, (num_groups, n_blocks, k_blocks), per_block)
     group_sizes = _group_sizes(group_sizes, num_groups, "rhs_q_t")
     return _blockwise_p.bind(*_ffi.match_vma(lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes),
                              checked=_checks.checks_enabled())
 
 
-def _engine_blockwise(lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes, *, platform,
-                      checked):
-    """One engine call, K and N zero-padded to the kernels' 16 and 8 (TMA's 16-byte rows of
-    E4M3 and of bfloat16). Padding never starts a new 128 block, so the scales stay as they
-    are, and zeros add nothing."""
+def grouped_matmul_fp8_tensorwise(lhs_q: ArrayLike, lhs_scale: ArrayLike, rhs_q_t: ArrayLike,
+                                  rhs_scales: ArrayLike, group_sizes: ArrayLike) -> jax.Array:
+    """The tensorwise recipe's forward on FP8 operands, in one engine call: out [M, N] bfloat16.
+
+    Args:
+      lhs_q: [M, K] float8_e4m3fn and lhs_scale [1] float32, one scale for all of it, as
+        `quantize(lhs, "tensor")` gives them (its scale reshaped to [1]).
+      rhs_q_t: [G, N, K] float8_e4m3fn, each expert's weight transposed, and rhs_scales [G]
+        float32, one per expert, as `quantize(swapaxes(rhs, 1, 2), "tensor")` (reshaped to
+        [G]).
+      group_sizes: [G] integers, as `nodrop.grouped_matmul`'s (rows past the groups are zero).
+    Group g's rows are (lhs_q[rows_g] @ rhs_q_t[g].T) * (lhs_scale[0] * rhs_scales[g]): the
+    product accumulated over all of K in float32, scaled once, rounded to bfloat16. On the GPU
+    the accumulation is the tensor cores' own ("fast accumulation", Transformer Engine's FP8
+    forward), which rounds more than a float32 sum would. Rows partition locally under
+    sharding, the rest is gathered. Not differentiable: `fp8_grouped_matmul` is the
+    differentiable recipe that calls it.
+    """
+    lhs_q, lhs_scale, rhs_q_t, rhs_scales, group_sizes = map(
+        _checks.as_array, (lhs_q, lhs_scale, rhs_q_t, rhs_scales, group_sizes))
+    _rows_codes(lhs_q, rhs_q_t)
+    num_groups = rhs_q_t.shape[0]
+    _require_scales("lhs_scale", lhs_scale, (1,), "one scale for all of lhs_q")
+    _require_scales("rhs_scales", rhs_scales, (num_groups,), "one scale per expert")
+    group_sizes = _group_sizes(group_sizes, num_groups, "rhs_q_t")
+    return _tensorwise_p.bind(*_ffi.match_vma(lhs_q, lhs_scale, rhs_q_t, rhs_scales, group_sizes),
+                              checked=_checks.checks_enabled())
+
+
+def _engine_rows(target, lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes, *, platform,
+                 checked):
+    """One engine call of either forward (`target`), K and N zero-padded to the kernels' 16 and
+    8 (TMA's 16-byte rows of E4M3 and of bfloat16). Padding never starts a new 128 block, so
+    the scales stay as they are, and zeros add nothing."""
     depth, num_cols = lhs_q.shape[1], rhs_q_t.shape[1]
     padded_k, padded_n = -(-depth // 16) * 16, -(-num_cols // 8) * 8
     lhs_q = _pad_axis(lhs_q, 1, padded_k)
     rhs_q_t = _pad_axis(_pad_axis(rhs_q_t, 2, padded_k), 1, padded_n)
     workspace = None
-    if platform == "cuda":
+    if platform == "cuda":  # both forwards' workspace is the blockwise one's
         workspace = functools.partial(_ffi.grouped_matmul_fp8_blockwise_workspace_bytes,
                                       rhs_q_t.shape[0])
     return _ffi.engine_call(
-        "nodrop_grouped_matmul_fp8_blockwise",
-        jax.ShapeDtypeStruct((lhs_q.shape[0], padded_n), jnp.bfloat16),
+        target, jax.ShapeDtypeStruct((lhs_q.shape[0], padded_n), jnp.bfloat16),
         workspace_bytes=workspace, checked=_checks.attr_bool(checked))(
         lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes)[:, :num_cols]
 
 
-def _blockwise_lowering(lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes, *, checked,
-                        partition):
-    def run(*args):
-        return _ffi.on_platform(
-            *args, cpu=functools.partial(_engine_blockwise, platform="cpu", checked=checked),
-            cuda=functools.partial(_engine_blockwise, platform="cuda", checked=checked))
+def _rows_lowering(target: str, lhs_scale_factors: tuple[str, ...],
+                   rhs_scale_factors: tuple[str, ...]):
+    """The lowering of either forward (`target`), its scales' dimensions named by the sharding
+    rule's factors: the rows "m", the groups "g", the rest their own."""
+    dims = (("m", "k"), lhs_scale_factors, ("g", "n", "k"), rhs_scale_factors, ("g",))
+    rule = ", ".join(" ".join(factors) for factors in dims) + " -> m n"
+    gathered = tuple(dict.fromkeys(f for factors in dims for f in factors if f != "m"))
 
-    if not partition:
-        return run(lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes)
+    def lower(lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes, *, checked, partition):
+        def run(*args):
+            return _ffi.on_platform(
+                *args, cpu=functools.partial(_engine_rows, target, platform="cpu",
+                                             checked=checked),
+                cuda=functools.partial(_engine_rows, target, platform="cuda", checked=checked))
 
-    def local(axes_of, lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes):
-        if "m" in axes_of:  # this shard's rows, and the part of each group among them
-            group_sizes = _shard_group_sizes(group_sizes, lhs_q.shape[0], axes_of["m"])
-        return run(lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes)
+        if not partition:
+            return run(lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes)
 
-    # Rows split: local with the shard's group sizes (not in checked mode, which must see the
-    # global sizes); everything else gathered.
-    return _partition.partitioned(
-        run, "m k, m b, g n k, g c b, g -> m n",
-        (("m", "k"), ("m", "b"), ("g", "n", "k"), ("g", "c", "b"), ("g",)), (("m", "n"),),
-        local, () if checked else ("m",),
-        need_replication_factors=("k", "b", "g", "n", "c"))(
-        lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes)
+        def local(axes_of, lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes):
+            if "m" in axes_of:  # this shard's rows, and the part of each group among them
+                group_sizes = _shard_group_sizes(group_sizes, lhs_q.shape[0], axes_of["m"])
+            return run(lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes)
+
+        # Rows split: local with the shard's group sizes (not in checked mode, which must see
+        # the global sizes); everything else gathered.
+        return _partition.partitioned(
+            run, rule, dims, (("m", "n"),), local, () if checked else ("m",),
+            need_replication_factors=gathered)(
+            lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes)
+
+    return lower
 
 
+def _rows_abstract_eval(lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes, *, checked):
+    del checked
+    return _primitives.result_aval((lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes),
+                                   (lhs_q.shape[0], rhs_q_t.shape[1]), jnp.bfloat16)
+
+
+# The blockwise scales [M, KB] and [G, NB, KB] split with the rows and the groups; the
+# tensorwise ones are [1] (its own factor, gathered) and [G].
 _blockwise_p = _primitives.define(
-    "nodrop_grouped_matmul_fp8_blockwise",
-    abstract_eval=lambda lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes, *, checked: (
-        _primitives.result_aval((lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes),
-                                (lhs_q.shape[0], rhs_q_t.shape[1]), jnp.bfloat16)),
-    lower=_blockwise_lowering)
+    "nodrop_grouped_matmul_fp8_blockwise", abstract_eval=_rows_abstract_eval,
+    lower=_rows_lowering("nodrop_grouped_matmul_fp8_blockwise", ("m", "b"), ("g", "c", "b")))
+_tensorwise_p = _primitives.define(
+    "nodrop_grouped_matmul_fp8_tensorwise", abstract_eval=_rows_abstract_eval,
+    lower=_rows_lowering("nodrop_grouped_matmul_fp8_tensorwise", ("s",), ("g",)))
 
 
 # --- the weight gradient on FP8 operands ---------------------------------------------------------
@@ -773,9 +860,8 @@ def grouped_matmul_fp8_blockwise_contract(lhs_t: ArrayLike, lhs_scales: ArrayLik
         raise ValueError(f"num_rows must be a non-negative int (M), got {num_rows!r}")
     _checks.require_rank("lhs_t", lhs_t, 2, "[K, P]")
     _checks.require_rank("rhs_t", rhs_t, 2, "[N, P]")
-    for name, q in (("lhs_t", lhs_t), ("rhs_t", rhs_t)):
-        if q.dtype != E4M3:
-            raise TypeError(f"{name} must be float8_e4m3fn, got {jnp.dtype(q.dtype).name}")
+    _require_e4m3("lhs_t", lhs_t)
+    _require_e4m3("rhs_t", rhs_t)
     _checks.require_rank("group_sizes", group_sizes, 1, "[G]")
     num_groups = group_sizes.shape[0]
     blocks = _contract_blocks(int(num_rows), num_groups)
@@ -783,13 +869,9 @@ def grouped_matmul_fp8_blockwise_contract(lhs_t: ArrayLike, lhs_scales: ArrayLik
            f"{num_rows} and G {num_groups})")
     _checks.require_dim("lhs_t", lhs_t, 1, BLOCK * blocks, why)
     _checks.require_dim("rhs_t", rhs_t, 1, BLOCK * blocks, why)
-    for name, scales, shape in (("lhs_scales", lhs_scales, (blocks, lhs_t.shape[0])),
-                                ("rhs_scales", rhs_scales, (blocks, rhs_t.shape[0]))):
-        if jnp.dtype(scales.dtype) != jnp.float32 or scales.shape != shape:
-            raise ValueError(
-                f"{name} must be float32 of shape {shape} (one scale per block of {BLOCK} rows "
-                f"and column), got {jnp.dtype(scales.dtype).name} of shape "
-                f"{tuple(scales.shape)}")
+    per_block = f"one scale per block of {BLOCK} rows and column"
+    _require_scales("lhs_scales", lhs_scales, (blocks, lhs_t.shape[0]), per_block)
+    _require_scales("rhs_scales", rhs_scales, (blocks, rhs_t.shape[0]), per_block)
     group_sizes = _checks.as_int32("group_sizes", group_sizes)
     return _blockwise_contract_p.bind(
         *_ffi.match_vma(lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes),

@@ -131,14 +131,26 @@ def unpermute(rows, row_map, weights):
     return out.astype(rows.dtype)
 
 
+def _fp8_rows(lhs, rhs_t, group_sizes):
+    """The FP8 forwards' grouped matmul of the dequantised operands, in float32, as bfloat16."""
+    return grouped_matmul(lhs, rhs_t, group_sizes, transpose_rhs=True,
+                          out_dtype=jnp.float32).astype(jnp.bfloat16)
+
+
 def grouped_matmul_fp8_blockwise(lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes):
     """The FP8 blockwise grouped matmul: the dequantised operands' grouped matmul in float32,
     as bfloat16 (lhs in 1 x 128 blocks along K, each expert's transposed weight [N, K] in
     128 x 128 blocks)."""
-    lhs = fp8.dequantize(lhs_q, lhs_scales, fp8.ACTIVATION_BLOCK)
-    rhs_t = fp8.dequantize(rhs_q_t, rhs_scales, fp8.WEIGHT_BLOCK)
-    return grouped_matmul(lhs, rhs_t, group_sizes, transpose_rhs=True,
-                          out_dtype=jnp.float32).astype(jnp.bfloat16)
+    return _fp8_rows(fp8.dequantize(lhs_q, lhs_scales, fp8.ACTIVATION_BLOCK),
+                     fp8.dequantize(rhs_q_t, rhs_scales, fp8.WEIGHT_BLOCK), group_sizes)
+
+
+def grouped_matmul_fp8_tensorwise(lhs_q, lhs_scale, rhs_q_t, rhs_scales, group_sizes):
+    """The FP8 tensorwise grouped matmul: the same, with one scale for lhs ([1]) and one per
+    expert's transposed weight ([G])."""
+    return _fp8_rows(fp8.dequantize(lhs_q, lhs_scale.reshape(1, 1), "tensor"),
+                     fp8.dequantize(rhs_q_t, rhs_scales.reshape(-1, 1, 1), "tensor"),
+                     group_sizes)
 
 
 def grouped_matmul_fp8_blockwise_contract(lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes, *,

@@ -1,7 +1,8 @@
-// Tests of the CPU grouped_matmul_fp8_blockwise (the forward) and
-// grouped_matmul_fp8_blockwise_contract (the weight gradient) against float64
-// dequantise-then-matmul references: uneven, empty and invalid groups, K and N that are not
-// multiples of 128, threads, and the argument errors the GPU engine gives too.
+// Tests of the CPU grouped_matmul_fp8_blockwise (the forward), grouped_matmul_fp8_tensorwise
+// (the forward with one scale per tensor) and grouped_matmul_fp8_blockwise_contract (the weight
+// gradient) against float64 dequantise-then-matmul references: uneven, empty and invalid groups,
+// K and N that are not multiples of 128, threads, and the argument errors the GPU engine gives
+// too.
 
 #include <gtest/gtest.h>
 
@@ -9,6 +10,8 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "nodrop/engine_cpu.h"
@@ -70,21 +73,48 @@ Operands random_operands(const Problem& p, uint32_t seed) {
           random.scales(p.M * p.KB()), random.scales(p.G() * p.NB() * p.KB())};
 }
 
-std::vector<uint16_t> run(const Problem& p, const Operands& o, nodrop::ParallelRunner* runner,
-                          bool checked = false, nodrop::Status* status = nullptr) {
+// The tensorwise operands: the same codes, lhs_scales [1] and rhs_scales [G].
+Operands random_tensorwise_operands(const Problem& p, uint32_t seed) {
+  RandomFp8 random(seed);
+  return {random.codes(p.M * p.K), random.codes(p.G() * p.N * p.K), random.scales(1),
+          random.scales(p.G())};
+}
+
+// Both forwards take the same arguments; only the scales' layouts differ.
+using Forward = decltype(&nodrop::cpu::grouped_matmul_fp8_blockwise);
+
+std::vector<uint16_t> run(Forward forward, const Problem& p, const Operands& o,
+                          nodrop::ParallelRunner* runner, bool checked = false,
+                          nodrop::Status* status = nullptr) {
   std::vector<uint16_t> out(p.M * p.N, 0xffff);  // NaN: every element must be written
-  const auto s = nodrop::cpu::grouped_matmul_fp8_blockwise(
-      o.lhs.data(), o.lhs_scales.data(), o.rhs.data(), o.rhs_scales.data(), p.sizes.data(), p.M,
-      p.K, p.N, p.G(), out.data(), checked, runner);
+  const auto s = forward(o.lhs.data(), o.lhs_scales.data(), o.rhs.data(), o.rhs_scales.data(),
+                         p.sizes.data(), p.M, p.K, p.N, p.G(), out.data(), checked, runner);
   if (status) *status = s;
   else EXPECT_TRUE(s.ok()) << s.message();
   return out;
 }
 
-// Each group's rows against the dequantised operands, in float64; rows past the (clamped)
-// groups zero. The tolerance is bfloat16's rounding plus float32 summation error.
-void expect_matches_reference(const Problem& p, const Operands& o,
-                              const std::vector<uint16_t>& out) {
+std::vector<uint16_t> run(const Problem& p, const Operands& o, nodrop::ParallelRunner* runner,
+                          bool checked = false, nodrop::Status* status = nullptr) {
+  return run(nodrop::cpu::grouped_matmul_fp8_blockwise, p, o, runner, checked, status);
+}
+
+// The scale of lhs[m, k] times that of rhs[g, n, k], per recipe.
+double blockwise_scale(const Problem& p, const Operands& o, int64_t m, int64_t g, int64_t n,
+                       int64_t k) {
+  return static_cast<double>(o.lhs_scales[m * p.KB() + k / kBlock]) *
+         o.rhs_scales[(g * p.NB() + n / kBlock) * p.KB() + k / kBlock];
+}
+
+double tensorwise_scale(const Problem&, const Operands& o, int64_t, int64_t g, int64_t,
+                        int64_t) {
+  return static_cast<double>(o.lhs_scales[0]) * o.rhs_scales[g];
+}
+
+using Scale = decltype(&blockwise_scale);
+
+// Each row's group (clamped), -1 past the groups.
+std::vector<int64_t> groups_of_rows(const Problem& p) {
   int64_t begin = 0;
   std::vector<int64_t> group_of_row(p.M, -1);
   for (int64_t g = 0; g < p.G(); ++g) {
@@ -92,6 +122,28 @@ void expect_matches_reference(const Problem& p, const Operands& o,
     for (int64_t m = begin; m < end; ++m) group_of_row[m] = g;
     begin = end;
   }
+  return group_of_row;
+}
+
+// out[m, n] of row m in group g against the dequantised operands in float64: the value and the
+// sum of its terms' magnitudes (which bounds float32 summation error).
+std::pair<double, double> reference(const Problem& p, const Operands& o, Scale scale, int64_t m,
+                                    int64_t g, int64_t n) {
+  double want = 0.0, magnitude = 0.0;
+  for (int64_t k = 0; k < p.K; ++k) {
+    const double term = e4m3_value(o.lhs[m * p.K + k]) *
+                        e4m3_value(o.rhs[(g * p.N + n) * p.K + k]) * scale(p, o, m, g, n, k);
+    want += term;
+    magnitude += std::fabs(term);
+  }
+  return {want, magnitude};
+}
+
+// Each group's rows against the reference; rows past the (clamped) groups zero. The tolerance
+// is bfloat16's rounding plus float32 summation error.
+void expect_matches_reference(const Problem& p, const Operands& o,
+                              const std::vector<uint16_t>& out, Scale scale = blockwise_scale) {
+  const std::vector<int64_t> group_of_row = groups_of_rows(p);
   for (int64_t m = 0; m < p.M; ++m) {
     for (int64_t n = 0; n < p.N; ++n) {
       const float got = bf16_to_float(out[m * p.N + n]);
@@ -100,19 +152,23 @@ void expect_matches_reference(const Problem& p, const Operands& o,
         ASSERT_EQ(got, 0.0f) << "row " << m << " past the groups";
         continue;
       }
-      double want = 0.0, magnitude = 0.0;
-      for (int64_t k = 0; k < p.K; ++k) {
-        const double term = e4m3_value(o.lhs[m * p.K + k]) * o.lhs_scales[m * p.KB() + k / kBlock] *
-                            e4m3_value(o.rhs[(g * p.N + n) * p.K + k]) *
-                            o.rhs_scales[(g * p.NB() + n / kBlock) * p.KB() + k / kBlock];
-        want += term;
-        magnitude += std::fabs(term);
-      }
+      const auto [want, magnitude] = reference(p, o, scale, m, g, n);
       ASSERT_NEAR(got, want, std::fabs(want) / 256 + magnitude * 1e-6)
           << "row " << m << ", column " << n << ", group " << g;
     }
   }
 }
+
+// Uneven, empty, clamped and missing groups; K and N off whole 128-blocks.
+const auto kShapes = testing::Values(
+    Problem{37, 272, 200, {5, 0, 20, 7}},       // uneven and empty groups, rows past them;
+                                                // K and N past whole blocks
+    Problem{64, 128, 136, {0, 64, 0}},          // every row in one group
+    Problem{20, 16, 8, {-3, 10, 100}},          // negative and overlong sizes are clamped
+    Problem{300, 256, 256, {129, 1, 127, 43}},  // groups across row blocks
+    Problem{9, 0, 8, {4, 5}},                   // nothing to contract: zeros
+    Problem{0, 32, 8, {0, 0}},                  // no rows
+    Problem{6, 32, 8, {}});                     // no groups: every row past them
 
 class Fp8Blockwise : public testing::TestWithParam<Problem> {};
 
@@ -125,17 +181,7 @@ TEST_P(Fp8Blockwise, MatchesTheDequantisedReference) {
   EXPECT_EQ(run(p, o, &runner), serial);  // threads change nothing
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, Fp8Blockwise,
-    testing::Values(
-        Problem{37, 272, 200, {5, 0, 20, 7}},       // uneven and empty groups, rows past them;
-                                                    // K and N past whole blocks
-        Problem{64, 128, 136, {0, 64, 0}},          // every row in one group
-        Problem{20, 16, 8, {-3, 10, 100}},          // negative and overlong sizes are clamped
-        Problem{300, 256, 256, {129, 1, 127, 43}},  // groups across row blocks
-        Problem{9, 0, 8, {4, 5}},                   // nothing to contract: zeros
-        Problem{0, 32, 8, {0, 0}},                  // no rows
-        Problem{6, 32, 8, {}}));                    // no groups: every row past them
+INSTANTIATE_TEST_SUITE_P(Shapes, Fp8Blockwise, kShapes);
 
 TEST(Fp8BlockwiseArgs, CheckedModeRefusesInvalidGroupSizes) {
   const Problem p{20, 16, 8, {-3, 10, 100}};
@@ -179,6 +225,137 @@ TEST(Fp8BlockwiseNumerics, ScalesMultiplyEachKBlocksPartialSum) {
   for (int64_t n = 0; n < 8; ++n) EXPECT_EQ(bf16_to_float(out[n]), 128 * 0.125f + 128 * 8.0f);
   o.lhs_scales[1] = std::nanf("");  // a non-finite block stays visible in its row
   EXPECT_TRUE(std::isnan(bf16_to_float(run(p, o, nullptr)[0])));
+}
+
+// ---- grouped_matmul_fp8_tensorwise ----------------------------------------------------------
+
+class Fp8Tensorwise : public testing::TestWithParam<Problem> {};
+
+TEST_P(Fp8Tensorwise, MatchesTheDequantisedReference) {
+  const Problem& p = GetParam();
+  const Operands o = random_tensorwise_operands(p, 7);
+  const auto serial = run(nodrop::cpu::grouped_matmul_fp8_tensorwise, p, o, nullptr);
+  expect_matches_reference(p, o, serial, tensorwise_scale);
+  ThreadRunner runner(3);
+  EXPECT_EQ(run(nodrop::cpu::grouped_matmul_fp8_tensorwise, p, o, &runner), serial);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, Fp8Tensorwise, kShapes);
+
+// The tensorwise scales repeated over every block of the blockwise op's scale arrays: the same
+// products. Within one 128-block (K <= 128) both compute the same float32 dot times the same
+// scale product, bitwise; past it the blockwise op scales each block's sum before adding, so
+// they differ by float32 summation order (and the bfloat16 rounding that may flip).
+TEST(Fp8TensorwiseNumerics, IsTheBlockwiseOpOnRepeatedScales) {
+  for (const Problem& p : {Problem{37, 128, 200, {5, 0, 20, 7}}, Problem{20, 16, 8, {-3, 10, 100}},
+                           Problem{37, 272, 200, {5, 0, 20, 7}}}) {
+    const Operands tensorwise = random_tensorwise_operands(p, 3);
+    Operands blockwise = tensorwise;
+    blockwise.lhs_scales.assign(p.M * p.KB(), tensorwise.lhs_scales[0]);
+    blockwise.rhs_scales.resize(p.G() * p.NB() * p.KB());
+    for (int64_t i = 0; i < static_cast<int64_t>(blockwise.rhs_scales.size()); ++i) {
+      blockwise.rhs_scales[i] = tensorwise.rhs_scales[i / (p.NB() * p.KB())];
+    }
+    const auto got = run(nodrop::cpu::grouped_matmul_fp8_tensorwise, p, tensorwise, nullptr);
+    const auto want = run(p, blockwise, nullptr);
+    if (p.K <= kBlock) {
+      EXPECT_EQ(got, want) << "K = " << p.K;
+      continue;
+    }
+    const std::vector<int64_t> group_of_row = groups_of_rows(p);
+    for (int64_t m = 0; m < p.M; ++m) {
+      for (int64_t n = 0; n < p.N; ++n) {
+        const float a = bf16_to_float(got[m * p.N + n]), b = bf16_to_float(want[m * p.N + n]);
+        if (group_of_row[m] < 0) {
+          ASSERT_TRUE(a == 0.0f && b == 0.0f) << "row " << m << " past the groups";
+          continue;
+        }
+        const double magnitude =
+            reference(p, tensorwise, tensorwise_scale, m, group_of_row[m], n).second;
+        ASSERT_NEAR(a, b, std::fabs(b) / 128 + magnitude * 2e-6) << "row " << m << ", column "
+                                                                  << n;
+      }
+    }
+  }
+}
+
+TEST(Fp8TensorwiseNumerics, OneScaleProductMultipliesTheWholeDot) {
+  // K = 256 of ones: out = 256 * (lhs_scale * rhs_scales[g]) exactly, for each group's rows.
+  const Problem p{3, 256, 8, {1, 2}};
+  Operands o{std::vector<uint8_t>(p.M * p.K, 0x38), std::vector<uint8_t>(2 * 8 * 256, 0x38),
+             {0.5f}, {0.25f, 4.0f}};  // 0x38 = 1.0
+  auto out = run(nodrop::cpu::grouped_matmul_fp8_tensorwise, p, o, nullptr);
+  for (int64_t n = 0; n < p.N; ++n) {
+    EXPECT_EQ(bf16_to_float(out[n]), 256 * 0.125f);
+    EXPECT_EQ(bf16_to_float(out[p.N + n]), 256 * 2.0f);
+    EXPECT_EQ(bf16_to_float(out[2 * p.N + n]), 256 * 2.0f);
+  }
+  o.rhs_scales[0] = std::nanf("");  // a non-finite expert scale stays visible in its rows only
+  out = run(nodrop::cpu::grouped_matmul_fp8_tensorwise, p, o, nullptr);
+  EXPECT_TRUE(std::isnan(bf16_to_float(out[0])));
+  EXPECT_EQ(bf16_to_float(out[p.N]), 256 * 2.0f);
+  const Problem nothing{3, 0, 8, {1, 2}};  // K = 0 contracts nothing: zeros, NaN scale or not
+  for (uint16_t v : run(nodrop::cpu::grouped_matmul_fp8_tensorwise, nothing, o, nullptr)) {
+    EXPECT_EQ(v, 0);
+  }
+}
+
+TEST(Fp8TensorwiseArgs, CheckedModeRefusesInvalidGroupSizes) {
+  nodrop::Status status = nodrop::Status::Ok();
+  const Problem negative{20, 16, 8, {-3, 10, 100}};
+  run(nodrop::cpu::grouped_matmul_fp8_tensorwise, negative,
+      random_tensorwise_operands(negative, 1), nullptr, /*checked=*/true, &status);
+  EXPECT_TRUE(mentions(status, "group_sizes[0] = -3 is negative")) << status.message();
+  const Problem over{20, 16, 8, {10, 100}};
+  run(nodrop::cpu::grouped_matmul_fp8_tensorwise, over, random_tensorwise_operands(over, 1),
+      nullptr, true, &status);
+  EXPECT_TRUE(mentions(status, "group_sizes sum to 110 but there are only 20 rows"))
+      << status.message();
+}
+
+TEST(Fp8TensorwiseArgs, RejectsWhatTheGpuRejects) {
+  const Problem p{4, 256, 16, {4}};
+  const Operands o = random_tensorwise_operands(p, 2);
+  std::vector<uint16_t> out(p.M * p.N);
+  struct Pointers {
+    const void* lhs;
+    const float* lhs_scale;
+    const void* rhs;
+    const float* rhs_scales;
+    const int32_t* group_sizes;
+    void* out;
+  };
+  const Pointers valid{o.lhs.data(), o.lhs_scales.data(), o.rhs.data(), o.rhs_scales.data(),
+                       p.sizes.data(), out.data()};
+  auto call = [&](int64_t M, int64_t K, int64_t N, const Pointers& at) {
+    return nodrop::cpu::grouped_matmul_fp8_tensorwise(at.lhs, at.lhs_scale, at.rhs,
+                                                      at.rhs_scales, at.group_sizes, M, K, N, 1,
+                                                      at.out, false);
+  };
+  EXPECT_TRUE(call(4, 256, 16, valid).ok());
+  auto status = call(4, 24, 16, valid);
+  EXPECT_TRUE(mentions(status, "grouped_matmul_fp8_tensorwise: K = 24 must be a multiple of 16"))
+      << status.message();
+  status = call(4, 256, 12, valid);
+  EXPECT_TRUE(mentions(status, "N = 12 must be a multiple of 8")) << status.message();
+  status = call(-1, 256, 16, valid);
+  EXPECT_TRUE(mentions(status, "M = -1 is negative")) << status.message();
+  // Each pointer null in turn.
+  const std::pair<const char*, void (*)(Pointers&)> nulls[] = {
+      {"lhs", [](Pointers& at) { at.lhs = nullptr; }},
+      {"lhs_scale", [](Pointers& at) { at.lhs_scale = nullptr; }},
+      {"rhs", [](Pointers& at) { at.rhs = nullptr; }},
+      {"rhs_scales", [](Pointers& at) { at.rhs_scales = nullptr; }},
+      {"group_sizes", [](Pointers& at) { at.group_sizes = nullptr; }},
+      {"out", [](Pointers& at) { at.out = nullptr; }}};
+  for (const auto& [name, make_null] : nulls) {
+    Pointers at = valid;
+    make_null(at);
+    status = call(4, 256, 16, at);
+    EXPECT_TRUE(mentions(status, std::string("grouped_matmul_fp8_tensorwise: ") + name +
+                                     " is null"))
+        << status.message();
+  }
 }
 
 // ---- grouped_matmul_fp8_blockwise_contract -------------------------------------------------

@@ -126,6 +126,40 @@ TEST(Fp8TileList, NamesAndIdsAreDistinct) {
                "pingpong_64x128x128_1x1");
 }
 
+// The same for fp8_tensorwise_tiles.def.
+TEST(Fp8TensorwiseTileList, NamesAndIdsAreDistinct) {
+  using nodrop::cuda::Fp8TensorwiseTile;
+  std::set<std::string> names, ids;
+  for (Fp8TensorwiseTile tile : nodrop::cuda::kFp8TensorwiseTiles) {
+    EXPECT_NE(tile, Fp8TensorwiseTile::kAuto);
+    names.insert(nodrop::cuda::fp8_tensorwise_tile_name(tile));
+    ids.insert(nodrop::cuda::fp8_tensorwise_tile_id(tile));
+  }
+  EXPECT_EQ(names.size(), std::size(nodrop::cuda::kFp8TensorwiseTiles));
+  EXPECT_EQ(ids.size(), std::size(nodrop::cuda::kFp8TensorwiseTiles));
+  EXPECT_STREQ(
+      nodrop::cuda::fp8_tensorwise_tile_id(Fp8TensorwiseTile::kCooperative128x256x128Cluster1x2),
+      "cooperative_128x256x128_1x2");
+}
+
+// The tensorwise rule resolves every field: pingpong for groups of at most 128 rows on average,
+// else the cooperative tile.
+TEST(Fp8TensorwiseTileRule, ResolvesEveryField) {
+  using nodrop::cuda::Fp8TensorwiseTile;
+  const int64_t shapes[][4] = {{16384, 2048, 768, 128}, {131072, 2048, 768, 128},
+                               {32768, 7168, 4096, 4},  {0, 128, 128, 0}};
+  for (const auto& [M, K, N, G] : shapes) {
+    const auto schedule = nodrop::cuda::grouped_matmul_fp8_tensorwise_schedule(M, K, N, G);
+    EXPECT_NE(schedule.tile, Fp8TensorwiseTile::kAuto) << M << "x" << K << "x" << N;
+    EXPECT_NE(schedule.raster, GemmRaster::kAuto) << M << "x" << K << "x" << N;
+    EXPECT_NE(schedule.swizzle, 0) << M << "x" << K << "x" << N;
+  }
+  EXPECT_EQ(nodrop::cuda::grouped_matmul_fp8_tensorwise_schedule(16384, 2048, 768, 128).tile,
+            Fp8TensorwiseTile::kPingpong128x128x128Cluster1x2);
+  EXPECT_EQ(nodrop::cuda::grouped_matmul_fp8_tensorwise_schedule(32768, 7168, 4096, 4).tile,
+            Fp8TensorwiseTile::kCooperative128x256x128Cluster1x2);
+}
+
 // The measured rule (fp8_tile_rule.cc) on the benchmark's shapes.
 TEST(Fp8TileRule, PicksTheMeasuredScheduleByShape) {
   using nodrop::cuda::Fp8GemmTile;

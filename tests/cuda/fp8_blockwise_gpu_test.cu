@@ -1,12 +1,13 @@
 // GPU tests of nodrop::cuda::grouped_matmul_fp8_blockwise (ragged rows, E4M3 with 1x128 / 128x128
-// float32 scales, bfloat16 out) and grouped_matmul_fp8_blockwise_contract (the weight gradient:
-// ragged contraction, 1x128 scales along it on both operands) against host references computed
-// from the dequantised inputs in double. Needs a Hopper GPU, so it is run by hand, not by ctest
+// float32 scales, bfloat16 out), grouped_matmul_fp8_tensorwise (the same with one scale for lhs
+// and one per expert, fast accumulation) and grouped_matmul_fp8_blockwise_contract (the weight
+// gradient: ragged contraction, 1x128 scales along it on both operands) against host references
+// computed from the dequantised inputs in double. Needs a Hopper GPU, so it is run by hand, not by ctest
 // (part of nodrop_cuda_tests):
 //   ./nodrop_cuda_tests --gtest_filter='CudaFp8*:*/CudaFp8*'
-// Every kernel of fp8_tiles.def runs every case; the cases of one shape, each kernel once, fit a
-// sanitizer run:
-//   compute-sanitizer ./nodrop_cuda_tests --gtest_filter='*/CudaFp8BlockwiseTest.*/mixed_*'
+// Every kernel of fp8_tiles.def and fp8_tensorwise_tiles.def runs every case; the cases of one
+// shape, each kernel once, fit a sanitizer run:
+//   compute-sanitizer ./nodrop_cuda_tests --gtest_filter='*/CudaFp8*wiseTest.*/mixed_*'
 //
 // Every call writes into an output poisoned with 0xFF bytes (NaN in bfloat16) and fenced by
 // poisoned guard bytes, so an unwritten element or a write out of bounds fails; every call runs
@@ -97,15 +98,18 @@ std::vector<int64_t> naive_offsets(const Sizes& sizes, int64_t rows) {
 }
 
 // One problem's host inputs: E4M3 bytes and positive float32 scales in the layouts of
-// engine_cuda.h (lhs_scales [M, KB], rhs_scales [G, NB, KB], both row-major).
+// engine_cuda.h: blockwise lhs_scales [M, KB] and rhs_scales [G, NB, KB] (both row-major), or
+// tensorwise lhs_scale [1] and rhs_scales [G].
 struct Inputs {
   int64_t M, K, N, G;
+  bool tensorwise;
   std::vector<__nv_fp8_e4m3> lhs, rhs;
   std::vector<float> lhs_scales, rhs_scales;
 
-  Inputs(int64_t M, int64_t K, int64_t N, int64_t G, uint32_t seed)
-      : M(M), K(K), N(N), G(G), lhs(M * K), rhs(G * N * K),
-        lhs_scales(M * blocks_of(K)), rhs_scales(G * blocks_of(N) * blocks_of(K)) {
+  Inputs(int64_t M, int64_t K, int64_t N, int64_t G, uint32_t seed, bool tensorwise = false)
+      : M(M), K(K), N(N), G(G), tensorwise(tensorwise), lhs(M * K), rhs(G * N * K),
+        lhs_scales(tensorwise ? 1 : M * blocks_of(K)),
+        rhs_scales(tensorwise ? G : G * blocks_of(N) * blocks_of(K)) {
     std::mt19937 rng(seed);
     // Values over most of E4M3's normal range (max 448); scales over four octaves.
     std::uniform_real_distribution<float> value(-8.f, 8.f);
@@ -116,11 +120,11 @@ struct Inputs {
     for (auto& s : rhs_scales) s = std::exp2(log2_scale(rng));
   }
   float a(int64_t m, int64_t k) const {
-    return float(lhs[m * K + k]) * lhs_scales[m * blocks_of(K) + k / kBlock];
+    return float(lhs[m * K + k]) * lhs_scales[tensorwise ? 0 : m * blocks_of(K) + k / kBlock];
   }
   float b(int64_t g, int64_t n, int64_t k) const {
     return float(rhs[(g * N + n) * K + k]) *
-           rhs_scales[(g * blocks_of(N) + n / kBlock) * blocks_of(K) + k / kBlock];
+           rhs_scales[tensorwise ? g : (g * blocks_of(N) + n / kBlock) * blocks_of(K) + k / kBlock];
   }
 };
 
@@ -143,8 +147,9 @@ std::vector<float> reference(const Inputs& in, const Sizes& sizes) {
 }
 
 // Empty string when `got` (bfloat16 bytes) matches: within 1e-2 of the largest |reference| (bf16
-// rounding is 2^-9 relative; float32 accumulation of E4M3 products adds far less), and exactly
-// zero where the reference row is in no group.
+// rounding is 2^-9 relative; float32 accumulation of E4M3 products adds far less, and so does the
+// tensor cores' own accumulation at these K), and exactly zero where the reference row is in no
+// group.
 std::string compare(const std::vector<uint8_t>& got, const std::vector<float>& want,
                     const std::vector<int64_t>& offsets, int64_t N) {
   float max_abs = 0.f;
@@ -198,6 +203,13 @@ struct Buffers {
         static_cast<const float*>(rhs_scales.get()), static_cast<const int32_t*>(sizes.get()),
         in.M, in.K, in.N, in.G, out.get(), workspace.get(), workspace.bytes(), stream, schedule);
   }
+  Status run(const Inputs& in, cudaStream_t stream,
+             const nodrop::cuda::Fp8TensorwiseSchedule& schedule) const {
+    return nodrop::cuda::grouped_matmul_fp8_tensorwise(
+        lhs.get(), static_cast<const float*>(lhs_scales.get()), rhs.get(),
+        static_cast<const float*>(rhs_scales.get()), static_cast<const int32_t*>(sizes.get()),
+        in.M, in.K, in.N, in.G, out.get(), workspace.get(), workspace.bytes(), stream, schedule);
+  }
 };
 
 // Random sizes in [0, max_size], the last one filling up to M when it can.
@@ -220,18 +232,19 @@ struct Case {
 std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
 
 // Captured once into a CUDA graph, the call replays with new group sizes written on the device.
-// First in this file on purpose, as in grouped_matmul_gpu_test.cu: the process's first FP8 call
-// happens inside the capture, so its one-time host work (function attributes, the occupancy
-// query) must be capture-safe.
-TEST(CudaFp8BlockwiseGraph, ReplaysWithNewGroupSizesOnTheDevice) {
-  const Inputs in(/*M=*/300, /*K=*/256, /*N=*/256, /*G=*/3, /*seed=*/11);
+// First in this file on purpose, as in grouped_matmul_gpu_test.cu: the process's first call of
+// each kind happens inside the capture, so its one-time host work (function attributes, the
+// occupancy query) must be capture-safe.
+template <class Schedule>
+void expect_graph_replays_with_new_group_sizes(bool tensorwise) {
+  const Inputs in(/*M=*/300, /*K=*/256, /*N=*/256, /*G=*/3, /*seed=*/11, tensorwise);
   const Buffers buffers(in);
   buffers.set_sizes({100, 100, 100});
   cudaStream_t stream;
   CUDA_CHECK(cudaStreamCreate(&stream));
   cudaGraph_t graph;
   CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  const Status status = buffers.run(in, stream);
+  const Status status = buffers.run(in, stream, Schedule());
   CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   ASSERT_TRUE(status.ok()) << status.message();
   cudaGraphExec_t exec;
@@ -249,6 +262,14 @@ TEST(CudaFp8BlockwiseGraph, ReplaysWithNewGroupSizesOnTheDevice) {
   CUDA_CHECK(cudaGraphExecDestroy(exec));
   CUDA_CHECK(cudaGraphDestroy(graph));
   CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST(CudaFp8BlockwiseGraph, ReplaysWithNewGroupSizesOnTheDevice) {
+  expect_graph_replays_with_new_group_sizes<nodrop::cuda::Fp8GemmSchedule>(false);
+}
+
+TEST(CudaFp8TensorwiseGraph, ReplaysWithNewGroupSizesOnTheDevice) {
+  expect_graph_replays_with_new_group_sizes<nodrop::cuda::Fp8TensorwiseSchedule>(true);
 }
 
 using nodrop::cuda::Fp8GemmSchedule;
@@ -272,12 +293,13 @@ std::string schedule_id(const Fp8GemmSchedule& schedule) {
   return id;
 }
 
-class CudaFp8BlockwiseTest : public testing::TestWithParam<std::tuple<Case, Fp8GemmSchedule>> {};
-
-TEST_P(CudaFp8BlockwiseTest, MatchesDequantisedReferenceDeterministically) {
-  const auto& [c, schedule] = GetParam();
+// Runs the case twice on `schedule`: both runs match the reference, write nothing outside out
+// and the workspace, and give the same bytes.
+template <class Schedule>
+void expect_matches_reference_deterministically(const Case& c, const Schedule& schedule,
+                                                bool tensorwise) {
   const int64_t G = static_cast<int64_t>(c.sizes.size());
-  const Inputs in(c.M, c.K, c.N, G, /*seed=*/7);
+  const Inputs in(c.M, c.K, c.N, G, /*seed=*/7, tensorwise);
   const Buffers buffers(in);
   buffers.set_sizes(c.sizes);
   const std::vector<float> want = reference(in, c.sizes);
@@ -299,34 +321,104 @@ TEST_P(CudaFp8BlockwiseTest, MatchesDequantisedReferenceDeterministically) {
   }
 }
 
+class CudaFp8BlockwiseTest : public testing::TestWithParam<std::tuple<Case, Fp8GemmSchedule>> {};
+
+TEST_P(CudaFp8BlockwiseTest, MatchesDequantisedReferenceDeterministically) {
+  const auto& [c, schedule] = GetParam();
+  expect_matches_reference_deterministically(c, schedule, /*tensorwise=*/false);
+}
+
+// The ragged-rows cases every forward kernel runs.
+const auto kRowsCases = testing::Values(
+    // An empty group, a group of one row, 130 rows (one whole tile and two rows), 200, and 69
+    // rows past every group that must come out zero.
+    Case{"mixed", 400, 512, 256, {0, 1, 130, 200, 0}},
+    // K and N not multiples of 128: partial scale blocks along both.
+    Case{"partial_blocks", 333, 272, 200, {130, 0, 1, 202}},
+    // All rows in one group, between empty ones; three row and three column tiles, so a 2-CTA
+    // cluster has a tile past the group either way.
+    Case{"one_group", 384, 384, 384, {0, 0, 384, 0}},
+    // More k tiles (16) than pipeline stages, and several tiles for each CTA.
+    Case{"long_k", 600, 2048, 384, {300, 0, 117, 183}},
+    // Invalid sizes: a negative one counts as zero, the total past M is clamped.
+    Case{"clamped", 300, 256, 128, {-5, 200, 250, 7}},
+    // Every group empty: the whole output is zero.
+    Case{"all_empty", 64, 256, 128, {0, 0, 0}},
+    // Sizes at int32's bounds: the first group takes every row.
+    Case{"int32_extremes", 256, 128, 128, {INT32_MAX, 5, -INT32_MAX, INT32_MIN}},
+    // More groups than the setup kernel's 256 threads, many of them empty or tiny.
+    Case{"many_groups", 2000, 128, 128, random_sizes(2000, 300, 12, 5)},
+    // No rows, and K = 0 (nothing to contract: the owned rows are zero too).
+    Case{"no_rows", 0, 256, 128, {0, 0, 0, 0}}, Case{"k_zero", 96, 0, 128, {32, 32, 32}});
+
 INSTANTIATE_TEST_SUITE_P(
-    Shapes, CudaFp8BlockwiseTest,
-    testing::Combine(testing::Values(
-        // An empty group, a group of one row, 130 rows (one whole tile and two rows), 200, and
-        // 69 rows past every group that must come out zero.
-        Case{"mixed", 400, 512, 256, {0, 1, 130, 200, 0}},
-        // K and N not multiples of 128: partial scale blocks along both.
-        Case{"partial_blocks", 333, 272, 200, {130, 0, 1, 202}},
-        // All rows in one group, between empty ones; three row and three column tiles, so a
-        // 2-CTA cluster has a tile past the group either way.
-        Case{"one_group", 384, 384, 384, {0, 0, 384, 0}},
-        // More k tiles (16) than pipeline stages, and several tiles for each CTA.
-        Case{"long_k", 600, 2048, 384, {300, 0, 117, 183}},
-        // Invalid sizes: a negative one counts as zero, the total past M is clamped.
-        Case{"clamped", 300, 256, 128, {-5, 200, 250, 7}},
-        // Every group empty: the whole output is zero.
-        Case{"all_empty", 64, 256, 128, {0, 0, 0}},
-        // Sizes at int32's bounds: the first group takes every row.
-        Case{"int32_extremes", 256, 128, 128, {INT32_MAX, 5, -INT32_MAX, INT32_MIN}},
-        // More groups than the setup kernel's 256 threads, many of them empty or tiny.
-        Case{"many_groups", 2000, 128, 128, random_sizes(2000, 300, 12, 5)},
-        // No rows, and K = 0 (nothing to contract: the owned rows are zero too).
-        Case{"no_rows", 0, 256, 128, {0, 0, 0, 0}},
-        Case{"k_zero", 96, 0, 128, {32, 32, 32}}),
-                     testing::ValuesIn(schedules())),
+    Shapes, CudaFp8BlockwiseTest, testing::Combine(kRowsCases, testing::ValuesIn(schedules())),
     [](const testing::TestParamInfo<std::tuple<Case, Fp8GemmSchedule>>& info) {
       return std::get<0>(info.param).name + "_" + schedule_id(std::get<1>(info.param));
     });
+
+// ---- one scale per tensor (fast accumulation) --------------------------------------------------
+
+using nodrop::cuda::Fp8TensorwiseSchedule;
+using nodrop::cuda::Fp8TensorwiseTile;
+
+// Every tensorwise kernel in its automatic tile order, and the cooperative one along N.
+std::vector<Fp8TensorwiseSchedule> tensorwise_schedules() {
+  std::vector<Fp8TensorwiseSchedule> all(std::begin(nodrop::cuda::kFp8TensorwiseTiles),
+                                         std::end(nodrop::cuda::kFp8TensorwiseTiles));
+  all.emplace_back(Fp8TensorwiseTile::kCooperative128x256x128Cluster1x2, GemmRaster::kAlongN, 2);
+  return all;
+}
+
+std::string schedule_id(const Fp8TensorwiseSchedule& schedule) {
+  std::string id = nodrop::cuda::fp8_tensorwise_tile_id(schedule.tile);
+  if (schedule.raster == GemmRaster::kAlongN) id += "_along_n";
+  if (schedule.swizzle != 0) id += "_swizzle_" + std::to_string(schedule.swizzle);
+  return id;
+}
+
+class CudaFp8TensorwiseTest
+    : public testing::TestWithParam<std::tuple<Case, Fp8TensorwiseSchedule>> {};
+
+TEST_P(CudaFp8TensorwiseTest, MatchesDequantisedReferenceDeterministically) {
+  const auto& [c, schedule] = GetParam();
+  expect_matches_reference_deterministically(c, schedule, /*tensorwise=*/true);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaFp8TensorwiseTest,
+    testing::Combine(kRowsCases, testing::ValuesIn(tensorwise_schedules())),
+    [](const testing::TestParamInfo<std::tuple<Case, Fp8TensorwiseSchedule>>& info) {
+      return std::get<0>(info.param).name + "_" + schedule_id(std::get<1>(info.param));
+    });
+
+// The tensorwise op is the blockwise one with every block's scale the tensor's: same values up
+// to the order of the float32 sums (the blockwise kernel adds per 128-deep block).
+TEST(CudaFp8Tensorwise, MatchesBlockwiseWithRepeatedScales) {
+  const Sizes sizes = {0, 130, 1, 253};
+  const Inputs tensorwise(/*M=*/400, /*K=*/1024, /*N=*/384, /*G=*/4, /*seed=*/5, true);
+  Inputs blockwise(400, 1024, 384, 4, 5, false);
+  blockwise.lhs = tensorwise.lhs;
+  blockwise.rhs = tensorwise.rhs;
+  std::fill(blockwise.lhs_scales.begin(), blockwise.lhs_scales.end(), tensorwise.lhs_scales[0]);
+  const int64_t per_expert = blocks_of(384) * blocks_of(1024);
+  for (int64_t g = 0; g < 4; ++g) {
+    std::fill_n(blockwise.rhs_scales.begin() + g * per_expert, per_expert,
+                tensorwise.rhs_scales[g]);
+  }
+  const Buffers tensorwise_buffers(tensorwise), blockwise_buffers(blockwise);
+  tensorwise_buffers.set_sizes(sizes);
+  blockwise_buffers.set_sizes(sizes);
+  ASSERT_TRUE(tensorwise_buffers.run(tensorwise, nullptr, Fp8TensorwiseSchedule()).ok());
+  ASSERT_TRUE(blockwise_buffers.run(blockwise, nullptr).ok());
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<uint8_t> got = blockwise_buffers.out.download();
+  std::vector<float> want(400 * 384);
+  const std::vector<uint8_t> tensorwise_out = tensorwise_buffers.out.download();
+  const auto* values = reinterpret_cast<const __nv_bfloat16*>(tensorwise_out.data());
+  for (size_t i = 0; i < want.size(); ++i) want[i] = __bfloat162float(values[i]);
+  EXPECT_EQ(compare(got, want, naive_offsets(sizes, 400), 384), "");
+}
 
 // ---- the weight gradient (ragged contraction) ------------------------------------------------
 
@@ -560,6 +652,37 @@ TEST(CudaFp8BlockwiseArguments, ErrorsNameTheArgument) {
                  Fp8GemmSchedule(Fp8GemmTile::kAuto, static_cast<GemmRaster>(7), 1))
                 .message()
                 .find("schedule.raster = 7"),
+            std::string::npos);
+}
+
+TEST(CudaFp8TensorwiseArguments, ErrorsNameTheArgument) {
+  const Inputs in(/*M=*/16, /*K=*/128, /*N=*/128, /*G=*/2, /*seed=*/3, /*tensorwise=*/true);
+  const Buffers buffers(in);
+  auto call = [&](int64_t K, int64_t N, size_t workspace_bytes,
+                  const Fp8TensorwiseSchedule& schedule = {}, const float* lhs_scale = nullptr) {
+    return nodrop::cuda::grouped_matmul_fp8_tensorwise(
+        buffers.lhs.get(),
+        lhs_scale != nullptr ? lhs_scale : static_cast<const float*>(buffers.lhs_scales.get()),
+        buffers.rhs.get(), static_cast<const float*>(buffers.rhs_scales.get()),
+        static_cast<const int32_t*>(buffers.sizes.get()), in.M, K, N, in.G, buffers.out.get(),
+        buffers.workspace.get(), workspace_bytes, nullptr, schedule);
+  };
+  const size_t bytes = buffers.workspace.bytes();
+  EXPECT_NE(call(/*K=*/120, 128, bytes).message().find("K = 120"), std::string::npos);
+  EXPECT_NE(call(128, /*N=*/100, bytes).message().find("N = 100"), std::string::npos);
+  EXPECT_NE(call(128, 128, bytes - 1).message().find("workspace"), std::string::npos);
+  EXPECT_NE(call(128, 128, bytes, static_cast<Fp8TensorwiseTile>(99))
+                .message()
+                .find("schedule.tile = 99 is not an Fp8TensorwiseTile"),
+            std::string::npos);
+  EXPECT_NE(call(128, 128, bytes,
+                 Fp8TensorwiseSchedule(Fp8TensorwiseTile::kAuto, GemmRaster::kAuto, 3))
+                .message()
+                .find("schedule.swizzle = 3"),
+            std::string::npos);
+  const float* misaligned = reinterpret_cast<const float*>(
+      static_cast<const char*>(buffers.lhs_scales.get()) + 2);
+  EXPECT_NE(call(128, 128, bytes, {}, misaligned).message().find("lhs_scale must be 4-byte"),
             std::string::npos);
 }
 

@@ -266,7 +266,7 @@ def test_a_missing_tokamax_is_recorded_not_raised(monkeypatch, tiny_shapes):
 
 @needs_train  # its plot: matplotlib
 def test_gpu_fp8_dry_run_on_the_cpu(tmp_path, monkeypatch):
-    """bench/gpu_fp8.py --dry-run: nodrop's FP8 GEMM and forward (on the CPU engine) checked
+    """bench/gpu_fp8.py --dry-run: nodrop's two FP8 GEMMs and forward (on the CPU engine) checked
     against their dequantised operands and timed, uniform and Zipf; torch's cases n/a with the
     reason (no GPU here); tables and plot."""
     import gpu_fp8
@@ -290,13 +290,13 @@ def test_gpu_fp8_dry_run_on_the_cpu(tmp_path, monkeypatch):
             assert case["status"] == "n/a" and case["detail"] == results["torch"]
     assert [row["sizes"] for row in results["summary"]] == [[64] * 4, [125, 61, 40, 30]]
     markdown = (tmp_path / "gpu-fp8.md").read_text()
-    assert "## Accuracy" in markdown and "4 of 4 pass" in markdown
+    assert "## Accuracy" in markdown and "6 of 6 pass" in markdown
 
 
 def test_gpu_fp8_targets_take_the_faster_checked_torch():
-    """The vs-torch target compares nodrop's GEMM with the faster torch variant whose output
-    passed its check; DeepGEMM's shapes have the TFLOP/s target instead; group sizes rounded
-    for --row-multiple keep their sum."""
+    """The vs-torch target compares each of nodrop's GEMMs with the faster torch variant whose
+    output passed its check; DeepGEMM's shapes have the TFLOP/s target instead; group sizes
+    rounded for --row-multiple keep their sum."""
     import gpu_fp8
 
     def case(shape, impl, tflops, check=1e-3):
@@ -305,19 +305,25 @@ def test_gpu_fp8_targets_take_the_faster_checked_torch():
                     detail="")
 
     mixtral, deepgemm = "Mixtral-8x7B", "DeepGEMM-N7168-K2048"
-    cases = [case(mixtral, "nodrop_gemm", 900.0), case(mixtral, "nodrop_forward", 700.0),
-             case(mixtral, "torch", 850.0), case(mixtral, "torch_fast_accum", 950.0, check=0.5),
-             case(deepgemm, "nodrop_gemm", 1250.0), case(deepgemm, "nodrop_forward", 1000.0),
-             case(deepgemm, "torch", 1300.0), case(deepgemm, "torch_fast_accum", 1400.0)]
+    cases = [case(mixtral, "nodrop_gemm", 900.0), case(mixtral, "nodrop_tensorwise", 800.0),
+             case(mixtral, "nodrop_forward", 700.0), case(mixtral, "torch", 850.0),
+             case(mixtral, "torch_fast_accum", 950.0, check=0.5),
+             case(deepgemm, "nodrop_gemm", 1250.0), case(deepgemm, "nodrop_tensorwise", 1300.0),
+             case(deepgemm, "nodrop_forward", 1000.0), case(deepgemm, "torch", 1300.0),
+             case(deepgemm, "torch_fast_accum", 1400.0)]
     rows = gpu_fp8.summary(cases)
     first, second = rows
     assert first["torch_best"] == "torch"  # the fast-accum variant failed its check
     assert first["ratios"]["nodrop_gemm"] == pytest.approx(900 / 850)
-    assert first["targets"]["vs torch"]["verdict"] == "PASS"
+    assert first["targets"]["vs torch nodrop_gemm"]["verdict"] == "PASS"
+    assert first["targets"]["vs torch nodrop_tensorwise"]["verdict"] == "FAIL"  # 800 < 850
     assert second["torch_best"] == "torch_fast_accum"
-    assert "vs torch" not in second["targets"]
-    assert second["targets"]["TFLOP/s"]["verdict"] == "PASS"
-    assert not any("FAIL" in line for line in gpu_fp8.target_lines(rows))
+    assert not any(name.startswith("vs torch") for name in second["targets"])
+    assert second["targets"]["TFLOP/s nodrop_gemm"]["verdict"] == "PASS"
+    assert second["targets"]["TFLOP/s nodrop_tensorwise"]["verdict"] == "PASS"
+    failed = [line for line in gpu_fp8.target_lines(rows) if "FAIL" in line]
+    assert failed == ["Mixtral-8x7B uniform: nodrop tensorwise FP8 GEMM / "
+                      "torch._scaled_grouped_mm (use_fast_accum=False) >= 1x: 0.94x FAIL"]
     sizes = gpu_fp8.rounded_sizes(np.array([125, 61, 40, 30]), 16)
     assert sizes.tolist() == [160, 48, 32, 16]
 

@@ -216,6 +216,23 @@ def check_grouped_matmul_fp8_blockwise():
     assert not np.any(as_f64(out)[3])
 
 
+def check_grouped_matmul_fp8_tensorwise():
+    # K = 144, N = 8, groups of 2 and 1 rows of 4; one scale for lhs, one per expert.
+    rng = np.random.default_rng(9)
+    lhs = rng.choice([-2.0, -0.5, 0.0, 1.0, 1.5], (4, 144)).astype(np.float32)
+    rhs_t = rng.choice([-1.0, 0.25, 0.0, 3.0], (2, 8, 144)).astype(np.float32)
+    lhs_scale, rhs_scales = np.asarray([0.5], np.float32), np.asarray([2.0, 0.125], np.float32)
+    out = ffi("nodrop_grouped_matmul_fp8_tensorwise", jax.ShapeDtypeStruct((4, 8), jnp.bfloat16),
+              jnp.asarray(lhs, jnp.float8_e4m3fn), jnp.asarray(lhs_scale),
+              jnp.asarray(rhs_t, jnp.float8_e4m3fn), jnp.asarray(rhs_scales), int32([2, 1]),
+              checked=np.bool_(False))
+    rhs_dq = np.swapaxes(rhs_t * rhs_scales[:, None, None], 1, 2)
+    want = numpy_grouped_matmul(lhs.astype(np.float64) * lhs_scale[0], rhs_dq.astype(np.float64),
+                                [2, 1])
+    np.testing.assert_allclose(as_f64(out), want, rtol=2 ** -8)
+    assert not np.any(as_f64(out)[3])
+
+
 def check_quantize_fp8_transposed():
     # Groups of 1 and 2 rows of 3: blocks 0 (row 0) and 1 (rows 1-2) of PB = 1 + 2; block 2 unused.
     x = np.asarray([[1.0, -2.0], [0.0, 448.0], [3.0, 0.0]], np.float32)
@@ -295,6 +312,7 @@ CHECKS = {
     "nodrop_quantize_fp8": check_quantize_fp8,
     "nodrop_permute_fp8": check_permute_fp8,
     "nodrop_grouped_matmul_fp8_blockwise": check_grouped_matmul_fp8_blockwise,
+    "nodrop_grouped_matmul_fp8_tensorwise": check_grouped_matmul_fp8_tensorwise,
     "nodrop_quantize_fp8_transposed": check_quantize_fp8_transposed,
     "nodrop_grouped_matmul_fp8_blockwise_contract": check_grouped_matmul_fp8_blockwise_contract,
 }
@@ -329,7 +347,8 @@ def test_ops_and_their_gradients_lower_to_every_registered_target():
     lowered = grad_fn.lower(x, params).as_text()
     # Every target but the FP8 recipes' (test_fp8.py lowers those) and the optimizer's.
     assert set(re.findall(r"custom_call @(nodrop_\w+)", lowered)) == set(_ffi.CPU_TARGETS) - {
-        "nodrop_adamw_update", "nodrop_quantize_fp8", "nodrop_permute_fp8", "nodrop_grouped_matmul_fp8_blockwise",
+        "nodrop_adamw_update", "nodrop_quantize_fp8", "nodrop_permute_fp8",
+        "nodrop_grouped_matmul_fp8_blockwise", "nodrop_grouped_matmul_fp8_tensorwise",
         "nodrop_quantize_fp8_transposed", "nodrop_grouped_matmul_fp8_blockwise_contract"}
     grads = jax.block_until_ready(grad_fn(x, params))
     assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))

@@ -777,22 +777,31 @@ def test_an_unquantised_weight_gradient_is_the_matmuls_own(case, recipe, forward
             np.abs(as_f64(drhs) - as_f64(want)))
 
 
+# recipe -> the forward's kernel calls (blockwise, tensorwise): the tensorwise recipe's forward
+# is its own kernel (fast accumulation), its input gradient the blockwise one.
+FORWARD_KERNELS = {"blockwise": (1, 0), "tensorwise": (0, 1)}
+
+
 @pytest.mark.parametrize("recipe, engine_row_quantisers", [("blockwise", 2), ("tensorwise", 0)])
 def test_both_gradients_run_on_the_fp8_kernels(recipe, engine_row_quantisers):
-    """With forward="kernel": the FP8 kernel twice (forward, input gradient), the FP8
-    contraction once on two transposed quantisations on the engine (the weight gradient), and
-    none of nodrop's bf16 grouped matmuls: no float32 contraction of dequantised operands. The
-    blockwise recipe quantises the rows on the engine; the tensorwise one in XLA (one amax per
-    tensor), which also gives the transposed quantisations their scale."""
+    """With forward="kernel": the recipe's FP8 kernel for the forward, the blockwise one for the
+    input gradient, the FP8 contraction once on two transposed quantisations on the engine (the
+    weight gradient), and none of nodrop's bf16 grouped matmuls: no float32 contraction of
+    dequantised operands. The blockwise recipe quantises the rows on the engine; the tensorwise
+    one in XLA (one amax per tensor), which also gives the transposed quantisations their
+    scale."""
     lhs, rhs = jnp.ones((8, 128), jnp.bfloat16), jnp.ones((2, 128, 8), jnp.bfloat16)
     loss = lambda a, b: jnp.sum(jnp.sin(fp8.fp8_grouped_matmul(  # noqa: E731
         a, b, int32([3, 5]), recipe=recipe, forward="kernel").astype(jnp.float32)))
     text = jax.jit(jax.grad(loss, (0, 1))).lower(lhs, rhs).as_text()
     calls = {target: text.count(f"custom_call @{target}(") for target in (
-        "nodrop_grouped_matmul_fp8_blockwise", "nodrop_grouped_matmul_fp8_blockwise_contract",
-        "nodrop_quantize_fp8", "nodrop_quantize_fp8_transposed", "nodrop_grouped_matmul",
+        "nodrop_grouped_matmul_fp8_blockwise", "nodrop_grouped_matmul_fp8_tensorwise",
+        "nodrop_grouped_matmul_fp8_blockwise_contract", "nodrop_quantize_fp8",
+        "nodrop_quantize_fp8_transposed", "nodrop_grouped_matmul",
         "nodrop_grouped_matmul_contract")}
-    assert calls == {"nodrop_grouped_matmul_fp8_blockwise": 2,
+    blockwise, tensorwise = FORWARD_KERNELS[recipe]
+    assert calls == {"nodrop_grouped_matmul_fp8_blockwise": blockwise + 1,
+                     "nodrop_grouped_matmul_fp8_tensorwise": tensorwise,
                      "nodrop_grouped_matmul_fp8_blockwise_contract": 1,
                      "nodrop_quantize_fp8": engine_row_quantisers,
                      "nodrop_quantize_fp8_transposed": 2,
@@ -803,7 +812,7 @@ def test_both_gradients_run_on_the_fp8_kernels(recipe, engine_row_quantisers):
 
 @RECIPES
 def test_an_unquantised_weight_gradient_runs_the_bf16_contraction(recipe):
-    """With weight_gradient="unquantised" on the kernels: the FP8 kernel for the forward and the
+    """With weight_gradient="unquantised" on the kernels: the FP8 kernels for the forward and the
     input gradient, nodrop's bf16 contraction for the weight gradient, and no transposed
     quantisation."""
     lhs, rhs = jnp.ones((8, 128), jnp.bfloat16), jnp.ones((2, 128, 8), jnp.bfloat16)
@@ -812,9 +821,12 @@ def test_an_unquantised_weight_gradient_runs_the_bf16_contraction(recipe):
         weight_gradient="unquantised").astype(jnp.float32)))
     text = jax.jit(jax.grad(loss, (0, 1))).lower(lhs, rhs).as_text()
     calls = {target: text.count(f"custom_call @{target}(") for target in (
-        "nodrop_grouped_matmul_fp8_blockwise", "nodrop_grouped_matmul_fp8_blockwise_contract",
-        "nodrop_quantize_fp8_transposed", "nodrop_grouped_matmul_contract")}
-    assert calls == {"nodrop_grouped_matmul_fp8_blockwise": 2,
+        "nodrop_grouped_matmul_fp8_blockwise", "nodrop_grouped_matmul_fp8_tensorwise",
+        "nodrop_grouped_matmul_fp8_blockwise_contract", "nodrop_quantize_fp8_transposed",
+        "nodrop_grouped_matmul_contract")}
+    blockwise, tensorwise = FORWARD_KERNELS[recipe]
+    assert calls == {"nodrop_grouped_matmul_fp8_blockwise": blockwise + 1,
+                     "nodrop_grouped_matmul_fp8_tensorwise": tensorwise,
                      "nodrop_grouped_matmul_fp8_blockwise_contract": 0,
                      "nodrop_quantize_fp8_transposed": 0, "nodrop_grouped_matmul_contract": 1}
 
@@ -890,6 +902,114 @@ def _fp8_gemm_args(**changes):
 def test_grouped_matmul_fp8_blockwise_refuses_bad_input(changes, error, message):
     with pytest.raises(error, match=re.escape(message)):
         nodrop.grouped_matmul_fp8_blockwise(**_fp8_gemm_args(**changes))
+
+
+# --- the engine's tensorwise-scaled grouped matmul ---------------------------------------------
+
+TENSORWISE_CASES = {**FP8_GEMM_CASES, "no_groups": (6, 32, 16, [])}
+
+
+def tensorwise_operands(m, k, n, groups, seed=0):
+    """lhs [M, K] and rhs [G, K, N] in bfloat16 quantised per tensor (per expert for rhs), as
+    the kernel takes them: (lhs_q, lhs_scale [1], rhs_q_t [G, N, K], rhs_scales [G])."""
+    lhs = jax.random.normal(jax.random.key(seed), (m, k), jnp.bfloat16)
+    rhs = jax.random.normal(jax.random.key(seed + 1), (groups, k, n), jnp.bfloat16) * (
+        jnp.asarray(np.exp2(np.arange(groups)), jnp.bfloat16)[:, None, None])  # its own scale
+    lhs_q, lhs_scale = fp8.quantize(lhs, "tensor")
+    rhs_q_t, rhs_scales = fp8.quantize(jnp.swapaxes(rhs, 1, 2), "tensor")
+    return lhs_q, lhs_scale.reshape(1), rhs_q_t, rhs_scales.reshape(groups)
+
+
+@pytest.mark.parametrize("case", TENSORWISE_CASES)
+def test_grouped_matmul_fp8_tensorwise_matches_the_reference(case):
+    m, k, n, sizes = TENSORWISE_CASES[case]
+    operands = tensorwise_operands(m, k, n, len(sizes))
+    got = nodrop.grouped_matmul_fp8_tensorwise(*operands, int32(sizes))
+    want = reference.grouped_matmul_fp8_tensorwise(*operands, int32(sizes))
+    assert got.dtype == jnp.bfloat16 and got.shape == (m, n)
+    assert_bf16_close(got, want)
+    used = group_offsets(sizes, m)[-1]
+    assert not np.any(as_f64(got)[used:]), "rows past the groups"
+    jitted = jax.jit(nodrop.grouped_matmul_fp8_tensorwise)(*operands, int32(sizes))
+    np.testing.assert_array_equal(as_f64(jitted), as_f64(got))
+
+
+@pytest.mark.parametrize("case", ["aligned", "k_and_n_padded_for_the_kernels",
+                                  "unaligned_groups_and_rows_past_them"])
+def test_grouped_matmul_fp8_tensorwise_is_the_blockwise_op_on_repeated_scales(case):
+    """The blockwise op with the tensorwise scales repeated over its blocks: bitwise the same
+    within one 128-deep block (K <= 128: the same float32 dot times the same scale product),
+    else up to float32 summation order."""
+    m, k, n, sizes = FP8_GEMM_CASES[case]
+    lhs_q, lhs_scale, rhs_q_t, rhs_scales = tensorwise_operands(m, k, n, len(sizes), seed=2)
+    grid = (-(-n // fp8.BLOCK), -(-k // fp8.BLOCK))
+    blockwise = nodrop.grouped_matmul_fp8_blockwise(
+        lhs_q, jnp.broadcast_to(lhs_scale, (m, grid[1])), rhs_q_t,
+        jnp.broadcast_to(rhs_scales[:, None, None], (len(sizes), *grid)), int32(sizes))
+    got = nodrop.grouped_matmul_fp8_tensorwise(lhs_q, lhs_scale, rhs_q_t, rhs_scales,
+                                               int32(sizes))
+    if k <= fp8.BLOCK:
+        np.testing.assert_array_equal(as_f64(got), as_f64(blockwise))
+    else:
+        assert_bf16_close(got, blockwise)
+
+
+def test_grouped_matmul_fp8_tensorwise_under_vmap_scan_and_checked_mode():
+    m, k, n, sizes = 40, 32, 16, int32([10, 30])
+    lhs_q, lhs_scale, rhs_q_t, rhs_scales = tensorwise_operands(m, k, n, 2, seed=6)
+    batch_q = jnp.stack([lhs_q, lhs_q[::-1]])
+    batch_scale = jnp.stack([lhs_scale, 2 * lhs_scale])
+    run = lambda q, s: nodrop.grouped_matmul_fp8_tensorwise(  # noqa: E731
+        q, s, rhs_q_t, rhs_scales, sizes)
+    np.testing.assert_array_equal(as_f64(jax.vmap(run)(batch_q, batch_scale)),
+                                  np.stack([as_f64(run(q, s)) for q, s in
+                                            zip(batch_q, batch_scale)]))
+
+    def body(total, operand):  # the same call on each element of a scan
+        return total, run(*operand)
+
+    _, scanned = jax.jit(lambda q, s: jax.lax.scan(body, 0, (q, s)))(batch_q, batch_scale)
+    np.testing.assert_array_equal(as_f64(scanned), as_f64(jax.vmap(run)(batch_q, batch_scale)))
+    with nodrop.checks(), pytest.raises(jax.errors.JaxRuntimeError,
+                                        match=re.escape("group_sizes sum to 50")):
+        jax.block_until_ready(nodrop.grouped_matmul_fp8_tensorwise(
+            lhs_q, lhs_scale, rhs_q_t, rhs_scales, int32([10, 40])))
+
+
+def _tensorwise_args(**changes):
+    lhs_q, lhs_scale, rhs_q_t, rhs_scales = tensorwise_operands(6, 200, 16, 2)
+    args = dict(lhs_q=lhs_q, lhs_scale=lhs_scale, rhs_q_t=rhs_q_t, rhs_scales=rhs_scales,
+                group_sizes=int32([2, 4]))
+    return {**args, **{name: change(args[name]) for name, change in changes.items()}}
+
+
+@pytest.mark.parametrize("changes, error, message", [
+    (dict(lhs_q=lambda x: x[0]), ValueError, "lhs_q must have rank 2 ([M, K]), got shape (200,)"),
+    (dict(rhs_q_t=lambda x: x[0]), ValueError, "rhs_q_t must have rank 3 ([G, N, K])"),
+    (dict(lhs_q=lambda x: x.astype(jnp.bfloat16)), TypeError,
+     "lhs_q must be float8_e4m3fn, got bfloat16"),
+    (dict(rhs_q_t=lambda x: x.astype(jnp.float32)), TypeError,
+     "rhs_q_t must be float8_e4m3fn, got float32"),
+    (dict(rhs_q_t=lambda x: x[:, :, :128]), ValueError,
+     "rhs_q_t has 128 columns along axis 2 (K, lhs_q's columns) but expected 200"),
+    (dict(lhs_scale=lambda s: s.reshape(1, 1)), ValueError,
+     "lhs_scale must be float32 of shape (1,) (one scale for all of lhs_q), got float32 of "
+     "shape (1, 1)"),
+    (dict(lhs_scale=lambda s: s.astype(jnp.bfloat16)), ValueError,
+     "lhs_scale must be float32 of shape (1,) (one scale for all of lhs_q), got bfloat16 of "
+     "shape (1,)"),
+    (dict(rhs_scales=lambda s: s[:, None, None]), ValueError,
+     "rhs_scales must be float32 of shape (2,) (one scale per expert), got float32 of shape "
+     "(2, 1, 1)"),
+    (dict(rhs_scales=lambda s: s[:1]), ValueError,
+     "rhs_scales must be float32 of shape (2,) (one scale per expert), got float32 of shape "
+     "(1,)"),
+    (dict(group_sizes=lambda g: g[:1]), ValueError,
+     "group_sizes has 1 groups but rhs_q_t has 2"),
+])
+def test_grouped_matmul_fp8_tensorwise_refuses_bad_input(changes, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        nodrop.grouped_matmul_fp8_tensorwise(**_tensorwise_args(**changes))
 
 
 def test_bad_forward_is_refused():

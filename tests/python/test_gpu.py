@@ -364,6 +364,44 @@ def test_fp8_blockwise_grouped_matmul_matches_the_reference_on_the_gpu(kind):
         assert not np.any(np.asarray(got[used:], np.float32)), "rows past the groups"
 
 
+# The tensorwise kernel's fast accumulation: the tensor cores' own sums over all of K, which
+# keep fewer bits than float32 (DeepSeek-V3 measured about 14 on the H800), so its error is
+# counted against the dot's magnitude (the sum of its terms' magnitudes), on top of bfloat16's
+# rounding of the result.
+FAST_ACCUMULATION = 1e-3
+
+
+@pytest.mark.parametrize("kind", SIZE_KINDS)
+def test_fp8_tensorwise_grouped_matmul_matches_the_reference_on_the_gpu(kind):
+    """The CUTLASS FP8 tensorwise kernel behind its FFI handler against the dequantised
+    reference (on the CPU), K and N off the kernel's multiples (padded around the call), each
+    expert with a scale of its own; jitted, replayed with new group sizes. Each element within
+    one bfloat16 rounding of the reference plus FAST_ACCUMULATION of its dot's magnitude."""
+    from nodrop.ops import fp8
+
+    m, k, n, g = 1000, 200, 136, 8
+    rng = np.random.default_rng(13)
+    lhs, rhs, _ = inputs((m, k, n, g), jnp.bfloat16, seed=13)
+    rhs = rhs * jnp.asarray(np.exp2(np.arange(g) - 3), jnp.bfloat16)[:, None, None]
+    (lhs_q, lhs_scale), (rhs_q_t, rhs_scales) = (fp8.quantize(lhs, "tensor"),
+                                                 fp8.quantize(jnp.swapaxes(rhs, 1, 2), "tensor"))
+    operands = (lhs_q, lhs_scale.reshape(1), rhs_q_t, rhs_scales.reshape(g))
+    run = jax.jit(nodrop.grouped_matmul_fp8_tensorwise)
+    cpu = jax.devices("cpu")[0]
+    lhs_abs = jnp.abs(fp8.dequantize(*jax.device_put((lhs_q, lhs_scale), cpu), "tensor"))
+    rhs_abs = jnp.abs(fp8.dequantize(*jax.device_put((rhs_q_t, rhs_scales), cpu), "tensor"))
+    for sizes in (group_sizes(kind, m, g, rng), group_sizes("random_short", m, g, rng)):
+        got = np.asarray(run(*operands, sizes), np.float64)
+        on_cpu = jax.device_put((*operands, sizes), cpu)
+        want = np.asarray(reference.grouped_matmul_fp8_tensorwise(*on_cpu), np.float64)
+        magnitude = np.asarray(reference.grouped_matmul(lhs_abs, rhs_abs, on_cpu[-1],
+                                                        transpose_rhs=True), np.float64)
+        bound = 2.0 ** -7 * np.abs(want) + FAST_ACCUMULATION * magnitude
+        assert np.all(np.abs(got - want) <= bound), (kind, np.max(np.abs(got - want) - bound))
+        used = int(np.minimum(np.cumsum(np.asarray(sizes)), m)[-1])
+        assert not np.any(got[used:]), "rows past the groups"
+
+
 @pytest.mark.parametrize("block", [(1, 128), (128, 128), "tensor"])
 def test_fp8_round_trip_under_jit_is_the_eager_one_on_the_gpu(block):
     """quantize then dequantize in one jit rounds to E4M3 as the two ops run apart do: XLA must
@@ -382,10 +420,12 @@ def test_fp8_round_trip_under_jit_is_the_eager_one_on_the_gpu(block):
 def test_fp8_recipe_runs_the_kernels_forward_and_both_gradients_on_the_gpu(recipe,
                                                                             weight_gradient):
     """fp8_grouped_matmul's "auto" mode runs the FP8 kernels on the GPU for bfloat16: the
-    blockwise GEMM for the forward and the input gradient (two calls), the FP8 contraction for
-    the weight gradient (one; with weight_gradient="unquantised" nodrop's bf16 contraction
-    instead), each within bfloat16 rounding of the emulated result; the tensorwise recipe on the
-    same kernels, its one scale repeated over the blocks."""
+    recipe's GEMM for the forward (the tensorwise one's with fast accumulation), the blockwise
+    GEMM for the input gradient (the tensorwise recipe's one scale repeated over the blocks), the
+    FP8 contraction for the weight gradient (one; with weight_gradient="unquantised" nodrop's
+    bf16 contraction instead), each within bfloat16 rounding of the emulated result, relative
+    to its largest element (fast accumulation's error, 1e-3 of a dot's magnitude at most, is
+    well inside that here)."""
     from nodrop.ops import fp8
 
     m, k, n, g = 777, 256, 384, 8
@@ -403,12 +443,15 @@ def test_fp8_recipe_runs_the_kernels_forward_and_both_gradients_on_the_gpu(recip
         f = jax.jit(forward_and_grads)
         text = f.lower(lhs, rhs).as_text()
         calls = (text.count("custom_call @nodrop_grouped_matmul_fp8_blockwise("),
+                 text.count("custom_call @nodrop_grouped_matmul_fp8_tensorwise("),
                  text.count("custom_call @nodrop_grouped_matmul_fp8_blockwise_contract("),
                  text.count("custom_call @nodrop_grouped_matmul_contract("))
+        tensorwise = int(recipe == "tensorwise")
         if forward == "auto":
-            assert calls == (2, fp8_contractions, 1 - fp8_contractions), calls
+            assert calls == (2 - tensorwise, tensorwise, fp8_contractions,
+                             1 - fp8_contractions), calls
         else:
-            assert calls[:2] == (0, 0), calls
+            assert calls[:3] == (0, 0, 0), calls
         results[forward] = f(lhs, rhs)
     assert rel_error(results["auto"][0], results["emulated"][0]) <= 2 ** -7
     (dlhs, drhs), (dlhs_emulated, drhs_emulated) = results["auto"][1], results["emulated"][1]

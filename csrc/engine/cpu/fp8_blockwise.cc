@@ -1,6 +1,7 @@
-// The FP8 blockwise-scaled grouped matmuls on the CPU, the forward and the weight gradient: the
-// CUDA kernels' numerics in plain loops (the reference backend; correct first, vectorisable inner
-// loops, one block of output rows per worker).
+// The FP8 grouped matmuls on the CPU: the blockwise-scaled forward and weight gradient, and the
+// forward with one scale per tensor (tensorwise). The CUDA kernels' numerics in plain loops (the
+// reference backend; correct first, vectorisable inner loops, one block of output rows per
+// worker).
 #include <algorithm>
 #include <array>
 #include <string>
@@ -49,35 +50,29 @@ float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-}  // namespace
-
-Status grouped_matmul_fp8_blockwise(const void* lhs, const float* lhs_scales, const void* rhs,
-                                    const float* rhs_scales, const int32_t* group_sizes,
-                                    int64_t M, int64_t K, int64_t N, int64_t G, void* out,
-                                    bool checked, ParallelRunner* runner) {
-  const int64_t KB = (K + kScaleBlock - 1) / kScaleBlock, NB = (N + kScaleBlock - 1) / kScaleBlock;
-  const char* function = "grouped_matmul_fp8_blockwise";
-  Status status = check_arguments(
-      function, {{"M", M}, {"K", K}, {"N", N}, {"G", G}},
-      {{"lhs", lhs, M * K}, {"lhs_scales", lhs_scales, M * KB}, {"rhs", rhs, G * N * K},
-       {"rhs_scales", rhs_scales, G * NB * KB}, {"group_sizes", group_sizes, G},
-       {"out", out, M * N}});
-  if (!status.ok()) return status;
-  // The GPU's rules, so that both engines refuse the same calls.
+// The ragged-rows forwards once their arguments are checked: the GPU's rules (so that both
+// engines refuse the same calls), the clamped groups, rows past them zeroed, each expert that
+// owns a row decoded once; then out[m, n] = bf16(product(lhs[m], rhs[g, n], m, g, n)) for each
+// row m of group g, both operands decoded to float32.
+template <typename Product>
+Status grouped_rows_forward(const char* function, const void* lhs, const void* rhs,
+                            const int32_t* group_sizes, int64_t M, int64_t K, int64_t N,
+                            int64_t G, void* out, bool checked, ParallelRunner* runner,
+                            const Product& product) {
   if (K % 16 != 0) {
     return Status::Error(std::string(function) + ": K = " + std::to_string(K) +
                          " must be a multiple of 16 (as on the GPU): pad it");
   }
   if (N % 8 != 0) return n_not_a_multiple_of_8(function, N);
   std::vector<int64_t> offsets(G + 1);
-  status = clamp_group_offsets(group_sizes, G, M, checked, "group_sizes", offsets.data());
+  Status status = clamp_group_offsets(group_sizes, G, M, checked, "group_sizes", offsets.data());
   if (!status.ok()) return status;
   uint16_t* result = static_cast<uint16_t*>(out);
-  const int64_t used_rows = offsets[G];
+  // K = 0 contracts nothing: zeros whatever the scales, as on the GPU.
+  const int64_t used_rows = K == 0 ? 0 : offsets[G];
   std::fill(result + used_rows * N, result + M * N, uint16_t{0});  // bf16 zero
   if (used_rows == 0 || N == 0) return Status::Ok();
 
-  // Every expert that owns a row, decoded once.
   std::vector<float> weights(G * N * K);
   parallel_blocks(runner, G, 1, [&](int64_t first, int64_t last) {
     for (int64_t g = first; g < last; ++g) {
@@ -93,20 +88,59 @@ Status grouped_matmul_fp8_blockwise(const void* lhs, const float* lhs_scales, co
     for (int64_t m = first; m < last; ++m) {
       while (offsets[g + 1] <= m) ++g;
       decode(static_cast<const uint8_t*>(lhs) + m * K, K, row.data());
-      const float* row_scales = lhs_scales + m * KB;
       for (int64_t n = 0; n < N; ++n) {
-        const float* w = weights.data() + (g * N + n) * K;
-        const float* w_scales = rhs_scales + (g * NB + n / kScaleBlock) * KB;
-        float acc = 0.0f;
-        for (int64_t kb = 0; kb < KB; ++kb) {
-          const int64_t begin = kb * kScaleBlock, length = std::min(K - begin, kScaleBlock);
-          acc += dot(row.data() + begin, w + begin, length) * (row_scales[kb] * w_scales[kb]);
-        }
-        result[m * N + n] = float_to_bf16(acc);
+        result[m * N + n] =
+            float_to_bf16(product(row.data(), weights.data() + (g * N + n) * K, m, g, n));
       }
     }
   });
   return Status::Ok();
+}
+
+}  // namespace
+
+Status grouped_matmul_fp8_blockwise(const void* lhs, const float* lhs_scales, const void* rhs,
+                                    const float* rhs_scales, const int32_t* group_sizes,
+                                    int64_t M, int64_t K, int64_t N, int64_t G, void* out,
+                                    bool checked, ParallelRunner* runner) {
+  const int64_t KB = (K + kScaleBlock - 1) / kScaleBlock, NB = (N + kScaleBlock - 1) / kScaleBlock;
+  const char* function = "grouped_matmul_fp8_blockwise";
+  Status status = check_arguments(
+      function, {{"M", M}, {"K", K}, {"N", N}, {"G", G}},
+      {{"lhs", lhs, M * K}, {"lhs_scales", lhs_scales, M * KB}, {"rhs", rhs, G * N * K},
+       {"rhs_scales", rhs_scales, G * NB * KB}, {"group_sizes", group_sizes, G},
+       {"out", out, M * N}});
+  if (!status.ok()) return status;
+  return grouped_rows_forward(
+      function, lhs, rhs, group_sizes, M, K, N, G, out, checked, runner,
+      [&](const float* row, const float* w, int64_t m, int64_t g, int64_t n) {
+        const float* row_scales = lhs_scales + m * KB;
+        const float* w_scales = rhs_scales + (g * NB + n / kScaleBlock) * KB;
+        float acc = 0.0f;
+        for (int64_t kb = 0; kb < KB; ++kb) {
+          const int64_t begin = kb * kScaleBlock, length = std::min(K - begin, kScaleBlock);
+          acc += dot(row + begin, w + begin, length) * (row_scales[kb] * w_scales[kb]);
+        }
+        return acc;
+      });
+}
+
+Status grouped_matmul_fp8_tensorwise(const void* lhs, const float* lhs_scale, const void* rhs,
+                                     const float* rhs_scales, const int32_t* group_sizes,
+                                     int64_t M, int64_t K, int64_t N, int64_t G, void* out,
+                                     bool checked, ParallelRunner* runner) {
+  const char* function = "grouped_matmul_fp8_tensorwise";
+  Status status = check_arguments(
+      function, {{"M", M}, {"K", K}, {"N", N}, {"G", G}},
+      {{"lhs", lhs, M * K}, {"lhs_scale", lhs_scale, 1}, {"rhs", rhs, G * N * K},
+       {"rhs_scales", rhs_scales, G}, {"group_sizes", group_sizes, G}, {"out", out, M * N}});
+  if (!status.ok()) return status;
+  // One scale per operand: the dot over all of K, scaled once (the GPU's fast accumulation).
+  return grouped_rows_forward(
+      function, lhs, rhs, group_sizes, M, K, N, G, out, checked, runner,
+      [&](const float* row, const float* w, int64_t, int64_t g, int64_t) {
+        return dot(row, w, K) * (lhs_scale[0] * rhs_scales[g]);
+      });
 }
 
 Status grouped_matmul_fp8_blockwise_contract(const void* lhs_t, const float* lhs_scales,

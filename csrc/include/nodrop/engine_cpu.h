@@ -112,6 +112,18 @@ Status grouped_matmul_fp8_blockwise(const void* lhs, const float* lhs_scales, co
                                     int64_t M, int64_t K, int64_t N, int64_t G, void* out,
                                     bool checked, ParallelRunner* runner = nullptr);
 
+// FP8 grouped matmul with one scale per tensor (the tensorwise recipe's forward), the CUDA
+// engine's grouped_matmul_fp8_tensorwise on the CPU: the same layouts, rules and errors.
+//   lhs [M, K] E4M3 bytes, lhs_scale [1] float32 (the whole of lhs), rhs [G, N, K] E4M3 bytes
+//   (each expert's weight transposed), rhs_scales [G] float32 (one per expert), out [M, N]
+//   bfloat16.
+// out[m, n] (m in group g) = (the float32 dot of lhs[m] and rhs[g, n]) * (lhs_scale[0] *
+// rhs_scales[g]); rows past the groups are zero. K must be a multiple of 16 and N of 8.
+Status grouped_matmul_fp8_tensorwise(const void* lhs, const float* lhs_scale, const void* rhs,
+                                     const float* rhs_scales, const int32_t* group_sizes,
+                                     int64_t M, int64_t K, int64_t N, int64_t G, void* out,
+                                     bool checked, ParallelRunner* runner = nullptr);
+
 // The blockwise recipe's weight gradient, ragged contraction on FP8 operands: with lhs [M, K]
 // and rhs [M, N] quantised by quantize_fp8_transposed (lhs_t [K, P], lhs_scales [PB, K],
 // rhs_t [N, P], rhs_scales [PB, N]; the same group_sizes and M),

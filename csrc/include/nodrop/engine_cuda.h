@@ -174,6 +174,55 @@ Status grouped_matmul_fp8_blockwise_contract(const void* lhs_t, const float* lhs
                                              size_t workspace_bytes, cudaStream_t stream,
                                              Fp8GemmSchedule schedule = {});
 
+// ---- FP8 grouped matmul with one scale per tensor (grouped_matmul/fp8_blockwise.cu) -----------
+//   The tensorwise recipe's forward: engine_cpu.h's grouped_matmul_fp8_tensorwise, out_g =
+//   (lhs_g @ rhs[g]^T) * (lhs_scale[0] * rhs_scales[g]) in bfloat16, lhs [M, K] and rhs [G, N, K]
+//   E4M3 as for grouped_matmul_fp8_blockwise, lhs_scale [1] and rhs_scales [G] float32 on the
+//   device. With one scale per operand the products need no scaling inside the contraction, so the
+//   kernels accumulate in the tensor cores' own float32 sums over all of K ("fast accumulation",
+//   what Transformer Engine runs its FP8 forward GEMMs with and torch._scaled_grouped_mm offers
+//   as use_fast_accum) and scale once in the epilogue: one accumulator per output, so a consumer
+//   warpgroup can hold a 64x256 tile. Same rules, alignment, errors and workspace
+//   (grouped_matmul_fp8_blockwise_workspace_bytes) as grouped_matmul_fp8_blockwise.
+
+// The CUTLASS kernel a call runs, one per line of grouped_matmul/fp8_tensorwise_tiles.def. kAuto
+// picks from the static shapes (grouped_matmul_fp8_tensorwise_schedule).
+enum class Fp8TensorwiseTile : int32_t {
+  kAuto = 0,
+#define NODROP_FP8_TENSORWISE_TILE(name, ...) name,
+#include "engine/cuda/grouped_matmul/fp8_tensorwise_tiles.def"
+#undef NODROP_FP8_TENSORWISE_TILE
+};
+inline constexpr Fp8TensorwiseTile kFp8TensorwiseTiles[] = {
+#define NODROP_FP8_TENSORWISE_TILE(name, ...) Fp8TensorwiseTile::name,
+#include "engine/cuda/grouped_matmul/fp8_tensorwise_tiles.def"
+#undef NODROP_FP8_TENSORWISE_TILE
+};
+
+// "cooperative 128x256x128, cluster 1x2" and "cooperative_128x256x128_1x2", as for Fp8GemmTile.
+const char* fp8_tensorwise_tile_name(Fp8TensorwiseTile tile);
+const char* fp8_tensorwise_tile_id(Fp8TensorwiseTile tile);
+
+// The kernel and tile order of one tensorwise call, as Fp8GemmSchedule.
+struct Fp8TensorwiseSchedule {
+  Fp8TensorwiseSchedule(Fp8TensorwiseTile tile = Fp8TensorwiseTile::kAuto,
+                        GemmRaster raster = GemmRaster::kAuto, int swizzle = 0)
+      : tile(tile), raster(raster), swizzle(swizzle) {}
+  Fp8TensorwiseTile tile;
+  GemmRaster raster;
+  int swizzle;
+};
+
+// The schedule that a tensorwise call's automatic fields resolve to (fp8_tile_rule.cc).
+Fp8TensorwiseSchedule grouped_matmul_fp8_tensorwise_schedule(int64_t M, int64_t K, int64_t N,
+                                                             int64_t G);
+
+Status grouped_matmul_fp8_tensorwise(const void* lhs, const float* lhs_scale, const void* rhs,
+                                     const float* rhs_scales, const int32_t* group_sizes,
+                                     int64_t M, int64_t K, int64_t N, int64_t G, void* out,
+                                     void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                                     Fp8TensorwiseSchedule schedule = {});
+
 // ---- routing and token permutation (permute.cu, router.cu) -------------------------------------
 //   - permute_rows zeroes the rows [n, T*k), n being the number of in-range row_map entries.
 //     For a row_map from sort_by_expert those are exactly the rows no slot maps to, as on the

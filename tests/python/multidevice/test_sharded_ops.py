@@ -247,6 +247,36 @@ def test_fp8_weight_gradient_partitions_its_columns_locally(given_scale):
 
 
 @pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
+def test_fp8_forward_partitions_its_rows_locally(recipe):
+    """grouped_matmul_fp8_blockwise and grouped_matmul_fp8_tensorwise with the rows split over
+    x (the blockwise row scales with them, the tensorwise one replicated): no collective, the
+    output keeps the split, and the values are the one device's, bit for bit (each shard runs
+    its rows with its part of each group)."""
+    from nodrop.ops import fp8
+
+    rng = np.random.default_rng(9)
+    lhs = random_normal(rng, (M, 16), jnp.bfloat16)
+    rhs_t = random_normal(rng, (len(SIZES), 12, 16), jnp.bfloat16)  # [G, N, K]
+    if recipe == "blockwise":
+        op, lhs_scale_spec = nodrop.grouped_matmul_fp8_blockwise, P("x")
+        (lhs_q, lhs_scale), (rhs_q_t, rhs_scales) = (fp8.quantize_rows(lhs),
+                                                     fp8.quantize(rhs_t, fp8.WEIGHT_BLOCK))
+    else:
+        op, lhs_scale_spec = nodrop.grouped_matmul_fp8_tensorwise, P()
+        (lhs_q, lhs_scale), (rhs_q_t, rhs_scales) = (fp8.quantize(lhs, "tensor"),
+                                                     fp8.quantize(rhs_t, "tensor"))
+        lhs_scale, rhs_scales = lhs_scale.reshape(1), rhs_scales.reshape(len(SIZES))
+
+    def forward(q, scale):
+        return op(q, scale, rhs_q_t, rhs_scales, SIZES)
+
+    out, found = compiled(forward, put(lhs_q, P("x")), put(lhs_scale, lhs_scale_spec))
+    assert found == set() and out.sharding.spec[0] == "x"
+    np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                  np.asarray(jax.jit(forward)(lhs_q, lhs_scale), np.float32))
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
 def test_fp8_recipes_on_the_kernels_give_the_one_device_values_under_sharding(recipe):
     """The FP8 kernels' forward and both gradients (forward="kernel") with the rows split over
     x and the weight's N over y: the one device's gradients, bit for bit (the loss, a sum over

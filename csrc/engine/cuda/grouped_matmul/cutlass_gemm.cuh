@@ -175,6 +175,31 @@ int max_active_clusters(int device) {
   return clusters;
 }
 
+// The last steps of every CUTLASS launch (the bf16 and FP8 grouped GEMMs): can_implement, the
+// reserved workspace against CUTLASS's need, initialize and run. Errors start with `kernel`.
+template <class Gemm>
+Status launch_gemm(const typename Gemm::Arguments& args, void* workspace, size_t workspace_bytes,
+                   const std::string& kernel, cudaStream_t stream) {
+  auto fail = [&kernel](const char* step, cutlass::Status status) {
+    return Status::Error(kernel + ": CUTLASS " + step + " failed: " +
+                         cutlass::cutlassGetStatusString(status));
+  };
+  cutlass::Status status = Gemm::can_implement(args);
+  if (status != cutlass::Status::kSuccess) return fail("can_implement", status);
+  if (Gemm::get_workspace_size(args) > workspace_bytes) {
+    return Status::Error(kernel + ": CUTLASS needs " +
+                         std::to_string(Gemm::get_workspace_size(args)) +
+                         " workspace bytes, more than the " + std::to_string(workspace_bytes) +
+                         " reserved");
+  }
+  Gemm gemm;
+  status = gemm.initialize(args, workspace, stream);
+  if (status != cutlass::Status::kSuccess) return fail("initialize", status);
+  status = gemm.run(stream);
+  if (status != cutlass::Status::kSuccess) return fail("launch", status);
+  return Status::Ok();
+}
+
 template <GemmForm F, DType In, DType Out, GemmTile T>
 Status run_grouped_gemm(const GroupTable& table, cudaStream_t stream) {
   using Config = GroupedGemm<F, In, Out, T>;
@@ -203,24 +228,8 @@ Status run_grouped_gemm(const GroupTable& table, cudaStream_t stream) {
       table.raster == GemmRaster::kAlongN ? RasterOrder::AlongN : RasterOrder::AlongM;
   args.scheduler.max_swizzle_size = table.swizzle;
 
-  auto fail = [](const char* step, cutlass::Status status) {
-    return Status::Error(std::string("grouped GEMM: CUTLASS ") + step + " failed: " +
-                         cutlass::cutlassGetStatusString(status));
-  };
-  cutlass::Status status = Gemm::can_implement(args);
-  if (status != cutlass::Status::kSuccess) return fail("can_implement", status);
-  if (Gemm::get_workspace_size(args) > table.gemm_workspace_bytes) {
-    return Status::Error("grouped GEMM: CUTLASS needs " +
-                         std::to_string(Gemm::get_workspace_size(args)) +
-                         " workspace bytes, more than the " +
-                         std::to_string(table.gemm_workspace_bytes) + " reserved");
-  }
-  Gemm gemm;
-  status = gemm.initialize(args, table.gemm_workspace, stream);
-  if (status != cutlass::Status::kSuccess) return fail("initialize", status);
-  status = gemm.run(stream);
-  if (status != cutlass::Status::kSuccess) return fail("launch", status);
-  return Status::Ok();
+  return launch_gemm<Gemm>(args, table.gemm_workspace, table.gemm_workspace_bytes,
+                           "grouped GEMM", stream);
 }
 
 }  // namespace nodrop::cuda::detail

@@ -1,8 +1,9 @@
-// CUDA FP8 blockwise-scaled grouped matmul, ragged rows and ragged contraction (fp8_blockwise.cuh
-// says what each form computes and the scale layouts): argument checks, workspace layout, the
-// setup kernel that builds the group table from the group sizes on the device, and the two
-// launches of a call (setup kernel, then the CUTLASS kernel of the call's form and tile,
-// fp8_blockwise_gemm.cuh), all on the caller's stream.
+// CUDA FP8 grouped matmuls: blockwise-scaled ragged rows and ragged contraction, tensorwise-scaled
+// ragged rows (fp8_blockwise.cuh says what each form computes and the scale layouts): argument
+// checks, workspace layout, the setup kernel that builds the group table from the group sizes on
+// the device, and the two launches of a call (setup kernel, then the CUTLASS kernel of the call's
+// form and tile, fp8_blockwise_gemm.cuh or fp8_tensorwise_gemm.cuh), all on the caller's
+// stream.
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -25,8 +26,9 @@ __host__ __device__ int64_t scale_blocks(int64_t extent) {
   return (extent + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
 }
 
-// One group's GEMM of form F: shape, operand and scale pointers, strides and scale layouts. The
-// layouts are the packed ones CUTLASS rebuilds from the shape anyway (see fp8_blockwise.cuh).
+// One group's GEMM of form F: shape, operand pointers and strides, and its scales: the scale
+// pointers and layouts of a blockwise form (the packed layouts CUTLASS rebuilds from the shape
+// anyway, see fp8_blockwise.cuh), the one alpha of the tensorwise form.
 template <Fp8GemmForm F>
 __device__ void write_fp8_group(const Fp8GroupTable& t, int64_t g, int64_t begin, int64_t rows,
                                 int64_t first_block, int64_t M, int64_t K, int64_t N,
@@ -50,23 +52,29 @@ __device__ void write_fp8_group(const Fp8GroupTable& t, int64_t g, int64_t begin
     t.stride_a[g] = cute::make_stride(P, cute::_1{}, cute::_0{});
     t.stride_b[g] = cute::make_stride(P, cute::_1{}, cute::_0{});
   } else {
-    const int64_t KB = scale_blocks(K), NB = scale_blocks(N);
     gemm_m = rows;  // an empty group gets M_g = 0, hence no tiles
     gemm_k = K;
-    t.ptr_a[g] = lhs + begin * K;                 // lhs_g [M_g, K]
-    t.ptr_b[g] = rhs + g * N * K;                 // rhs[g] [N, K]
-    t.ptr_d[g] = out + begin * N * kOutBytes;     // out_g [M_g, N]
-    t.ptr_sfa[g] = ops.lhs_scales + begin * KB;   // lhs_scales[begin:, :] [M_g, KB]
-    t.ptr_sfb[g] = ops.rhs_scales + g * NB * KB;  // rhs_scales[g] [NB, KB]
+    t.ptr_a[g] = lhs + begin * K;              // lhs_g [M_g, K]
+    t.ptr_b[g] = rhs + g * N * K;              // rhs[g] [N, K]
+    t.ptr_d[g] = out + begin * N * kOutBytes;  // out_g [M_g, N]
     t.stride_a[g] = cute::make_stride(K, cute::_1{}, cute::_0{});
     t.stride_b[g] = cute::make_stride(K, cute::_1{}, cute::_0{});
+    if constexpr (F == Fp8GemmForm::kRowsTensorwise) {
+      t.alpha[g] = ops.lhs_scales[0] * ops.rhs_scales[g];
+    } else {
+      const int64_t KB = scale_blocks(K), NB = scale_blocks(N);
+      t.ptr_sfa[g] = ops.lhs_scales + begin * KB;   // lhs_scales[begin:, :] [M_g, KB]
+      t.ptr_sfb[g] = ops.rhs_scales + g * NB * KB;  // rhs_scales[g] [NB, KB]
+    }
   }
   t.shapes[g] = cute::make_shape(int(gemm_m), int(N), int(gemm_k));
   t.stride_d[g] = cute::make_stride(N, cute::_1{}, cute::_0{});
-  using Config = typename Fp8Scales<F>::Config;
-  const auto problem = cute::make_shape(int(gemm_m), int(N), int(gemm_k), 1);
-  static_cast<Fp8LayoutSFA<F>*>(t.layout_sfa)[g] = Config::tile_atom_to_shape_SFA(problem);
-  static_cast<Fp8LayoutSFB<F>*>(t.layout_sfb)[g] = Config::tile_atom_to_shape_SFB(problem);
+  if constexpr (F != Fp8GemmForm::kRowsTensorwise) {
+    using Config = typename Fp8Scales<F>::Config;
+    const auto problem = cute::make_shape(int(gemm_m), int(N), int(gemm_k), 1);
+    static_cast<Fp8LayoutSFA<F>*>(t.layout_sfa)[g] = Config::tile_atom_to_shape_SFA(problem);
+    static_cast<Fp8LayoutSFB<F>*>(t.layout_sfb)[g] = Config::tile_atom_to_shape_SFB(problem);
+  }
 }
 
 // One launch per call: block 0 builds the table, the other blocks zero what no tile writes.
@@ -106,12 +114,19 @@ cudaError_t launch_prepare_fp8_blockwise(Fp8GemmForm form, const int32_t* group_
   const int64_t out_bytes = (form == Fp8GemmForm::kContract ? table.num_groups * K : M) * N *
                             kOutBytes;
   const unsigned blocks = 1 + fill_blocks(out_bytes, 4 * int64_t(table.sm_count));
-  if (form == Fp8GemmForm::kContract) {
-    prepare_fp8_blockwise<Fp8GemmForm::kContract>
-        <<<blocks, kSetupThreads, 0, stream>>>(group_sizes, M, K, N, ops, table);
-  } else {
-    prepare_fp8_blockwise<Fp8GemmForm::kRows>
-        <<<blocks, kSetupThreads, 0, stream>>>(group_sizes, M, K, N, ops, table);
+  switch (form) {
+    case Fp8GemmForm::kRows:
+      prepare_fp8_blockwise<Fp8GemmForm::kRows>
+          <<<blocks, kSetupThreads, 0, stream>>>(group_sizes, M, K, N, ops, table);
+      break;
+    case Fp8GemmForm::kContract:
+      prepare_fp8_blockwise<Fp8GemmForm::kContract>
+          <<<blocks, kSetupThreads, 0, stream>>>(group_sizes, M, K, N, ops, table);
+      break;
+    case Fp8GemmForm::kRowsTensorwise:
+      prepare_fp8_blockwise<Fp8GemmForm::kRowsTensorwise>
+          <<<blocks, kSetupThreads, 0, stream>>>(group_sizes, M, K, N, ops, table);
+      break;
   }
   return cudaGetLastError();
 }
@@ -138,7 +153,7 @@ size_t round_up(size_t value, size_t multiple) {
 // Byte offsets of the workspace arrays from the aligned workspace start.
 struct WorkspaceLayout {
   size_t offsets, shapes, ptr_a, ptr_b, ptr_d, ptr_sfa, ptr_sfb, stride_a, stride_b, stride_d,
-      layout_sfa, layout_sfb, gemm;
+      layout_sfa, layout_sfb, alpha, gemm;
   size_t bytes;  // including the slack for aligning an unaligned workspace pointer
 };
 
@@ -164,13 +179,14 @@ WorkspaceLayout workspace_layout(int64_t G) {
   // Both forms' layouts have these sizes (fp8_blockwise.cuh asserts it).
   layout.layout_sfa = take(groups * sizeof(detail::Fp8LayoutSFA<detail::Fp8GemmForm::kRows>));
   layout.layout_sfb = take(groups * sizeof(detail::Fp8LayoutSFB<detail::Fp8GemmForm::kRows>));
+  layout.alpha = take(groups * sizeof(float));
   layout.gemm = take(kGemmWorkspaceBytes);
   layout.bytes = end + kAlignment;
   return layout;
 }
 
-Fp8GroupTable make_table(void* workspace, int64_t G, int device, int sm_count,
-                         const Fp8GemmSchedule& schedule) {
+Fp8GroupTable make_table(void* workspace, int64_t G, int device, int sm_count, GemmRaster raster,
+                         int swizzle) {
   const WorkspaceLayout layout = workspace_layout(G);
   char* base =
       reinterpret_cast<char*>(round_up(reinterpret_cast<uintptr_t>(workspace), kAlignment));
@@ -188,18 +204,21 @@ Fp8GroupTable make_table(void* workspace, int64_t G, int device, int sm_count,
   table.stride_d = reinterpret_cast<detail::StrideKMajor*>(base + layout.stride_d);
   table.layout_sfa = base + layout.layout_sfa;
   table.layout_sfb = base + layout.layout_sfb;
+  table.alpha = reinterpret_cast<float*>(base + layout.alpha);
   table.gemm_workspace = base + layout.gemm;
   table.gemm_workspace_bytes = kGemmWorkspaceBytes;
   table.device = device;
   table.sm_count = sm_count < kMaxSmCount ? sm_count : kMaxSmCount;
-  table.raster = schedule.raster;
-  table.swizzle = schedule.swizzle;
+  table.raster = raster;
+  table.swizzle = swizzle;
   return table;
 }
 
-// The schedule of one call with its automatic fields resolved from `automatic`.
-Fp8GemmSchedule resolve_schedule(Fp8GemmSchedule schedule, const Fp8GemmSchedule& automatic) {
-  if (schedule.tile == Fp8GemmTile::kAuto) schedule.tile = automatic.tile;
+// The schedule of one call (Fp8GemmSchedule or Fp8TensorwiseSchedule) with its automatic fields
+// resolved from `automatic`.
+template <class Schedule>
+Schedule resolve_schedule(Schedule schedule, const Schedule& automatic) {
+  if (schedule.tile == decltype(schedule.tile)::kAuto) schedule.tile = automatic.tile;
   if (schedule.raster == GemmRaster::kAuto) schedule.raster = automatic.raster;
   if (schedule.swizzle == 0) schedule.swizzle = automatic.swizzle;
   return schedule;
@@ -235,6 +254,37 @@ Status run_tile(const char* fn, Fp8GemmTile tile, const Fp8GroupTable& table,
                        (F == Fp8GemmForm::kContract ? " (NODROP_FP8_CONTRACT_TILE)" : ""));
 }
 
+// The instantiated tensorwise kernel of `tile` (fp8_tensorwise_tiles.def).
+Status run_tile(const char* fn, Fp8TensorwiseTile tile, const Fp8GroupTable& table,
+                cudaStream_t stream) {
+  switch (tile) {
+#define NODROP_FP8_TENSORWISE_TILE(name, ...) \
+  case Fp8TensorwiseTile::name:               \
+    return detail::run_fp8_tensorwise_gemm<Fp8TensorwiseTile::name>(table, stream);
+#include "engine/cuda/grouped_matmul/fp8_tensorwise_tiles.def"
+#undef NODROP_FP8_TENSORWISE_TILE
+    case Fp8TensorwiseTile::kAuto: break;  // resolved by the caller
+  }
+  return Status::Error(std::string(fn) + ": no kernel for tile " + fp8_tensorwise_tile_name(tile));
+}
+
+// The number of kernels and the name of the schedule's tile type, for check_call.
+size_t tile_count(const Fp8GemmSchedule&) { return std::size(kFp8GemmTiles); }
+size_t tile_count(const Fp8TensorwiseSchedule&) { return std::size(kFp8TensorwiseTiles); }
+const char* tile_type(const Fp8GemmSchedule&) { return "an Fp8GemmTile"; }
+const char* tile_type(const Fp8TensorwiseSchedule&) { return "an Fp8TensorwiseTile"; }
+
+// The automatic schedule of form F (fp8_tile_rule.cc).
+template <detail::Fp8GemmForm F>
+auto automatic_schedule(int64_t M, int64_t K, int64_t N, int64_t G) {
+  using detail::Fp8GemmForm;
+  if constexpr (F == Fp8GemmForm::kRows) return grouped_matmul_fp8_schedule(M, K, N, G);
+  if constexpr (F == Fp8GemmForm::kContract) return grouped_matmul_fp8_contract_schedule(M, K, N, G);
+  if constexpr (F == Fp8GemmForm::kRowsTensorwise) {
+    return grouped_matmul_fp8_tensorwise_schedule(M, K, N, G);
+  }
+}
+
 // Elements of a [dims...] tensor, or -1 past 2^60, so that byte counts cannot overflow either.
 int64_t elements(std::initializer_list<int64_t> dims) {
   constexpr int64_t kLimit = int64_t{1} << 60;
@@ -261,15 +311,16 @@ Status cuda_status(const char* fn, const char* step, cudaError_t error) {
   return fail(fn, std::string(step) + ": " + cudaGetErrorString(error));
 }
 
-// The argument checks both forms share: the schedule's fields, the dims (CUTLASS's problem shapes
-// are int), N, the buffers' presence and alignment, group_sizes and the workspace.
-Status check_call(const char* fn, const Fp8GemmSchedule& schedule,
+// The argument checks every form shares: the schedule's fields, the dims (CUTLASS's problem
+// shapes are int), N, the buffers' presence and alignment, group_sizes and the workspace.
+template <class Schedule>
+Status check_call(const char* fn, const Schedule& schedule,
                   std::initializer_list<std::pair<const char*, int64_t>> dims, int64_t N,
                   std::initializer_list<Buffer> buffers, const int32_t* group_sizes, int64_t G,
                   const void* workspace, size_t workspace_bytes) {
   const auto tile = static_cast<int32_t>(schedule.tile);
-  if (tile < 0 || tile > static_cast<int32_t>(std::size(kFp8GemmTiles))) {
-    return fail(fn, "schedule.tile = " + std::to_string(tile) + " is not an Fp8GemmTile");
+  if (tile < 0 || tile > static_cast<int32_t>(tile_count(schedule))) {
+    return fail(fn, "schedule.tile = " + std::to_string(tile) + " is not " + tile_type(schedule));
   }
   const auto raster = static_cast<int32_t>(schedule.raster);
   if (raster < 0 || raster > static_cast<int32_t>(GemmRaster::kAlongN)) {
@@ -308,8 +359,8 @@ Status check_call(const char* fn, const Fp8GemmSchedule& schedule,
 }
 
 // The two launches of a checked call with work to do: the setup kernel, then the CUTLASS kernel.
-template <detail::Fp8GemmForm F>
-Status launch(const char* fn, Fp8GemmSchedule schedule, const detail::Fp8Operands& ops,
+template <detail::Fp8GemmForm F, class Schedule>
+Status launch(const char* fn, Schedule schedule, const detail::Fp8Operands& ops,
               const int32_t* group_sizes, int64_t M, int64_t K, int64_t N, int64_t G,
               void* workspace, cudaStream_t stream) {
   int device = 0, sm_count = 0;
@@ -320,15 +371,46 @@ Status launch(const char* fn, Fp8GemmSchedule schedule, const detail::Fp8Operand
         cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
   }
   if (!status.ok()) return status;
-  schedule = resolve_schedule(schedule, F == detail::Fp8GemmForm::kContract
-                                            ? grouped_matmul_fp8_contract_schedule(M, K, N, G)
-                                            : grouped_matmul_fp8_schedule(M, K, N, G));
-  const Fp8GroupTable table = make_table(workspace, G, device, sm_count, schedule);
+  schedule = resolve_schedule(schedule, automatic_schedule<F>(M, K, N, G));
+  const Fp8GroupTable table =
+      make_table(workspace, G, device, sm_count, schedule.raster, schedule.swizzle);
   status = cuda_status(
       fn, "setup kernel",
       detail::launch_prepare_fp8_blockwise(F, group_sizes, M, K, N, ops, table, stream));
   if (!status.ok()) return status;
-  return run_tile<F>(fn, schedule.tile, table, stream);
+  if constexpr (F == detail::Fp8GemmForm::kRowsTensorwise) {
+    return run_tile(fn, schedule.tile, table, stream);
+  } else {
+    return run_tile<F>(fn, schedule.tile, table, stream);
+  }
+}
+
+// A ragged-rows call (kRows or kRowsTensorwise) with its two scale arrays: the checks, the zero
+// fill of the calls that contract nothing, else the launches.
+template <detail::Fp8GemmForm F, class Schedule>
+Status rows_call(const char* fn, const Schedule& schedule, const void* lhs, Buffer lhs_scales,
+                 const void* rhs, Buffer rhs_scales, const int32_t* group_sizes, int64_t M,
+                 int64_t K, int64_t N, int64_t G, void* out, void* workspace,
+                 size_t workspace_bytes, cudaStream_t stream) {
+  Status status = check_call(fn, schedule, {{"M", M}, {"K", K}, {"N", N}, {"G", G}}, N,
+                             {{"lhs", lhs, elements({M, K}), 16}, lhs_scales,
+                              {"rhs", rhs, elements({G, N, K}), 16}, rhs_scales,
+                              {"out", out, elements({M, N}), 16}},
+                             group_sizes, G, workspace, workspace_bytes);
+  if (!status.ok()) return status;
+  if (K % 16 != 0) {
+    return fail(fn, "K = " + std::to_string(K) +
+                        " must be a multiple of 16 (TMA moves 16-byte rows of E4M3): pad it");
+  }
+  if (M == 0 || N == 0) return Status::Ok();
+  if (K == 0 || G == 0) {  // nothing to contract, or no group owns a row
+    return cuda_status(fn, "cudaMemsetAsync",
+                       cudaMemsetAsync(out, 0, M * N * detail::kOutBytes, stream));
+  }
+  const auto* lhs_scale_data = static_cast<const float*>(lhs_scales.data);
+  const auto* rhs_scale_data = static_cast<const float*>(rhs_scales.data);
+  return launch<F>(fn, schedule, {lhs, lhs_scale_data, rhs, rhs_scale_data, out}, group_sizes, M,
+                   K, N, G, workspace, stream);
 }
 
 }  // namespace
@@ -342,27 +424,22 @@ Status grouped_matmul_fp8_blockwise(const void* lhs, const float* lhs_scales, co
                                     int64_t M, int64_t K, int64_t N, int64_t G, void* out,
                                     void* workspace, size_t workspace_bytes,
                                     cudaStream_t stream, Fp8GemmSchedule schedule) {
-  constexpr const char* fn = "grouped_matmul_fp8_blockwise";
   const int64_t KB = detail::scale_blocks(K), NB = detail::scale_blocks(N);
-  Status status = check_call(fn, schedule, {{"M", M}, {"K", K}, {"N", N}, {"G", G}}, N,
-                             {{"lhs", lhs, elements({M, K}), 16},
-                              {"lhs_scales", lhs_scales, elements({M, KB}), 4},
-                              {"rhs", rhs, elements({G, N, K}), 16},
-                              {"rhs_scales", rhs_scales, elements({G, NB, KB}), 4},
-                              {"out", out, elements({M, N}), 16}},
-                             group_sizes, G, workspace, workspace_bytes);
-  if (!status.ok()) return status;
-  if (K % 16 != 0) {
-    return fail(fn, "K = " + std::to_string(K) +
-                        " must be a multiple of 16 (TMA moves 16-byte rows of E4M3): pad it");
-  }
-  if (M == 0 || N == 0) return Status::Ok();
-  if (K == 0 || G == 0) {  // nothing to contract, or no group owns a row
-    return cuda_status(fn, "cudaMemsetAsync",
-                       cudaMemsetAsync(out, 0, M * N * detail::kOutBytes, stream));
-  }
-  return launch<detail::Fp8GemmForm::kRows>(fn, schedule, {lhs, lhs_scales, rhs, rhs_scales, out},
-                                            group_sizes, M, K, N, G, workspace, stream);
+  return rows_call<detail::Fp8GemmForm::kRows>(
+      "grouped_matmul_fp8_blockwise", schedule, lhs, {"lhs_scales", lhs_scales, elements({M, KB}), 4},
+      rhs, {"rhs_scales", rhs_scales, elements({G, NB, KB}), 4}, group_sizes, M, K, N, G, out,
+      workspace, workspace_bytes, stream);
+}
+
+Status grouped_matmul_fp8_tensorwise(const void* lhs, const float* lhs_scale, const void* rhs,
+                                     const float* rhs_scales, const int32_t* group_sizes,
+                                     int64_t M, int64_t K, int64_t N, int64_t G, void* out,
+                                     void* workspace, size_t workspace_bytes,
+                                     cudaStream_t stream, Fp8TensorwiseSchedule schedule) {
+  return rows_call<detail::Fp8GemmForm::kRowsTensorwise>(
+      "grouped_matmul_fp8_tensorwise", schedule, lhs, {"lhs_scale", lhs_scale, 1, 4}, rhs,
+      {"rhs_scales", rhs_scales, G, 4}, group_sizes, M, K, N, G, out, workspace,
+      workspace_bytes, stream);
 }
 
 Status grouped_matmul_fp8_blockwise_contract(const void* lhs_t, const float* lhs_scales,

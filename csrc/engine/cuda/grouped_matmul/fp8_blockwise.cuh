@@ -1,15 +1,19 @@
-// The FP8 (E4M3) blockwise-scaled grouped GEMM, in two forms: ragged rows (the forward and the
-// input gradient) and ragged contraction (the weight gradient). The group table that its setup
-// kernel writes on the device and its CUTLASS kernels read, and the launches.
+// The FP8 (E4M3) grouped GEMMs: blockwise-scaled in two forms, ragged rows (the forward and the
+// input gradient) and ragged contraction (the weight gradient), and tensorwise-scaled ragged rows
+// (the tensorwise recipe's forward). The group table that their setup kernel writes on the
+// device and their CUTLASS kernels read, and the launches.
 //
 // kRows:     out_g [M_g, N] (bf16) = sum over k blocks kb of (lhs_g[:, kb] @ rhs[g][:, kb]^T)
 //                                    * lhs_scale[row, kb] * rhs_scale[g, n / 128, kb]
 // kContract: out[g] [K, N] (bf16) = sum over the group's row blocks b of
 //                                    (lhs_t[:, b] @ rhs_t[:, b]^T) * lhs_scale[b, k] * rhs_scale[b, n]
-// accumulated in float32: CUTLASS's sm90 blockwise mainloop
+// kRowsTensorwise: out_g [M_g, N] (bf16) = (lhs_g @ rhs[g]^T) * alpha[g],
+//                  alpha[g] = lhs_scale[0] * rhs_scale[g] (written by the setup kernel),
+// the blockwise forms accumulated in float32: CUTLASS's sm90 blockwise mainloop
 // (sm90_mma_array_tma_gmma_ss_warpspecialized_fp8_blockwise_scaling.hpp) runs each 128-deep k
 // block's wgmmas into a temporary accumulator and adds it, times the two scales, to the main one
-// (the DeepSeek-V3 recipe).
+// (the DeepSeek-V3 recipe); the tensorwise form in the tensor cores' own float32 sums over all of
+// K ("fast accumulation", fp8_tensorwise_gemm.cuh), scaled once in the epilogue.
 //
 // kRows scale layouts (both K-major: the k blocks of one row, or of one 128-row block of rhs[g],
 // are contiguous), KB = ceil(K / 128), NB = ceil(N / 128):
@@ -49,6 +53,7 @@ constexpr int kScaleBlock = static_cast<int>(kFp8ScaleBlock);
 enum class Fp8GemmForm : int32_t {
   kRows,      // A = lhs_g [M_g, K], B = rhs[g] [N, K], D = out_g [M_g, N]
   kContract,  // A = lhs_t_g [K, rows_g], B = rhs_t_g [N, rows_g], D = out[g] [K, N]
+  kRowsTensorwise,  // kRows' operands, one scale per operand (alpha[g]) instead of scale blocks
 };
 
 // The scale granularities and layouts of each form (see above).
@@ -77,8 +82,9 @@ static_assert(sizeof(Fp8LayoutSFB<Fp8GemmForm::kRows>) ==
               sizeof(Fp8LayoutSFB<Fp8GemmForm::kContract>));
 
 // Device arrays inside the workspace, one entry per group (offsets has G + 1). A, B and D are all
-// K-major in both forms (each a row-major matrix whose rows hold the contraction). layout_sfa and
-// layout_sfb hold Fp8LayoutSFA<F> and Fp8LayoutSFB<F> of the call's form.
+// K-major in every form (each a row-major matrix whose rows hold the contraction). layout_sfa and
+// layout_sfb hold Fp8LayoutSFA<F> and Fp8LayoutSFB<F> of a blockwise call's form; alpha is the
+// tensorwise form's per-group scale (the other arrays of scales are unused there).
 struct Fp8GroupTable {
   int32_t num_groups = 0;
   int64_t* offsets = nullptr;  // clamped row offsets: group g owns rows [offsets[g], offsets[g+1])
@@ -93,6 +99,7 @@ struct Fp8GroupTable {
   StrideKMajor* stride_d = nullptr;
   void* layout_sfa = nullptr;
   void* layout_sfb = nullptr;
+  float* alpha = nullptr;
   void* gemm_workspace = nullptr;  // CUTLASS's per-SM copies of the TMA descriptors
   size_t gemm_workspace_bytes = 0;
   int device = 0;
@@ -104,16 +111,16 @@ struct Fp8GroupTable {
 // The operands of one call (device pointers), as the public functions take them.
 struct Fp8Operands {
   const void* lhs;          // kRows: [M, K];  kContract: lhs_t [K, P]  (float8_e4m3)
-  const float* lhs_scales;  // kRows: [M, KB]; kContract: [PB, K]
-  const void* rhs;          // kRows: [G, N, K]; kContract: rhs_t [N, P] (float8_e4m3)
-  const float* rhs_scales;  // kRows: [G, NB, KB]; kContract: [PB, N]
+  const float* lhs_scales;  // kRows: [M, KB]; kContract: [PB, K]; kRowsTensorwise: [1]
+  const void* rhs;          // kRows, kRowsTensorwise: [G, N, K]; kContract: rhs_t [N, P] (E4M3)
+  const float* rhs_scales;  // kRows: [G, NB, KB]; kContract: [PB, N]; kRowsTensorwise: [G]
   void* out;                // kRows: [M, N]; kContract: [G, K, N] (bfloat16)
 };
 
 // One launch that fills the table of form F from group_sizes [G] on the device (clamping invalid
 // sizes as clamp_group_offsets does) and zeroes what no tile writes: rows [offsets[G], M) of out
-// (kRows), or out[g] of each group without rows (kContract). Requires N % 8 == 0 (whole 16-byte
-// vectors per row). Defined in fp8_blockwise.cu.
+// (kRows, kRowsTensorwise), or out[g] of each group without rows (kContract). Requires N % 8 == 0
+// (whole 16-byte vectors per row). Defined in fp8_blockwise.cu.
 cudaError_t launch_prepare_fp8_blockwise(Fp8GemmForm form, const int32_t* group_sizes, int64_t M,
                                          int64_t K, int64_t N, const Fp8Operands& ops,
                                          const Fp8GroupTable& table, cudaStream_t stream);
@@ -123,5 +130,9 @@ cudaError_t launch_prepare_fp8_blockwise(Fp8GemmForm form, const int32_t* group_
 // generated file (generate_instantiations.py).
 template <Fp8GemmForm F, Fp8GemmTile T>
 Status run_fp8_blockwise_gemm(const Fp8GroupTable& table, cudaStream_t stream);
+
+// The same for the kRowsTensorwise form: fp8_tensorwise_gemm.cuh, one generated file per tile.
+template <Fp8TensorwiseTile T>
+Status run_fp8_tensorwise_gemm(const Fp8GroupTable& table, cudaStream_t stream);
 
 }  // namespace nodrop::cuda::detail

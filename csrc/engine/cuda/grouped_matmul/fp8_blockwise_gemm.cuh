@@ -133,23 +133,17 @@ struct Fp8BlockwiseGemm {
   static_assert(CollectiveMainloop::ScaleGranularityK == kFp8ScaleBlock);
 };
 
-template <Fp8GemmForm F, Fp8GemmTile T>
-Status run_fp8_blockwise_gemm(const Fp8GroupTable& table, cudaStream_t stream) {
-  using Config = Fp8BlockwiseGemm<F, T>;
-  using Gemm = typename Config::Gemm;
-  using Kernel = typename Config::Kernel;
-
-  typename Gemm::Arguments args;
+// The arguments every FP8 grouped kernel takes from the group table: the problem shapes, A, B
+// and D, the device and the tile scheduler's walk. The caller adds the scales.
+template <class Config>
+typename Config::Gemm::Arguments fp8_group_arguments(const Fp8GroupTable& table) {
+  typename Config::Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = {table.num_groups, table.shapes, /*host_problem_shapes=*/nullptr};
   args.mainloop.ptr_A = reinterpret_cast<const typename Config::ElementA**>(table.ptr_a);
   args.mainloop.dA = table.stride_a;
   args.mainloop.ptr_B = reinterpret_cast<const typename Config::ElementB**>(table.ptr_b);
   args.mainloop.dB = table.stride_b;
-  args.mainloop.ptr_SFA = table.ptr_sfa;
-  args.mainloop.layout_SFA = static_cast<typename Config::LayoutSFA*>(table.layout_sfa);
-  args.mainloop.ptr_SFB = table.ptr_sfb;
-  args.mainloop.layout_SFB = static_cast<typename Config::LayoutSFB*>(table.layout_sfb);
   args.epilogue.ptr_C = nullptr;
   args.epilogue.dC = nullptr;
   args.epilogue.ptr_D = reinterpret_cast<typename Config::ElementD**>(table.ptr_d);
@@ -157,34 +151,27 @@ Status run_fp8_blockwise_gemm(const Fp8GroupTable& table, cudaStream_t stream) {
   args.hw_info.device_id = table.device;
   args.hw_info.sm_count = table.sm_count;
   args.hw_info.max_active_clusters =
-      max_active_clusters<Kernel, typename Config::Tile::Cluster>(table.device);
+      max_active_clusters<typename Config::Kernel, typename Config::Tile::Cluster>(table.device);
   using RasterOrder = decltype(args.scheduler.raster_order);
   args.scheduler.raster_order =
       table.raster == GemmRaster::kAlongN ? RasterOrder::AlongN : RasterOrder::AlongM;
   args.scheduler.max_swizzle_size = table.swizzle;
+  return args;
+}
 
-  auto kernel = [] {
-    return std::string("FP8 blockwise grouped GEMM (") +
-           (F == Fp8GemmForm::kContract ? "weight gradient, " : "") + fp8_gemm_tile_name(T);
-  };
-  auto fail = [&kernel](const char* step, cutlass::Status status) {
-    return Status::Error(kernel() + "): CUTLASS " + step + " failed: " +
-                         cutlass::cutlassGetStatusString(status));
-  };
-  cutlass::Status status = Gemm::can_implement(args);
-  if (status != cutlass::Status::kSuccess) return fail("can_implement", status);
-  if (Gemm::get_workspace_size(args) > table.gemm_workspace_bytes) {
-    return Status::Error(kernel() + "): CUTLASS needs " +
-                         std::to_string(Gemm::get_workspace_size(args)) +
-                         " workspace bytes, more than the " +
-                         std::to_string(table.gemm_workspace_bytes) + " reserved");
-  }
-  Gemm gemm;
-  status = gemm.initialize(args, table.gemm_workspace, stream);
-  if (status != cutlass::Status::kSuccess) return fail("initialize", status);
-  status = gemm.run(stream);
-  if (status != cutlass::Status::kSuccess) return fail("launch", status);
-  return Status::Ok();
+template <Fp8GemmForm F, Fp8GemmTile T>
+Status run_fp8_blockwise_gemm(const Fp8GroupTable& table, cudaStream_t stream) {
+  using Config = Fp8BlockwiseGemm<F, T>;
+  auto args = fp8_group_arguments<Config>(table);
+  args.mainloop.ptr_SFA = table.ptr_sfa;
+  args.mainloop.layout_SFA = static_cast<typename Config::LayoutSFA*>(table.layout_sfa);
+  args.mainloop.ptr_SFB = table.ptr_sfb;
+  args.mainloop.layout_SFB = static_cast<typename Config::LayoutSFB*>(table.layout_sfb);
+  const std::string kernel = std::string("FP8 blockwise grouped GEMM (") +
+                             (F == Fp8GemmForm::kContract ? "weight gradient, " : "") +
+                             fp8_gemm_tile_name(T) + ")";
+  return launch_gemm<typename Config::Gemm>(args, table.gemm_workspace,
+                                            table.gemm_workspace_bytes, kernel, stream);
 }
 
 }  // namespace nodrop::cuda::detail

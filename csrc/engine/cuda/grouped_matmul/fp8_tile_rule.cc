@@ -1,5 +1,5 @@
-// Which kernel and tile order an FP8 blockwise grouped GEMM call gets, from its static shapes, and
-// the kernels' names. Host code only.
+// Which kernel and tile order an FP8 grouped GEMM call gets, from its static shapes, and the
+// kernels' names. Host code only.
 #include <cstdint>
 
 #include "nodrop/engine_cuda.h"
@@ -24,6 +24,29 @@ const char* fp8_gemm_tile_id(Fp8GemmTile tile) {
   case Fp8GemmTile::name: return #schedule "_" #m "x" #n "x" #k "_" #cluster_m "x" #cluster_n;
 #include "engine/cuda/grouped_matmul/fp8_tiles.def"
 #undef NODROP_FP8_GEMM_TILE
+  }
+  return "unknown";
+}
+
+const char* fp8_tensorwise_tile_name(Fp8TensorwiseTile tile) {
+  switch (tile) {
+    case Fp8TensorwiseTile::kAuto: return "auto";
+#define NODROP_FP8_TENSORWISE_TILE(name, schedule, m, n, k, cluster_m, cluster_n) \
+  case Fp8TensorwiseTile::name:                                                   \
+    return #schedule " " #m "x" #n "x" #k ", cluster " #cluster_m "x" #cluster_n;
+#include "engine/cuda/grouped_matmul/fp8_tensorwise_tiles.def"
+#undef NODROP_FP8_TENSORWISE_TILE
+  }
+  return "unknown";
+}
+
+const char* fp8_tensorwise_tile_id(Fp8TensorwiseTile tile) {
+  switch (tile) {
+    case Fp8TensorwiseTile::kAuto: return "auto";
+#define NODROP_FP8_TENSORWISE_TILE(name, schedule, m, n, k, cluster_m, cluster_n) \
+  case Fp8TensorwiseTile::name: return #schedule "_" #m "x" #n "x" #k "_" #cluster_m "x" #cluster_n;
+#include "engine/cuda/grouped_matmul/fp8_tensorwise_tiles.def"
+#undef NODROP_FP8_TENSORWISE_TILE
   }
   return "unknown";
 }
@@ -62,6 +85,21 @@ Fp8GemmSchedule grouped_matmul_fp8_contract_schedule(int64_t /*M*/, int64_t /*K*
                                                      int64_t /*G*/) {
   return Fp8GemmSchedule(Fp8GemmTile::kCooperative128x128x128Cluster1x2, GemmRaster::kAlongN,
                          /*swizzle=*/4);
+}
+
+// The tensorwise kernels: the cooperative 128x256 tile on a 1x2 cluster (the bf16 kernels' widest
+// per-warpgroup share, and CUTLASS's and PyTorch's FP8 choice for large shapes), along M, swizzle
+// 4; pingpong 128x128 for groups of at most 128 rows on average, whose row tiles would run mostly
+// empty at 128x256. Not yet measured against each other (bench/cuda/fp8_blockwise_bench.cu,
+// --configs=all).
+Fp8TensorwiseSchedule grouped_matmul_fp8_tensorwise_schedule(int64_t M, int64_t /*K*/,
+                                                             int64_t /*N*/, int64_t G) {
+  if (G > 0 && M <= 128 * G) {
+    return Fp8TensorwiseSchedule(Fp8TensorwiseTile::kPingpong128x128x128Cluster1x2,
+                                 GemmRaster::kAlongN, /*swizzle=*/4);
+  }
+  return Fp8TensorwiseSchedule(Fp8TensorwiseTile::kCooperative128x256x128Cluster1x2,
+                               GemmRaster::kAlongM, /*swizzle=*/4);
 }
 
 }  // namespace nodrop::cuda

@@ -1,0 +1,105 @@
+// The CUTLASS kernels of the FP8 tensorwise grouped GEMM (fp8_blockwise.cuh, form
+// kRowsTensorwise): CUTLASS's sm90 pointer-array FP8 kernels with fast accumulation (as in its
+// example 57, hopper_grouped_gemm) and D = alpha[g] * acc, alpha read per group from the table on
+// the device. One configuration per line of fp8_tensorwise_tiles.def; include this header only
+// from the generated instantiation files (generate_instantiations.py).
+//
+// Fast accumulation: the wgmmas of a tile add into one float32 accumulator over all of K, with
+// the tensor cores' own rounding of those sums (the FP8 MMA keeps fewer mantissa bits than an
+// FFMA; DeepSeek-V3 measured the error growing with K), where the blockwise kernels add each
+// 128-deep block into a second accumulator with FFMAs. One accumulator per output is what lets a
+// consumer warpgroup own 64x256 (cooperative 128x256) or 128x128 (pingpong).
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+#include "engine/cuda/grouped_matmul/fp8_blockwise_gemm.cuh"
+
+namespace nodrop::cuda::detail {
+
+template <int TileM, int TileN, int TileK, bool Pingpong, int ClusterM, int ClusterN>
+struct Fp8TensorwiseTileSpec {
+  using Shape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
+  using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
+  using MainloopSchedule = std::conditional_t<
+      Pingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum>;
+  using EpilogueSchedule =
+      std::conditional_t<Pingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+  // One consumer warpgroup's share of the tile: 128 float32 accumulators a thread.
+  static_assert((Pingpong ? TileM : TileM / 2) * TileN <= 128 * 128,
+                "a consumer warpgroup's accumulators would spill");
+  // The epilogue stores in 128x64 subtiles where the tile is cooperative, as the bf16 kernel of
+  // this shape does (cutlass_gemm.cuh); CUTLASS's own choice for pingpong.
+  using EpilogueTile = std::conditional_t<Pingpong, cutlass::epilogue::collective::EpilogueTileAuto,
+                                          cute::Shape<cute::_128, cute::_64>>;
+};
+
+template <Fp8TensorwiseTile T>
+struct Fp8TensorwiseTileConfig;
+#define NODROP_FP8_TENSORWISE_TILE(name, schedule, m, n, k, cluster_m, cluster_n)               \
+  template <>                                                                                   \
+  struct Fp8TensorwiseTileConfig<Fp8TensorwiseTile::name>                                       \
+      : Fp8TensorwiseTileSpec<m, n, k, std::string_view(#schedule) == "pingpong", cluster_m,    \
+                              cluster_n> {};
+#include "engine/cuda/grouped_matmul/fp8_tensorwise_tiles.def"
+#undef NODROP_FP8_TENSORWISE_TILE
+
+template <Fp8TensorwiseTile T>
+struct Fp8TensorwiseGemm {
+  using ElementA = cutlass::float_e4m3_t;
+  using ElementB = cutlass::float_e4m3_t;
+  using ElementD = cutlass::bfloat16_t;
+  using ElementAccumulator = float;
+  using LayoutA = cutlass::layout::RowMajor;     // lhs_g [M_g, K]: K-major
+  using LayoutB = cutlass::layout::ColumnMajor;  // rhs[g] [N, K] as B (K x N): K-major
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlignmentIn = 16;  // TMA moves 16-byte units: 16 E4M3 elements
+  static constexpr int kAlignmentOut = 16 / sizeof(ElementD);
+  using Tile = Fp8TensorwiseTileConfig<T>;
+  using ProblemShape = cutlass::gemm::GroupProblemShape<GroupShape>;
+
+  // D = alpha * acc with alpha per group (fp8_tensorwise_arguments); no C operand (void).
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Tile::Shape,
+      typename Tile::Cluster, typename Tile::EpilogueTile, ElementAccumulator,
+      ElementAccumulator, void, LayoutD*, kAlignmentOut, ElementD, LayoutD*, kAlignmentOut,
+      typename Tile::EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, ElementAccumulator>>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA*, kAlignmentIn,
+      ElementB, LayoutB*, kAlignmentIn, ElementAccumulator, typename Tile::Shape,
+      typename Tile::Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Tile::MainloopSchedule>::CollectiveOp;
+
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  // The setup kernel writes these types; CUTLASS must read the same.
+  static_assert(std::is_same_v<typename Kernel::InternalStrideA, StrideKMajor>);
+  static_assert(std::is_same_v<typename Kernel::InternalStrideB, StrideKMajor>);
+  static_assert(std::is_same_v<typename Kernel::InternalStrideD, StrideKMajor>);
+};
+
+template <Fp8TensorwiseTile T>
+Status run_fp8_tensorwise_gemm(const Fp8GroupTable& table, cudaStream_t stream) {
+  using Config = Fp8TensorwiseGemm<T>;
+  auto args = fp8_group_arguments<Config>(table);
+  // alpha[g] for the tiles of group g: the scalar broadcast reads alpha_ptr[g * dAlpha's L stride]
+  // with the group as its L coordinate.
+  args.epilogue.thread.alpha_ptr = table.alpha;
+  args.epilogue.thread.dAlpha = {cute::_0{}, cute::_0{}, 1};
+  const std::string kernel =
+      std::string("FP8 tensorwise grouped GEMM (") + fp8_tensorwise_tile_name(T) + ")";
+  return launch_gemm<typename Config::Gemm>(args, table.gemm_workspace,
+                                            table.gemm_workspace_bytes, kernel, stream);
+}
+
+}  // namespace nodrop::cuda::detail

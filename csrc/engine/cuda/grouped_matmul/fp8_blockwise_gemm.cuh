@@ -45,18 +45,26 @@
 
 namespace nodrop::cuda::detail {
 
-template <int TileM, int TileN, int TileK, bool Pingpong, int ClusterM, int ClusterN>
+// FastAccumulation: the tensorwise kernels' schedules (fp8_tensorwise_gemm.cuh), one float32
+// accumulator per output, so a consumer warpgroup may own twice the blockwise share.
+template <int TileM, int TileN, int TileK, bool Pingpong, int ClusterM, int ClusterN,
+          bool FastAccumulation = false>
 struct Fp8TileSpec {
   using Shape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
   using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
   using MainloopSchedule = std::conditional_t<
-      Pingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>;
+      FastAccumulation,
+      std::conditional_t<Pingpong,
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum,
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum>,
+      std::conditional_t<Pingpong,
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>>;
   using EpilogueSchedule =
       std::conditional_t<Pingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
                          cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
-  // One consumer warpgroup's share of the tile (see above).
-  static_assert((Pingpong ? TileM : TileM / 2) * TileN <= 64 * 128,
+  // One consumer warpgroup's share of the tile (see above): 128 accumulator registers a thread.
+  static_assert((Pingpong ? TileM : TileM / 2) * TileN <= (FastAccumulation ? 128 : 64) * 128,
                 "a consumer warpgroup's accumulators would spill");
 };
 

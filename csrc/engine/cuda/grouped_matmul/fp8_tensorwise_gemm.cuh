@@ -19,34 +19,24 @@
 
 namespace nodrop::cuda::detail {
 
-template <int TileM, int TileN, int TileK, bool Pingpong, int ClusterM, int ClusterN>
-struct Fp8TensorwiseTileSpec {
-  using Shape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
-  using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
-  using MainloopSchedule = std::conditional_t<
-      Pingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum>;
-  using EpilogueSchedule =
-      std::conditional_t<Pingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
-                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
-  // One consumer warpgroup's share of the tile: 128 float32 accumulators a thread.
-  static_assert((Pingpong ? TileM : TileM / 2) * TileN <= 128 * 128,
-                "a consumer warpgroup's accumulators would spill");
-  // The epilogue stores in 128x64 subtiles where the tile is cooperative, as the bf16 kernel of
-  // this shape does (cutlass_gemm.cuh); CUTLASS's own choice for pingpong.
-  using EpilogueTile = std::conditional_t<Pingpong, cutlass::epilogue::collective::EpilogueTileAuto,
-                                          cute::Shape<cute::_128, cute::_64>>;
-};
-
 template <Fp8TensorwiseTile T>
 struct Fp8TensorwiseTileConfig;
-#define NODROP_FP8_TENSORWISE_TILE(name, schedule, m, n, k, cluster_m, cluster_n)               \
-  template <>                                                                                   \
-  struct Fp8TensorwiseTileConfig<Fp8TensorwiseTile::name>                                       \
-      : Fp8TensorwiseTileSpec<m, n, k, std::string_view(#schedule) == "pingpong", cluster_m,    \
-                              cluster_n> {};
+#define NODROP_FP8_TENSORWISE_TILE(name, schedule, m, n, k, cluster_m, cluster_n)          \
+  template <>                                                                              \
+  struct Fp8TensorwiseTileConfig<Fp8TensorwiseTile::name>                                  \
+      : Fp8TileSpec<m, n, k, std::string_view(#schedule) == "pingpong", cluster_m, cluster_n, \
+                    /*FastAccumulation=*/true> {};
 #include "engine/cuda/grouped_matmul/fp8_tensorwise_tiles.def"
 #undef NODROP_FP8_TENSORWISE_TILE
+
+// The epilogue stores in 128x64 subtiles where the tile is cooperative, as the bf16 kernel of
+// that shape does (cutlass_gemm.cuh); CUTLASS's own choice for pingpong.
+template <class Tile>
+using Fp8TensorwiseEpilogueTile =
+    std::conditional_t<std::is_same_v<typename Tile::EpilogueSchedule,
+                                      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>,
+                       cute::Shape<cute::_128, cute::_64>,
+                       cutlass::epilogue::collective::EpilogueTileAuto>;
 
 template <Fp8TensorwiseTile T>
 struct Fp8TensorwiseGemm {
@@ -65,7 +55,7 @@ struct Fp8TensorwiseGemm {
   // D = alpha * acc with alpha per group (fp8_tensorwise_arguments); no C operand (void).
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Tile::Shape,
-      typename Tile::Cluster, typename Tile::EpilogueTile, ElementAccumulator,
+      typename Tile::Cluster, Fp8TensorwiseEpilogueTile<Tile>, ElementAccumulator,
       ElementAccumulator, void, LayoutD*, kAlignmentOut, ElementD, LayoutD*, kAlignmentOut,
       typename Tile::EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementD, ElementAccumulator>>::CollectiveOp;

@@ -142,22 +142,29 @@ TEST(Fp8TensorwiseTileList, NamesAndIdsAreDistinct) {
       "cooperative_128x256x128_1x2");
 }
 
-// The tensorwise rule resolves every field: pingpong for groups of at most 128 rows on average,
-// else the cooperative tile.
-TEST(Fp8TensorwiseTileRule, ResolvesEveryField) {
+// The tensorwise rule (fp8_tile_rule.cc) on the benchmark's shapes: pingpong where groups average
+// at most 128 rows or the 128x256 tile's column tiles do not pair up, else the cooperative tile;
+// always along M, swizzle 1.
+TEST(Fp8TensorwiseTileRule, PicksTheMeasuredScheduleByShape) {
   using nodrop::cuda::Fp8TensorwiseTile;
-  const int64_t shapes[][4] = {{16384, 2048, 768, 128}, {131072, 2048, 768, 128},
-                               {32768, 7168, 4096, 4},  {0, 128, 128, 0}};
-  for (const auto& [M, K, N, G] : shapes) {
-    const auto schedule = nodrop::cuda::grouped_matmul_fp8_tensorwise_schedule(M, K, N, G);
-    EXPECT_NE(schedule.tile, Fp8TensorwiseTile::kAuto) << M << "x" << K << "x" << N;
-    EXPECT_NE(schedule.raster, GemmRaster::kAuto) << M << "x" << K << "x" << N;
-    EXPECT_NE(schedule.swizzle, 0) << M << "x" << K << "x" << N;
+  const Fp8TensorwiseTile pingpong = Fp8TensorwiseTile::kPingpong128x128x128Cluster1x2;
+  const Fp8TensorwiseTile cooperative = Fp8TensorwiseTile::kCooperative128x256x128Cluster1x2;
+  struct Case {
+    int64_t M, K, N, G;
+    Fp8TensorwiseTile tile;
+  };
+  for (const Case& c : {Case{16384, 2048, 768, 128, pingpong},       // 128 rows a group
+                        Case{131072, 2048, 768, 128, pingpong},      // 3 column tiles of 256
+                        Case{131072, 2048, 1536, 128, cooperative},  // Qwen3's gate+up
+                        Case{8192, 7168, 2048, 32, cooperative},     // DeepSeek-V3 EP8 rank
+                        Case{16384, 14336, 4096, 8, cooperative},    // Mixtral's down
+                        Case{32768, 2048, 7168, 4, cooperative},     // DeepGEMM's N 7168
+                        Case{0, 128, 128, 0, pingpong}}) {           // no groups, 1 column tile
+    const auto schedule = nodrop::cuda::grouped_matmul_fp8_tensorwise_schedule(c.M, c.K, c.N, c.G);
+    EXPECT_EQ(schedule.tile, c.tile) << c.M << "x" << c.K << "x" << c.N << ", G " << c.G;
+    EXPECT_EQ(schedule.raster, GemmRaster::kAlongM) << c.M << "x" << c.K << "x" << c.N;
+    EXPECT_EQ(schedule.swizzle, 1) << c.M << "x" << c.K << "x" << c.N;
   }
-  EXPECT_EQ(nodrop::cuda::grouped_matmul_fp8_tensorwise_schedule(16384, 2048, 768, 128).tile,
-            Fp8TensorwiseTile::kPingpong128x128x128Cluster1x2);
-  EXPECT_EQ(nodrop::cuda::grouped_matmul_fp8_tensorwise_schedule(32768, 7168, 4096, 4).tile,
-            Fp8TensorwiseTile::kCooperative128x256x128Cluster1x2);
 }
 
 // The measured rule (fp8_tile_rule.cc) on the benchmark's shapes.

@@ -2,8 +2,8 @@
 // float32 scales, bfloat16 out), grouped_matmul_fp8_tensorwise (the same with one scale for lhs
 // and one per expert, fast accumulation) and grouped_matmul_fp8_blockwise_contract (the weight
 // gradient: ragged contraction, 1x128 scales along it on both operands) against host references
-// computed from the dequantised inputs in double. Needs a Hopper GPU, so it is run by hand, not by ctest
-// (part of nodrop_cuda_tests):
+// computed from the dequantised inputs in double. Needs a Hopper GPU, so it is run by hand, not
+// by ctest (part of nodrop_cuda_tests):
 //   ./nodrop_cuda_tests --gtest_filter='CudaFp8*:*/CudaFp8*'
 // Every kernel of fp8_tiles.def and fp8_tensorwise_tiles.def runs every case; the cases of one
 // shape, each kernel once, fit a sanitizer run:

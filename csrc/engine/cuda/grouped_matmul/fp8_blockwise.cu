@@ -279,7 +279,9 @@ template <detail::Fp8GemmForm F>
 auto automatic_schedule(int64_t M, int64_t K, int64_t N, int64_t G) {
   using detail::Fp8GemmForm;
   if constexpr (F == Fp8GemmForm::kRows) return grouped_matmul_fp8_schedule(M, K, N, G);
-  if constexpr (F == Fp8GemmForm::kContract) return grouped_matmul_fp8_contract_schedule(M, K, N, G);
+  if constexpr (F == Fp8GemmForm::kContract) {
+    return grouped_matmul_fp8_contract_schedule(M, K, N, G);
+  }
   if constexpr (F == Fp8GemmForm::kRowsTensorwise) {
     return grouped_matmul_fp8_tensorwise_schedule(M, K, N, G);
   }
@@ -426,8 +428,9 @@ Status grouped_matmul_fp8_blockwise(const void* lhs, const float* lhs_scales, co
                                     cudaStream_t stream, Fp8GemmSchedule schedule) {
   const int64_t KB = detail::scale_blocks(K), NB = detail::scale_blocks(N);
   return rows_call<detail::Fp8GemmForm::kRows>(
-      "grouped_matmul_fp8_blockwise", schedule, lhs, {"lhs_scales", lhs_scales, elements({M, KB}), 4},
-      rhs, {"rhs_scales", rhs_scales, elements({G, NB, KB}), 4}, group_sizes, M, K, N, G, out,
+      "grouped_matmul_fp8_blockwise", schedule, lhs,
+      {"lhs_scales", lhs_scales, elements({M, KB}), 4}, rhs,
+      {"rhs_scales", rhs_scales, elements({G, NB, KB}), 4}, group_sizes, M, K, N, G, out,
       workspace, workspace_bytes, stream);
 }
 

@@ -87,19 +87,25 @@ Fp8GemmSchedule grouped_matmul_fp8_contract_schedule(int64_t /*M*/, int64_t /*K*
                          /*swizzle=*/4);
 }
 
-// The tensorwise kernels: the cooperative 128x256 tile on a 1x2 cluster (the bf16 kernels' widest
-// per-warpgroup share, and CUTLASS's and PyTorch's FP8 choice for large shapes), along M, swizzle
-// 4; pingpong 128x128 for groups of at most 128 rows on average, whose row tiles would run mostly
-// empty at 128x256. Not yet measured against each other (bench/cuda/fp8_blockwise_bench.cu,
-// --configs=all).
+// The tensorwise kernels, measured on an H100 (nodrop_cuda_fp8_bench --configs=all, one run,
+// bench/results/2026-12-07-fp8-tensorwise/), each kernel along M with swizzle 1:
+//   - pingpong 128x128 where the cooperative 128x256 tile's column tiles do not pair up on its
+//     1x2 cluster (an odd count runs an empty tile per row of tiles: Qwen3's N 768, 1092 against
+//     792 TFLOP/s) or where groups average at most 128 rows (Qwen3's 2k tokens: 477 against
+//     439);
+//   - otherwise the cooperative 128x256: faster or level on 9 of the 10 other shapes (DeepSeek-V3's
+//     rank shapes, Mixtral's layer, Qwen3's layer, DeepGEMM's), by up to 39% (Mixtral's down
+//     projection), and 8% slower on Mixtral's 14336-wide forward;
+//   - along M with swizzle 1: swizzle 4 was slower for the cooperative kernel on 7 of 8 shapes
+//     and level for pingpong; along N lost on all but DeepGEMM's N 4096 (1.6% faster).
 Fp8TensorwiseSchedule grouped_matmul_fp8_tensorwise_schedule(int64_t M, int64_t /*K*/,
-                                                             int64_t /*N*/, int64_t G) {
-  if (G > 0 && M <= 128 * G) {
-    return Fp8TensorwiseSchedule(Fp8TensorwiseTile::kPingpong128x128x128Cluster1x2,
-                                 GemmRaster::kAlongN, /*swizzle=*/4);
-  }
-  return Fp8TensorwiseSchedule(Fp8TensorwiseTile::kCooperative128x256x128Cluster1x2,
-                               GemmRaster::kAlongM, /*swizzle=*/4);
+                                                             int64_t N, int64_t G) {
+  const bool small_groups = G > 0 && M <= 128 * G;
+  const bool column_tiles_pair_up = (N + 255) / 256 % 2 == 0;
+  const Fp8TensorwiseTile tile = small_groups || !column_tiles_pair_up
+                                     ? Fp8TensorwiseTile::kPingpong128x128x128Cluster1x2
+                                     : Fp8TensorwiseTile::kCooperative128x256x128Cluster1x2;
+  return Fp8TensorwiseSchedule(tile, GemmRaster::kAlongM, /*swizzle=*/1);
 }
 
 }  // namespace nodrop::cuda

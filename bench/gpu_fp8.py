@@ -137,7 +137,8 @@ def nodrop_fp8(dims):
     tensor_q, tensor_scale = jax.jit(lambda x: quantize(x, "tensor"))(lhs)
     tensor_rhs_q_t, tensor_rhs_scales = jax.jit(
         lambda w: quantize(jnp.swapaxes(w, 1, 2), "tensor"))(rhs)
-    tensorwise = jax.jit(nodrop.grouped_matmul_fp8_tensorwise)
+    tensorwise = jax.jit(functools.partial(nodrop.grouped_matmul_fp8_tensorwise,
+                                           fast_accumulation=True))
     runs = {"nodrop_gemm": lambda gs: functools.partial(gemm, lhs_q, lhs_scales, rhs_q_t,
                                                         rhs_scales, gs),
             "nodrop_tensorwise": lambda gs: functools.partial(

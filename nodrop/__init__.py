@@ -11,6 +11,7 @@ from nodrop.ops.fp8 import (
     grouped_matmul_fp8_blockwise,
     grouped_matmul_fp8_blockwise_contract,
     grouped_matmul_fp8_tensorwise,
+    grouped_matmul_fp8_tensorwise_contract,
     quantize,
 )
 from nodrop.ops.grouped_matmul import grouped_matmul, grouped_matmul_contract, ragged_dot
@@ -22,8 +23,8 @@ __version__ = "0.1.0"
 __all__ = [
     "adamw_update", "backends", "checks", "checks_enabled", "dequantize", "fp8_grouped_matmul",
     "grouped_matmul", "grouped_matmul_contract", "grouped_matmul_fp8_blockwise",
-    "grouped_matmul_fp8_blockwise_contract", "grouped_matmul_fp8_tensorwise", "load",
-    "load_balancing_loss", "permute", "quantize", "ragged_dot", "router_z_loss",
-    "tokens_per_expert", "topk_router", "unpermute",
+    "grouped_matmul_fp8_blockwise_contract", "grouped_matmul_fp8_tensorwise",
+    "grouped_matmul_fp8_tensorwise_contract", "load", "load_balancing_loss", "permute",
+    "quantize", "ragged_dot", "router_z_loss", "tokens_per_expert", "topk_router", "unpermute",
 ]
 del _ffi

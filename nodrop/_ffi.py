@@ -33,6 +33,7 @@ TARGETS = {
     "nodrop_grouped_matmul_fp8_tensorwise": "NodropGroupedMatmulFp8Tensorwise",
     "nodrop_quantize_fp8_transposed": "NodropQuantizeFp8Transposed",
     "nodrop_grouped_matmul_fp8_blockwise_contract": "NodropGroupedMatmulFp8BlockwiseContract",
+    "nodrop_grouped_matmul_fp8_tensorwise_contract": "NodropGroupedMatmulFp8TensorwiseContract",
 }
 CPU_TARGETS = {target: symbol + "Cpu" for target, symbol in TARGETS.items()}
 CUDA_TARGETS = {target: symbol + "Cuda" for target, symbol in TARGETS.items()}

@@ -43,7 +43,7 @@ XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL --xla_gpu_g
   "$python" -m pytest -q -p no:cacheprovider tests/python/test_gpu.py >> "$out/tests.log" 2>&1
 record "pytest test_gpu.py (CUDA graphs on)" $?
 
-small_gemm='CudaGroupedMatmulGraph.*:*/uneven_*bf16_bf16*:*/empty_groups_*f16_f32*:*/int32_extremes_*bf16_f32*:CudaFp8BlockwiseGraph.*:CudaFp8TensorwiseGraph.*:*/CudaFp8TensorwiseTest.*/mixed_*:CudaFp8ContractGraph.*:*/CudaFp8ContractTest.*/mixed_auto*'
+small_gemm='CudaGroupedMatmulGraph.*:*/uneven_*bf16_bf16*:*/empty_groups_*f16_f32*:*/int32_extremes_*bf16_f32*:CudaFp8BlockwiseGraph.*:CudaFp8TensorwiseGraph.*:*/CudaFp8TensorwiseTest.*/mixed_*:CudaFp8ContractGraph.*:*/CudaFp8ContractTest.*/mixed_auto*:CudaFp8TensorwiseContractGraph.*:*/CudaFp8TensorwiseContractTest.*/mixed_*'
 small_moe='*AdamWGpu*n1003*:*SortByExpert*uniform*:*RowMovers*odd_H*:*Arbitrary*:*Router*softmax_E8*:*RouterGrad*:*QuantizeFp8Gpu*bf16*:*QuantizeFp8TransposedGpu*bf16*:*PermuteRowsFp8Gpu*bf16*'
 for tool in memcheck racecheck; do
   for pair in "nodrop_cuda_tests:$small_gemm" "nodrop_cuda_moe_tests:$small_moe"; do

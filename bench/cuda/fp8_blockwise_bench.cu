@@ -5,7 +5,7 @@
 //                         [--configs=auto|all] [--shapes=ID,...]
 //
 // --mode=forward (the default): the forward (ragged rows, rhs transposed in both precisions), on
-// the blockwise kernels and on the tensorwise ones.
+// the blockwise kernels and on the tensorwise ones with fast accumulation (the recipe's forward).
 // --mode=training: a layer's three GEMMs (forward, input gradient, weight gradient) in both
 // precisions, the FP8 side with the engine's quantisation of the activations and output
 // gradients (rows for the forward and input gradient, transposed for the weight gradient;
@@ -13,13 +13,15 @@
 // bandwidth against a device-to-device copy of the same input (the transposed quantiser's also
 // from float32 inputs); the last two columns are the same layer with the weight gradient on the
 // bf16 kernel instead (`--fp8-weight-gradient unquantised`: no transposed quantisation).
+// A second table times the tensorwise recipe on the same operands: the forward with fast
+// accumulation, both gradients promoted (its default) or fast, or the weight gradient in bf16.
 // --configs=all there times every weight-gradient kernel (NODROP_FP8_CONTRACT_TILE) in two
-// orders.
+// orders, and every tensorwise kernel on both gradients in two orders.
 //
 // --configs=auto (the default) times the automatic schedule; --configs=all times every kernel of
-// fp8_tiles.def and of fp8_tensorwise_tiles.def (along M, swizzle 1), then the fastest of each
-// with three other tile orders, and ends with the best per shape. --shapes keeps the shapes of those ids (the first column of
-// kShapes). Group sizes are equal shares moved about at random, as a router's counts are
+// fp8_tiles.def and the fast ones of fp8_tensorwise_tiles.def (along M, swizzle 1), then the
+// fastest of each with three other tile orders, and ends with the best per shape. --shapes keeps
+// the shapes of those ids (the first column of kShapes). Group sizes are equal shares moved about at random, as a router's counts are
 // (DeepGEMM's shapes: equal groups). Each timing is the median of `iters` single calls timed
 // with CUDA events after `warmup` calls. The scales are all one and the E4M3 values finite: the
 // timing does not depend on the values.
@@ -149,6 +151,22 @@ double median_ms(int iters, int warmup, cudaStream_t stream, Run run) {
   return ms[ms.size() / 2];
 }
 
+// The accumulation a tensorwise call on `schedule` asks for: its pinned tile's, else `automatic`.
+bool accumulation_of(const nodrop::cuda::Fp8TensorwiseSchedule& schedule, bool automatic) {
+  return schedule.tile == nodrop::cuda::Fp8TensorwiseTile::kAuto
+             ? automatic
+             : nodrop::cuda::fp8_tensorwise_tile_fast_accumulation(schedule.tile);
+}
+
+// The tensorwise kernels of one accumulation.
+std::vector<nodrop::cuda::Fp8TensorwiseTile> tensorwise_tiles(bool fast) {
+  std::vector<nodrop::cuda::Fp8TensorwiseTile> tiles;
+  for (auto tile : nodrop::cuda::kFp8TensorwiseTiles) {
+    if (nodrop::cuda::fp8_tensorwise_tile_fast_accumulation(tile) == fast) tiles.push_back(tile);
+  }
+  return tiles;
+}
+
 // Device buffers of one shape: both precisions' operands, the group sizes and the workspaces.
 struct Problem {
   const Shape& s;
@@ -248,11 +266,14 @@ struct Problem {
                                                      s.M, s.K, s.N, s.G, out, ws8, ws8_bytes,
                                                      stream, schedule));
   }
-  // The tensorwise scales are the first elements of the blockwise ones (all ones).
-  void run_fp8(const nodrop::cuda::Fp8TensorwiseSchedule& schedule, cudaStream_t stream) const {
+  // The tensorwise scales are the first elements of the blockwise ones (all ones). A pinned tile
+  // runs with its own accumulation, kAuto with `fast`.
+  void run_fp8(const nodrop::cuda::Fp8TensorwiseSchedule& schedule, cudaStream_t stream,
+               bool fast = true) const {
     CHECK(nodrop::cuda::grouped_matmul_fp8_tensorwise(lhs8, lhs_scales, rhs8, rhs_scales, sizes,
-                                                      s.M, s.K, s.N, s.G, out, ws8, ws8_bytes,
-                                                      stream, schedule));
+                                                      s.M, s.K, s.N, s.G,
+                                                      accumulation_of(schedule, fast), out, ws8,
+                                                      ws8_bytes, stream, schedule));
   }
 
   // --mode=training. The input gradient dout [M, N] @ rhs[g] [N, K]; the weight gradient of
@@ -289,6 +310,19 @@ struct Problem {
     CHECK(nodrop::cuda::grouped_matmul_fp8_blockwise_contract(
         dout8_t, dout_t_scales, lhs8_t, lhs_t_scales, sizes, s.M, s.N, s.K, s.G, grad, ws8,
         ws8_bytes, stream, schedule));
+  }
+  // The tensorwise recipe's gradients on the same operands (its scales: the first of each).
+  void run_fp8_dgrad(const nodrop::cuda::Fp8TensorwiseSchedule& schedule, bool fast,
+                     cudaStream_t stream) const {
+    CHECK(nodrop::cuda::grouped_matmul_fp8_tensorwise(
+        dout8, dout_scales, rhs8_t, rhs_scales, sizes, s.M, s.N, s.K, s.G,
+        accumulation_of(schedule, fast), out, ws8, ws8_bytes, stream, schedule));
+  }
+  void run_fp8_wgrad(const nodrop::cuda::Fp8TensorwiseSchedule& schedule, bool fast,
+                     cudaStream_t stream) const {
+    CHECK(nodrop::cuda::grouped_matmul_fp8_tensorwise_contract(
+        dout8_t, dout_t_scales, lhs8_t, lhs_t_scales, sizes, s.M, s.N, s.K, s.G,
+        accumulation_of(schedule, fast), grad, ws8, ws8_bytes, stream, schedule));
   }
 };
 
@@ -354,6 +388,7 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
     double rows_gbs, transposed_gbs, copy_gbs, transposed32_gbs, copy32_gbs;
   };
   std::vector<Bandwidth> bandwidths;
+  std::vector<std::string> tensorwise_rows, tensorwise_kernel_rows;
   std::printf("Forward, input gradient and weight gradient of one layer (ms; FP8 with its "
               "activation and output-gradient quantisation):\n\n");
   std::printf("| shape | M | K | N | G | bf16 fwd | bf16 dgrad | bf16 wgrad | bf16 total | "
@@ -407,6 +442,41 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
                   unquantised_wgrad_total, bf16_total / unquantised_wgrad_total);
       std::fflush(stdout);
     }
+    // The tensorwise recipe on the same operands and quantisers: forward with fast accumulation,
+    // both gradients promoted (its default), or fast too, or the weight gradient in bf16.
+    const double tw_fwd = time([&] { problem.run_fp8(Fp8TensorwiseSchedule{}, stream, true); });
+    double tw_grad[2][2];  // [fast][0: input gradient, 1: weight gradient]
+    for (bool fast : {false, true}) {
+      tw_grad[fast][0] = time([&] { problem.run_fp8_dgrad(Fp8TensorwiseSchedule{}, fast, stream); });
+      tw_grad[fast][1] = time([&] { problem.run_fp8_wgrad(Fp8TensorwiseSchedule{}, fast, stream); });
+    }
+    const double tw_promoted = rows_ms + transposed_ms + tw_fwd + tw_grad[0][0] + tw_grad[0][1];
+    const double tw_fast = rows_ms + transposed_ms + tw_fwd + tw_grad[1][0] + tw_grad[1][1];
+    const double tw_bf16_wgrad = rows_ms + tw_fwd + tw_grad[0][0] + bf16_wgrad;
+    char line[512];
+    std::snprintf(line, sizeof(line),
+                  "| %s | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.2fx | %.3f | %.3f | %.3f | "
+                  "%.2fx | %.3f | %.2fx |",
+                  s.id, bf16_total, tw_fwd, tw_grad[0][0], tw_grad[0][1], tw_promoted,
+                  bf16_total / tw_promoted, tw_grad[1][0], tw_grad[1][1], tw_fast,
+                  bf16_total / tw_fast, tw_bf16_wgrad, bf16_total / tw_bf16_wgrad);
+    tensorwise_rows.emplace_back(line);
+    // --configs=all: every tensorwise kernel on both gradients, along M swizzle 1 and N swizzle 4.
+    for (auto tile : all_configs ? std::vector<nodrop::cuda::Fp8TensorwiseTile>(
+                                       std::begin(nodrop::cuda::kFp8TensorwiseTiles),
+                                       std::end(nodrop::cuda::kFp8TensorwiseTiles))
+                                 : std::vector<nodrop::cuda::Fp8TensorwiseTile>{}) {
+      for (const auto& [raster, swizzle] :
+           {std::pair{GemmRaster::kAlongM, 1}, std::pair{GemmRaster::kAlongN, 4}}) {
+        const Fp8TensorwiseSchedule schedule(tile, raster, swizzle);
+        const double dgrad = time([&] { problem.run_fp8_dgrad(schedule, false, stream); });
+        const double wgrad = time([&] { problem.run_fp8_wgrad(schedule, false, stream); });
+        std::snprintf(line, sizeof(line), "| %s | %s | %.3f | %.0f | %.3f | %.0f |", s.id,
+                      schedule_name(schedule).c_str(), dgrad, tflop / (dgrad * 1e-3), wgrad,
+                      tflop / (wgrad * 1e-3));
+        tensorwise_kernel_rows.emplace_back(line);
+      }
+    }
     // Bandwidth: bytes read and written per second, against a copy of the same input; the
     // transposed quantiser also from float32 copies of the operands (a float32 model's).
     const double in_bytes = 2.0 * s.M * (s.K + s.N);
@@ -458,6 +528,20 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
                 b.rows_gbs, b.transposed_gbs, b.copy_gbs, b.rows_gbs / b.copy_gbs,
                 b.transposed_gbs / b.copy_gbs, b.transposed32_gbs, b.copy32_gbs,
                 b.transposed32_gbs / b.copy32_gbs);
+  }
+  std::printf("\nThe tensorwise recipe's three GEMMs (ms; the same quantiser passes as above, "
+              "forward with fast accumulation; automatic tiles):\n\n");
+  std::printf("| shape | bf16 total | fwd | dgrad promoted | wgrad promoted | total | vs bf16 | "
+              "dgrad fast | wgrad fast | total, fast gradients | vs bf16 | total, bf16 wgrad | "
+              "vs bf16 |\n");
+  std::printf("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+              "| ---: |\n");
+  for (const std::string& row : tensorwise_rows) std::printf("%s\n", row.c_str());
+  if (!tensorwise_kernel_rows.empty()) {
+    std::printf("\nEvery tensorwise kernel on the gradients (ms, TFLOP/s):\n\n");
+    std::printf("| shape | kernel | dgrad | TFLOP/s | wgrad | TFLOP/s |\n");
+    std::printf("| --- | --- | ---: | ---: | ---: | ---: |\n");
+    for (const std::string& row : tensorwise_kernel_rows) std::printf("%s\n", row.c_str());
   }
 }
 
@@ -526,7 +610,8 @@ int main(int argc, char** argv) {
     };
     const Fp8GemmSchedule automatic = nodrop::cuda::grouped_matmul_fp8_schedule(s.M, s.K, s.N, s.G);
     const Fp8TensorwiseSchedule tensorwise_automatic =
-        nodrop::cuda::grouped_matmul_fp8_tensorwise_schedule(s.M, s.K, s.N, s.G);
+        nodrop::cuda::grouped_matmul_fp8_tensorwise_schedule(s.M, s.K, s.N, s.G,
+                                                             /*fast_accumulation=*/true);
     if (!all_configs) {
       time_fp8(Fp8GemmSchedule{}, "fp8 auto: " + schedule_name(automatic));
       time_fp8(Fp8TensorwiseSchedule{}, "fp8 auto: " + schedule_name(tensorwise_automatic));
@@ -536,8 +621,9 @@ int main(int argc, char** argv) {
     double default_ms = 0, tensorwise_default_ms = 0;
     const auto [best_schedule, best_ms] =
         sweep(nodrop::cuda::kFp8GemmTiles, automatic, time_fp8, &default_ms);
+    // The forward's tensorwise kernels: those with fast accumulation (the recipe's).
     const auto [tensorwise_best, tensorwise_best_ms] = sweep(
-        nodrop::cuda::kFp8TensorwiseTiles, tensorwise_automatic, time_fp8, &tensorwise_default_ms);
+        tensorwise_tiles(/*fast=*/true), tensorwise_automatic, time_fp8, &tensorwise_default_ms);
     best.default_tflops = tflop / (default_ms * 1e-3);
     best.best_tflops = tflop / (best_ms * 1e-3);
     best.best_name = schedule_name(best_schedule);

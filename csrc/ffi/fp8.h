@@ -1,6 +1,6 @@
-// Decoding and validation of the FP8 handlers (fp8_cpu.cc, fp8_cuda.cc): the quantisations, the
-// blockwise-scaled grouped matmuls (the forward and the weight gradient) and the forward with
-// one scale per tensor (tensorwise).
+// Decoding and validation of the FP8 handlers (fp8_cpu.cc, fp8_cuda.cc): the quantisations and
+// the grouped matmuls (the forward and the weight gradient), blockwise-scaled and with one scale
+// per tensor (tensorwise).
 #pragma once
 
 #include <cstdint>
@@ -219,21 +219,22 @@ auto bind_grouped_matmul_fp8_blockwise(Binding&& binding) {
 }
 
 // The blockwise forward's operands, lhs_scale and rhs_scales in place of its scales (the same
-// buffer types).
+// buffer types); then the attribute fast_accumulation.
 template <typename Binding>
 auto bind_grouped_matmul_fp8_tensorwise(Binding binding) {
-  return bind_grouped_matmul_fp8_blockwise(std::move(binding));
+  return bind_grouped_matmul_fp8_blockwise(std::move(binding))
+      .template Attr<bool>("fast_accumulation");
 }
 
-// lhs_t [K, P] and rhs_t [N, P] float8_e4m3fn, lhs_scales [PB, K] and rhs_scales [PB, N]
-// float32, group_sizes [G] -> out [G, K, N] bfloat16, where PB = fp8_contract_blocks(num_rows, G)
-// and P = 128 * PB: the operands quantize_fp8_transposed makes of [num_rows, K] and
-// [num_rows, N]. The shape's M is num_rows.
-inline ffi::ErrorOr<Fp8GemmShape> decode_grouped_matmul_fp8_blockwise_contract(
-    const ffi::AnyBuffer& lhs_t, const ffi::Buffer<ffi::F32>& lhs_scales,
-    const ffi::AnyBuffer& rhs_t, const ffi::Buffer<ffi::F32>& rhs_scales,
-    const ffi::Buffer<ffi::S32>& group_sizes, const ffi::Buffer<ffi::BF16>& out,
-    int64_t num_rows) {
+// What both ragged contractions take besides their scales: lhs_t [K, P] and rhs_t [N, P]
+// float8_e4m3fn, group_sizes [G] -> out [G, K, N] bfloat16, where
+// P = 128 * fp8_contract_blocks(num_rows, G): the codes quantize_fp8_transposed makes of
+// [num_rows, K] and [num_rows, N]. The shape's M is num_rows.
+inline ffi::ErrorOr<Fp8GemmShape> decode_fp8_contract(const ffi::AnyBuffer& lhs_t,
+                                                      const ffi::AnyBuffer& rhs_t,
+                                                      const ffi::Buffer<ffi::S32>& group_sizes,
+                                                      const ffi::Buffer<ffi::BF16>& out,
+                                                      int64_t num_rows) {
   if (num_rows < 0) {
     return ffi::Error::InvalidArgument("num_rows must be at least 0, got " +
                                        std::to_string(num_rows));
@@ -242,29 +243,59 @@ inline ffi::ErrorOr<Fp8GemmShape> decode_grouped_matmul_fp8_blockwise_contract(
   NODROP_RETURN_IF_ERROR(require_e4m3("rhs_t", rhs_t));
   NODROP_RETURN_IF_ERROR(require_rank("lhs_t", lhs_t, 2));
   NODROP_RETURN_IF_ERROR(require_rank("rhs_t", rhs_t, 2));
-  NODROP_RETURN_IF_ERROR(require_rank("lhs_scales", lhs_scales, 2));
-  NODROP_RETURN_IF_ERROR(require_rank("rhs_scales", rhs_scales, 2));
   NODROP_RETURN_IF_ERROR(require_rank("group_sizes", group_sizes, 1));
   NODROP_RETURN_IF_ERROR(require_rank("out", out, 3));
   Fp8GemmShape s{num_rows, lhs_t.dimensions()[0], rhs_t.dimensions()[0],
                  group_sizes.dimensions()[0]};
-  const int64_t PB = fp8_contract_blocks(s.M, s.G);
-  NODROP_RETURN_IF_ERROR(require_dim("lhs_t", lhs_t, 1, kFp8Block * PB));
-  NODROP_RETURN_IF_ERROR(require_dim("rhs_t", rhs_t, 1, kFp8Block * PB));
-  NODROP_RETURN_IF_ERROR(require_dim("lhs_scales", lhs_scales, 0, PB));
-  NODROP_RETURN_IF_ERROR(require_dim("lhs_scales", lhs_scales, 1, s.K));
-  NODROP_RETURN_IF_ERROR(require_dim("rhs_scales", rhs_scales, 0, PB));
-  NODROP_RETURN_IF_ERROR(require_dim("rhs_scales", rhs_scales, 1, s.N));
+  const int64_t P = kFp8Block * fp8_contract_blocks(s.M, s.G);
+  NODROP_RETURN_IF_ERROR(require_dim("lhs_t", lhs_t, 1, P));
+  NODROP_RETURN_IF_ERROR(require_dim("rhs_t", rhs_t, 1, P));
   NODROP_RETURN_IF_ERROR(require_dim("out", out, 0, s.G));
   NODROP_RETURN_IF_ERROR(require_dim("out", out, 1, s.K));
   NODROP_RETURN_IF_ERROR(require_dim("out", out, 2, s.N));
   return s;
 }
 
+// decode_fp8_contract's operands with lhs_scales [PB, K] and rhs_scales [PB, N] float32,
+// PB = fp8_contract_blocks(num_rows, G): one scale per block of 128 rows of each column.
+inline ffi::ErrorOr<Fp8GemmShape> decode_grouped_matmul_fp8_blockwise_contract(
+    const ffi::AnyBuffer& lhs_t, const ffi::Buffer<ffi::F32>& lhs_scales,
+    const ffi::AnyBuffer& rhs_t, const ffi::Buffer<ffi::F32>& rhs_scales,
+    const ffi::Buffer<ffi::S32>& group_sizes, const ffi::Buffer<ffi::BF16>& out,
+    int64_t num_rows) {
+  auto s = decode_fp8_contract(lhs_t, rhs_t, group_sizes, out, num_rows);
+  if (!s) return s.error();
+  const int64_t PB = fp8_contract_blocks(s->M, s->G);
+  NODROP_RETURN_IF_ERROR(require_rank("lhs_scales", lhs_scales, 2));
+  NODROP_RETURN_IF_ERROR(require_rank("rhs_scales", rhs_scales, 2));
+  NODROP_RETURN_IF_ERROR(require_dim("lhs_scales", lhs_scales, 0, PB));
+  NODROP_RETURN_IF_ERROR(require_dim("lhs_scales", lhs_scales, 1, s->K));
+  NODROP_RETURN_IF_ERROR(require_dim("rhs_scales", rhs_scales, 0, PB));
+  NODROP_RETURN_IF_ERROR(require_dim("rhs_scales", rhs_scales, 1, s->N));
+  return s;
+}
+
+// decode_fp8_contract's operands with lhs_scale [1] and rhs_scale [1] float32 (the whole of
+// each).
+inline ffi::ErrorOr<Fp8GemmShape> decode_grouped_matmul_fp8_tensorwise_contract(
+    const ffi::AnyBuffer& lhs_t, const ffi::Buffer<ffi::F32>& lhs_scale,
+    const ffi::AnyBuffer& rhs_t, const ffi::Buffer<ffi::F32>& rhs_scale,
+    const ffi::Buffer<ffi::S32>& group_sizes, const ffi::Buffer<ffi::BF16>& out,
+    int64_t num_rows) {
+  auto s = decode_fp8_contract(lhs_t, rhs_t, group_sizes, out, num_rows);
+  if (!s) return s.error();
+  NODROP_RETURN_IF_ERROR(require_rank("lhs_scale", lhs_scale, 1));
+  NODROP_RETURN_IF_ERROR(require_rank("rhs_scale", rhs_scale, 1));
+  NODROP_RETURN_IF_ERROR(require_dim("lhs_scale", lhs_scale, 0, 1));
+  NODROP_RETURN_IF_ERROR(require_dim("rhs_scale", rhs_scale, 0, 1));
+  return s;
+}
+
 // lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes -> out; attributes num_rows and checked.
-// The CUDA handler returns its workspace after these.
+// The CUDA handler returns its workspace after these. (Taken by reference, as
+// bind_grouped_matmul_fp8_blockwise.)
 template <typename Binding>
-auto bind_grouped_matmul_fp8_blockwise_contract(Binding binding) {
+auto bind_grouped_matmul_fp8_blockwise_contract(Binding&& binding) {
   return std::move(binding)
       .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::F32>>()
@@ -274,6 +305,14 @@ auto bind_grouped_matmul_fp8_blockwise_contract(Binding binding) {
       .template Ret<ffi::Buffer<ffi::BF16>>()
       .template Attr<int64_t>("num_rows")
       .template Attr<bool>("checked");
+}
+
+// The blockwise contraction's operands, lhs_scale and rhs_scale in place of its scales (the same
+// buffer types); then the attribute fast_accumulation.
+template <typename Binding>
+auto bind_grouped_matmul_fp8_tensorwise_contract(Binding binding) {
+  return bind_grouped_matmul_fp8_blockwise_contract(std::move(binding))
+      .template Attr<bool>("fast_accumulation");
 }
 
 }  // namespace nodrop::handlers

@@ -49,11 +49,14 @@ ffi::Error GroupedMatmulFp8Blockwise(ffi::ThreadPool pool, ffi::AnyBuffer lhs,
       group_sizes.typed_data(), s->M, s->K, s->N, s->G, out->untyped_data(), checked, &runner));
 }
 
+// `fast_accumulation` is accepted and ignored here and below: the CPU engine's sums are float32
+// either way (it picks how the GPU's tensor cores keep theirs).
 ffi::Error GroupedMatmulFp8Tensorwise(ffi::ThreadPool pool, ffi::AnyBuffer lhs,
                                       ffi::Buffer<ffi::F32> lhs_scale, ffi::AnyBuffer rhs,
                                       ffi::Buffer<ffi::F32> rhs_scales,
                                       ffi::Buffer<ffi::S32> group_sizes,
-                                      ffi::Result<ffi::Buffer<ffi::BF16>> out, bool checked) {
+                                      ffi::Result<ffi::Buffer<ffi::BF16>> out, bool checked,
+                                      bool /*fast_accumulation*/) {
   auto s = decode_grouped_matmul_fp8_tensorwise(lhs, lhs_scale, rhs, rhs_scales, group_sizes,
                                                 *out);
   if (!s) return s.error();
@@ -94,6 +97,24 @@ ffi::Error GroupedMatmulFp8BlockwiseContract(ffi::ThreadPool pool, ffi::AnyBuffe
       out->untyped_data(), checked, &runner));
 }
 
+ffi::Error GroupedMatmulFp8TensorwiseContract(ffi::ThreadPool pool, ffi::AnyBuffer lhs_t,
+                                              ffi::Buffer<ffi::F32> lhs_scale,
+                                              ffi::AnyBuffer rhs_t,
+                                              ffi::Buffer<ffi::F32> rhs_scale,
+                                              ffi::Buffer<ffi::S32> group_sizes,
+                                              ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                                              int64_t num_rows, bool checked,
+                                              bool /*fast_accumulation*/) {
+  auto s = decode_grouped_matmul_fp8_tensorwise_contract(lhs_t, lhs_scale, rhs_t, rhs_scale,
+                                                         group_sizes, *out, num_rows);
+  if (!s) return s.error();
+  XlaThreadPoolRunner runner(pool);
+  return to_ffi_error(cpu::grouped_matmul_fp8_tensorwise_contract(
+      lhs_t.untyped_data(), lhs_scale.typed_data(), rhs_t.untyped_data(),
+      rhs_scale.typed_data(), group_sizes.typed_data(), s->M, s->K, s->N, s->G,
+      out->untyped_data(), checked, &runner));
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -107,6 +128,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     NodropGroupedMatmulFp8BlockwiseContractCpu, GroupedMatmulFp8BlockwiseContract,
     bind_grouped_matmul_fp8_blockwise_contract(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NodropGroupedMatmulFp8TensorwiseContractCpu, GroupedMatmulFp8TensorwiseContract,
+    bind_grouped_matmul_fp8_tensorwise_contract(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropQuantizeFp8Cpu, QuantizeFp8,
                               bind_quantize_fp8(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));

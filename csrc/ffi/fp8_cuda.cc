@@ -1,5 +1,5 @@
 // The FP8 handlers on the CUDA engine; CUDA-graph compatible. Group sizes stay on the device;
-// the three grouped matmuls' workspace is an extra result sized by
+// the four grouped matmuls' workspace is an extra result sized by
 // NodropGroupedMatmulFp8BlockwiseWorkspaceBytes, permute_fp8's sort's by
 // NodropSortByExpertWorkspaceBytes (permute_cuda.cc).
 #include "ffi/fp8.h"
@@ -70,13 +70,14 @@ ffi::Error GroupedMatmulFp8Tensorwise(cudaStream_t stream, ffi::AnyBuffer lhs,
                                       ffi::Buffer<ffi::F32> rhs_scales,
                                       ffi::Buffer<ffi::S32> group_sizes,
                                       ffi::Result<ffi::Buffer<ffi::BF16>> out, bool /*checked*/,
+                                      bool fast_accumulation,
                                       ffi::Result<ffi::AnyBuffer> workspace) {
   auto s = decode_grouped_matmul_fp8_tensorwise(lhs, lhs_scale, rhs, rhs_scales, group_sizes,
                                                 *out);
   if (!s) return s.error();
   return to_ffi_error(cuda::grouped_matmul_fp8_tensorwise(
       lhs.untyped_data(), lhs_scale.typed_data(), rhs.untyped_data(), rhs_scales.typed_data(),
-      group_sizes.typed_data(), s->M, s->K, s->N, s->G, out->untyped_data(),
+      group_sizes.typed_data(), s->M, s->K, s->N, s->G, fast_accumulation, out->untyped_data(),
       workspace->untyped_data(), workspace->size_bytes(), stream));
 }
 
@@ -95,6 +96,24 @@ ffi::Error GroupedMatmulFp8BlockwiseContract(cudaStream_t stream, ffi::AnyBuffer
       lhs_t.untyped_data(), lhs_scales.typed_data(), rhs_t.untyped_data(),
       rhs_scales.typed_data(), group_sizes.typed_data(), s->M, s->K, s->N, s->G,
       out->untyped_data(), workspace->untyped_data(), workspace->size_bytes(), stream));
+}
+
+ffi::Error GroupedMatmulFp8TensorwiseContract(cudaStream_t stream, ffi::AnyBuffer lhs_t,
+                                              ffi::Buffer<ffi::F32> lhs_scale,
+                                              ffi::AnyBuffer rhs_t,
+                                              ffi::Buffer<ffi::F32> rhs_scale,
+                                              ffi::Buffer<ffi::S32> group_sizes,
+                                              ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                                              int64_t num_rows, bool /*checked*/,
+                                              bool fast_accumulation,
+                                              ffi::Result<ffi::AnyBuffer> workspace) {
+  auto s = decode_grouped_matmul_fp8_tensorwise_contract(lhs_t, lhs_scale, rhs_t, rhs_scale,
+                                                         group_sizes, *out, num_rows);
+  if (!s) return s.error();
+  return to_ffi_error(cuda::grouped_matmul_fp8_tensorwise_contract(
+      lhs_t.untyped_data(), lhs_scale.typed_data(), rhs_t.untyped_data(), rhs_scale.typed_data(),
+      group_sizes.typed_data(), s->M, s->K, s->N, s->G, fast_accumulation, out->untyped_data(),
+      workspace->untyped_data(), workspace->size_bytes(), stream));
 }
 
 }  // namespace
@@ -129,6 +148,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropQuantizeFp8TransposedCuda, QuantizeFp8Transp
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     NodropGroupedMatmulFp8BlockwiseContractCuda, GroupedMatmulFp8BlockwiseContract,
     bind_grouped_matmul_fp8_blockwise_contract(ffi::Ffi::Bind().Ctx<Stream>())
+        .Ret<ffi::AnyBuffer>(),  // workspace
+    {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NodropGroupedMatmulFp8TensorwiseContractCuda, GroupedMatmulFp8TensorwiseContract,
+    bind_grouped_matmul_fp8_tensorwise_contract(ffi::Ffi::Bind().Ctx<Stream>())
         .Ret<ffi::AnyBuffer>(),  // workspace
     {ffi::Traits::kCmdBufferCompatible});
 

@@ -23,14 +23,15 @@ faster than bf16. Both recipes also run for real, forward and both gradients, on
 FP8 grouped matmuls (CUTLASS on the GPU, plain-loop references on the CPU):
 `grouped_matmul_fp8_blockwise` (the forward, and the input gradient) on operands from
 `quantize_rows`, and `grouped_matmul_fp8_blockwise_contract` (the weight gradient) on operands
-from `quantize_transposed`. The tensorwise recipe's forward runs on
-`grouped_matmul_fp8_tensorwise`, one scale for the rows and one per expert, which on the GPU
-accumulates in the tensor cores' own sums and scales once ("fast accumulation"); its gradients
-run on the blockwise kernels with its one scale repeated over every block, whose float32
-accumulation of each 128-deep block is precise: Transformer Engine's split (fast accumulation
-forward, precise accumulation backward: its GEMMs' split accumulator is off for the forward
-and on for both gradients). `fp8_grouped_matmul` uses the kernels on the GPU for bfloat16
-(`forward`).
+from `quantize_transposed`. The tensorwise recipe runs all three on per-tensor kernels, one
+scale for the rows and one per expert: `grouped_matmul_fp8_tensorwise` (the forward, and the
+input gradient) and `grouped_matmul_fp8_tensorwise_contract` (the weight gradient, on
+`quantize_transposed`'s codes with the tensor's scale given). With one scale per operand the
+GPU may accumulate in the tensor cores' own sums and scale once ("fast accumulation"), or add
+each 128-deep block's sums in float32 ("promoted"): the recipe's forward accumulates fast and
+both gradients promoted, Transformer Engine's split (its GEMMs' split accumulator is off for
+the forward and on for both gradients). `fp8_grouped_matmul` uses the kernels on the GPU for
+bfloat16 (`forward`).
 """
 
 from __future__ import annotations
@@ -256,14 +257,15 @@ def fp8_grouped_matmul(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *
         gradient, by `quantize_rows`; each expert's weight quantised in 128 x 128 blocks,
         transposed for the forward: a block of rhs[g] is a block of rhs[g].T), the weight
         gradient in `grouped_matmul_fp8_blockwise_contract` (lhs and the output gradient by
-        `quantize_transposed`), whose results are rounded to bfloat16; the tensorwise recipe's
-        forward in `grouped_matmul_fp8_tensorwise` (one scale for lhs, one per expert; fast
-        accumulation on the GPU), its gradients on the blockwise kernels, its one scale per
-        tensor (per expert) repeated over every block, its codes laid out as theirs;
-        "emulated": as below, on `matmul`; "auto" (the default): the kernels on the GPU for
-        bfloat16 lhs, else emulated (the CPU engine's kernels are plain-loop references,
-        slower than the emulation on oneDNN, and a float32 or float16 lhs would lose its
-        precision to the kernels' bfloat16 outputs).
+        `quantize_transposed`), whose results are rounded to bfloat16; the tensorwise recipe
+        the same on `grouped_matmul_fp8_tensorwise` (one scale for lhs or the output gradient,
+        one per expert; on the GPU fast accumulation in the forward, promoted in the input
+        gradient) and `grouped_matmul_fp8_tensorwise_contract` (promoted; its operands by
+        `quantize_transposed` with one scale per tensor given); "emulated": as below, on
+        `matmul`; "auto" (the default): the kernels on the GPU for bfloat16 lhs, else emulated
+        (the CPU engine's kernels are plain-loop references, slower than the emulation on
+        oneDNN, and a float32 or float16 lhs would lose its precision to the kernels' bfloat16
+        outputs).
         The two differ only in where float32 rounds (and the kernels' bfloat16 outputs; on the
         GPU the tensorwise forward's fast accumulation rounds its sums more coarsely).
       weight_gradient: "fp8" (the default), the weight gradient on FP8 operands as below; or
@@ -326,15 +328,14 @@ def _fp8_grouped_matmul(lhs, rhs, group_sizes, lhs_quantized, recipe, matmul, fo
                     weight_gradient)[0]
 
 
-# The operands of the engine's FP8 kernels, per recipe. The forward runs the recipe's own
-# kernel: grouped_matmul_fp8_blockwise on 1 x 128 and 128 x 128 scales, or
-# grouped_matmul_fp8_tensorwise on one scale for the rows and one per expert (fast accumulation).
-# Both gradients run on the blockwise kernels (`_kernel_quantisers`: rows(x, group_sizes), the
-# rows [M, C] and their [M, ceil(C / 128)] scales; weights(w), an expert's [G, R, C] weight and
-# its [G, ceil(R / 128), ceil(C / 128)] scales; transposed(x, group_sizes), the weight
-# gradient's operand as quantize_transposed lays it out). Those multiply each 128-block by its
-# scale, so a tensorwise scale runs on them as that scale repeated over every block: fast
-# accumulation forward, precise accumulation backward, Transformer Engine's split.
+# The engine's FP8 kernels, per recipe. The blockwise recipe runs grouped_matmul_fp8_blockwise
+# (the forward and the input gradient) on rows in 1 x 128 blocks and weights in 128 x 128 blocks,
+# and grouped_matmul_fp8_blockwise_contract (the weight gradient) on quantize_transposed's blocks
+# of 128 rows. The tensorwise recipe runs all three GEMMs on the per-tensor kernels,
+# grouped_matmul_fp8_tensorwise and grouped_matmul_fp8_tensorwise_contract, on one scale for the
+# rows (`_tensor_rows`) and one per expert (`_expert_weights`): the forward with fast
+# accumulation, both gradients promoted, Transformer Engine's split (its GEMMs' split
+# accumulator off for the forward, on for both gradients).
 
 
 def _blockwise_rows(x, group_sizes):
@@ -361,32 +362,11 @@ def _expert_weights(w):
     return q, scale.reshape(w.shape[0])
 
 
-def _tensorwise_rows(x, group_sizes):
-    """`_tensor_rows`'s scale repeated over every 1 x 128 block."""
-    q, scale = _tensor_rows(x, group_sizes)
-    return q, jnp.broadcast_to(scale, (x.shape[0], -(-x.shape[1] // BLOCK)))
-
-
-def _tensorwise_weights(w):
-    """`_expert_weights`'s scales repeated over each expert's 128 x 128 blocks."""
-    q, scale = _expert_weights(w)
-    grid = (-(-w.shape[-2] // BLOCK), -(-w.shape[-1] // BLOCK))
-    return q, jnp.broadcast_to(scale[:, None, None], (w.shape[0], *grid))
-
-
-def _tensorwise_transposed(x, group_sizes):
-    """quantize_transposed's layout with one scale over the rows in the groups (their amax in
-    XLA, then the engine's pass with that scale given): the scale is repeated over every
-    block."""
+def _tensor_transposed(x, group_sizes):
+    """quantize_transposed's codes of x with `_tensor_rows`'s scale given (the amax in XLA, then
+    the engine's pass), and that scale [1]: the pass's own [PB, C] scales are it repeated."""
     _, scale = _tensor_rows(x, group_sizes)
-    return quantize_transposed(x, group_sizes, scale=scale)
-
-
-def _kernel_quantisers(recipe: str):
-    """The gradients' (rows, weights, transposed) of the recipe, as described above."""
-    if recipe == "blockwise":
-        return _blockwise_rows, _blockwise_weights, quantize_transposed
-    return _tensorwise_rows, _tensorwise_weights, _tensorwise_transposed
+    return quantize_transposed(x, group_sizes, scale=scale)[0], scale
 
 
 def _kernel_forward(lhs, rhs, group_sizes, lhs_quantized, recipe):
@@ -396,7 +376,8 @@ def _kernel_forward(lhs, rhs, group_sizes, lhs_quantized, recipe):
     rhs_t = jnp.swapaxes(rhs, 1, 2)
     if recipe == "tensorwise":
         return grouped_matmul_fp8_tensorwise(*_tensor_rows(lhs, group_sizes),
-                                             *_expert_weights(rhs_t), group_sizes),
+                                             *_expert_weights(rhs_t), group_sizes,
+                                             fast_accumulation=True),
     lhs_q = _blockwise_rows(lhs, group_sizes) if lhs_quantized is None else lhs_quantized
     return grouped_matmul_fp8_blockwise(*lhs_q, *_blockwise_weights(rhs_t), group_sizes),
 
@@ -421,23 +402,32 @@ def _unquantised_weight_gradient(lhs, dout, group_sizes, rhs, matmul, dtype):
 
 
 def _kernel_backward(lhs, rhs, dout, group_sizes, recipe, weight_gradient):
-    """Both gradients on the engine's blockwise FP8 kernels, for either recipe (the tensorwise
-    one's scales repeated over the blocks: precise accumulation, each 128-deep block's sum
-    scaled and added in float32). The input gradient dout @ rhs[g].T runs on the blockwise
-    forward's kernel: its "transposed weight" [G, K, N] is rhs itself, whose 128 x 128 blocks
-    (and scales) are those of rhs[g].T. The weight gradient is the FP8 ragged contraction,
-    both operands laid out by group. Rows past the groups need no zeroing for the
+    """Both gradients on the recipe's FP8 kernels, the tensorwise ones promoted (each 128-deep
+    block's sums added in float32). The input gradient dout @ rhs[g].T runs on the forward's
+    kernel: its "transposed weight" [G, K, N] is rhs itself, whose 128 x 128 blocks (and
+    scales, and tensor scale) are those of rhs[g].T. The weight gradient is the FP8 ragged
+    contraction, both operands laid out by group. Rows past the groups need no zeroing for the
     blockwise recipe: neither kernel nor the transposed quantisation reads them. (One kernel
     writing dout's rows and its transposed copy from one read measured slower than the two
     quantisers apart on the H200, 2026-12-03.)"""
-    rows, weights, transposed = _kernel_quantisers(recipe)
-    dlhs = grouped_matmul_fp8_blockwise(*rows(dout, group_sizes), *weights(rhs), group_sizes)
+    if recipe == "tensorwise":
+        dlhs = grouped_matmul_fp8_tensorwise(*_tensor_rows(dout, group_sizes),
+                                             *_expert_weights(rhs), group_sizes,
+                                             fast_accumulation=False)
+    else:
+        dlhs = grouped_matmul_fp8_blockwise(*_blockwise_rows(dout, group_sizes),
+                                            *_blockwise_weights(rhs), group_sizes)
     if weight_gradient == "unquantised":  # nodrop's contraction reads only the groups' rows
         return dlhs, _unquantised_weight_gradient(lhs, dout, group_sizes, rhs, grouped_matmul,
                                                   lhs.dtype)
-    drhs = grouped_matmul_fp8_blockwise_contract(
-        *transposed(lhs, group_sizes), *transposed(dout, group_sizes), group_sizes,
-        num_rows=lhs.shape[0])
+    if recipe == "tensorwise":
+        drhs = grouped_matmul_fp8_tensorwise_contract(
+            *_tensor_transposed(lhs, group_sizes), *_tensor_transposed(dout, group_sizes),
+            group_sizes, num_rows=lhs.shape[0], fast_accumulation=False)
+    else:
+        drhs = grouped_matmul_fp8_blockwise_contract(
+            *quantize_transposed(lhs, group_sizes), *quantize_transposed(dout, group_sizes),
+            group_sizes, num_rows=lhs.shape[0])
     return dlhs, drhs
 
 
@@ -659,8 +649,10 @@ def grouped_matmul_fp8_blockwise(lhs_q: ArrayLike, lhs_scales: ArrayLike, rhs_q_
 
 
 def grouped_matmul_fp8_tensorwise(lhs_q: ArrayLike, lhs_scale: ArrayLike, rhs_q_t: ArrayLike,
-                                  rhs_scales: ArrayLike, group_sizes: ArrayLike) -> jax.Array:
-    """The tensorwise recipe's forward on FP8 operands, in one engine call: out [M, N] bfloat16.
+                                  rhs_scales: ArrayLike, group_sizes: ArrayLike, *,
+                                  fast_accumulation: bool = False) -> jax.Array:
+    """The tensorwise recipe's forward and input gradient on FP8 operands, in one engine call:
+    out [M, N] bfloat16.
 
     Args:
       lhs_q: [M, K] float8_e4m3fn and lhs_scale [1] float32, one scale for all of it, as
@@ -669,12 +661,16 @@ def grouped_matmul_fp8_tensorwise(lhs_q: ArrayLike, lhs_scale: ArrayLike, rhs_q_
         float32, one per expert, as `quantize(swapaxes(rhs, 1, 2), "tensor")` (reshaped to
         [G]).
       group_sizes: [G] integers, as `nodrop.grouped_matmul`'s (rows past the groups are zero).
+      fast_accumulation: how the GPU keeps its float32 sums. True: the tensor cores' own sums
+        over all of K ("fast accumulation", what Transformer Engine runs its FP8 forward GEMMs
+        with), which round more coarsely; False (the default, as torch._scaled_grouped_mm's
+        use_fast_accum): each 128-deep block's sums added into a float32 accumulator
+        ("promoted", Transformer Engine's split accumulator, its default for both gradients).
+        The CPU engine's sums are float32 either way.
     Group g's rows are (lhs_q[rows_g] @ rhs_q_t[g].T) * (lhs_scale[0] * rhs_scales[g]): the
-    product accumulated over all of K in float32, scaled once, rounded to bfloat16. On the GPU
-    the accumulation is the tensor cores' own ("fast accumulation", Transformer Engine's FP8
-    forward), which rounds more than a float32 sum would. Rows partition locally under
-    sharding, the rest is gathered. Not differentiable: `fp8_grouped_matmul` is the
-    differentiable recipe that calls it.
+    product accumulated over all of K in float32, scaled once, rounded to bfloat16. Rows
+    partition locally under sharding, the rest is gathered. Not differentiable:
+    `fp8_grouped_matmul` is the differentiable recipe that calls it.
     """
     lhs_q, lhs_scale, rhs_q_t, rhs_scales, group_sizes = map(
         _checks.as_array, (lhs_q, lhs_scale, rhs_q_t, rhs_scales, group_sizes))
@@ -684,14 +680,21 @@ def grouped_matmul_fp8_tensorwise(lhs_q: ArrayLike, lhs_scale: ArrayLike, rhs_q_
     _require_scales("rhs_scales", rhs_scales, (num_groups,), "one scale per expert")
     group_sizes = _group_sizes(group_sizes, num_groups, "rhs_q_t")
     return _tensorwise_p.bind(*_ffi.match_vma(lhs_q, lhs_scale, rhs_q_t, rhs_scales, group_sizes),
-                              checked=_checks.checks_enabled())
+                              checked=_checks.checks_enabled(),
+                              fast_accumulation=bool(fast_accumulation))
+
+
+def _bool_attrs(**flags):
+    """The ops' bool parameters as FFI attributes."""
+    return {name: _checks.attr_bool(value) for name, value in flags.items()}
 
 
 def _engine_rows(target, lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes, *, platform,
-                 checked):
-    """One engine call of either forward (`target`), K and N zero-padded to the kernels' 16 and
-    8 (TMA's 16-byte rows of E4M3 and of bfloat16). Padding never starts a new 128 block, so
-    the scales stay as they are, and zeros add nothing."""
+                 **flags):
+    """One engine call of either forward (`target`; flags: checked, and the tensorwise one's
+    fast_accumulation), K and N zero-padded to the kernels' 16 and 8 (TMA's 16-byte rows of
+    E4M3 and of bfloat16). Padding never starts a new 128 block, so the scales stay as they
+    are, and zeros add nothing."""
     depth, num_cols = lhs_q.shape[1], rhs_q_t.shape[1]
     padded_k, padded_n = -(-depth // 16) * 16, -(-num_cols // 8) * 8
     lhs_q = _pad_axis(lhs_q, 1, padded_k)
@@ -702,7 +705,7 @@ def _engine_rows(target, lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes, *,
                                       rhs_q_t.shape[0])
     return _ffi.engine_call(
         target, jax.ShapeDtypeStruct((lhs_q.shape[0], padded_n), jnp.bfloat16),
-        workspace_bytes=workspace, checked=_checks.attr_bool(checked))(
+        workspace_bytes=workspace, **_bool_attrs(**flags))(
         lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes)[:, :num_cols]
 
 
@@ -714,12 +717,14 @@ def _rows_lowering(target: str, lhs_scale_factors: tuple[str, ...],
     rule = ", ".join(" ".join(factors) for factors in dims) + " -> m n"
     gathered = tuple(dict.fromkeys(f for factors in dims for f in factors if f != "m"))
 
-    def lower(lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes, *, checked, partition):
+    def lower(lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes, *, checked, partition,
+              **flags):
         def run(*args):
             return _ffi.on_platform(
                 *args, cpu=functools.partial(_engine_rows, target, platform="cpu",
-                                             checked=checked),
-                cuda=functools.partial(_engine_rows, target, platform="cuda", checked=checked))
+                                             checked=checked, **flags),
+                cuda=functools.partial(_engine_rows, target, platform="cuda", checked=checked,
+                                       **flags))
 
         if not partition:
             return run(lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes)
@@ -739,8 +744,8 @@ def _rows_lowering(target: str, lhs_scale_factors: tuple[str, ...],
     return lower
 
 
-def _rows_abstract_eval(lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes, *, checked):
-    del checked
+def _rows_abstract_eval(lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes, **params):
+    del params  # checked (and fast_accumulation): the shape is the operands'
     return _primitives.result_aval((lhs_q, lhs_scales, rhs_q_t, rhs_scales, group_sizes),
                                    (lhs_q.shape[0], rhs_q_t.shape[1]), jnp.bfloat16)
 
@@ -782,7 +787,7 @@ def quantize_transposed(x: ArrayLike, group_sizes: ArrayLike, *, scale: ArrayLik
     scale: None, or one float32 scale (one element) that every block takes instead of its
     own: the tensorwise recipe's, from an amax taken over the tensor beforehand. Then q_t holds
     x * (1 / scale) rounded and saturated alike, and every scale, unused blocks' included, is
-    that one.
+    that one (`grouped_matmul_fp8_tensorwise_contract` reads the codes and that one scale).
     """
     x, group_sizes = jnp.asarray(x), _checks.as_array(group_sizes)
     _checks.require_rank("x", x, 2, "[M, C]")
@@ -833,6 +838,25 @@ _quantize_transposed_p = _primitives.define(
     lower=_quantize_transposed_lowering, multiple_results=True)
 
 
+def _contract_codes(lhs_t, rhs_t, group_sizes, num_rows) -> int:
+    """The codes both contractions read, lhs_t [K, P] and rhs_t [N, P] float8_e4m3fn for
+    num_rows rows in G groups; their blocks PB (P = 128 * PB)."""
+    if not is_int(num_rows) or num_rows < 0:
+        raise ValueError(f"num_rows must be a non-negative int (M), got {num_rows!r}")
+    _checks.require_rank("lhs_t", lhs_t, 2, "[K, P]")
+    _checks.require_rank("rhs_t", rhs_t, 2, "[N, P]")
+    _require_e4m3("lhs_t", lhs_t)
+    _require_e4m3("rhs_t", rhs_t)
+    _checks.require_rank("group_sizes", group_sizes, 1, "[G]")
+    num_groups = group_sizes.shape[0]
+    blocks = _contract_blocks(int(num_rows), num_groups)
+    why = (f"columns along axis 1 (P = 128 * (ceil(num_rows / 128) + G) for num_rows "
+           f"{num_rows} and G {num_groups})")
+    _checks.require_dim("lhs_t", lhs_t, 1, BLOCK * blocks, why)
+    _checks.require_dim("rhs_t", rhs_t, 1, BLOCK * blocks, why)
+    return blocks
+
+
 def grouped_matmul_fp8_blockwise_contract(lhs_t: ArrayLike, lhs_scales: ArrayLike,
                                           rhs_t: ArrayLike, rhs_scales: ArrayLike,
                                           group_sizes: ArrayLike, *, num_rows: int) -> jax.Array:
@@ -856,19 +880,7 @@ def grouped_matmul_fp8_blockwise_contract(lhs_t: ArrayLike, lhs_scales: ArrayLik
     """
     lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes = map(
         _checks.as_array, (lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes))
-    if not is_int(num_rows) or num_rows < 0:
-        raise ValueError(f"num_rows must be a non-negative int (M), got {num_rows!r}")
-    _checks.require_rank("lhs_t", lhs_t, 2, "[K, P]")
-    _checks.require_rank("rhs_t", rhs_t, 2, "[N, P]")
-    _require_e4m3("lhs_t", lhs_t)
-    _require_e4m3("rhs_t", rhs_t)
-    _checks.require_rank("group_sizes", group_sizes, 1, "[G]")
-    num_groups = group_sizes.shape[0]
-    blocks = _contract_blocks(int(num_rows), num_groups)
-    why = (f"columns along axis 1 (P = 128 * (ceil(num_rows / 128) + G) for num_rows "
-           f"{num_rows} and G {num_groups})")
-    _checks.require_dim("lhs_t", lhs_t, 1, BLOCK * blocks, why)
-    _checks.require_dim("rhs_t", rhs_t, 1, BLOCK * blocks, why)
+    blocks = _contract_codes(lhs_t, rhs_t, group_sizes, num_rows)
     per_block = f"one scale per block of {BLOCK} rows and column"
     _require_scales("lhs_scales", lhs_scales, (blocks, lhs_t.shape[0]), per_block)
     _require_scales("rhs_scales", rhs_scales, (blocks, rhs_t.shape[0]), per_block)
@@ -878,51 +890,103 @@ def grouped_matmul_fp8_blockwise_contract(lhs_t: ArrayLike, lhs_scales: ArrayLik
         num_rows=int(num_rows), checked=_checks.checks_enabled())
 
 
-def _engine_blockwise_contract(lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes, *, platform,
-                               num_rows, checked):
-    """One engine call, N padded to the kernels' multiple of 8 (16-byte rows of the bfloat16
-    output): zero codes under scale 1 add nothing."""
+def grouped_matmul_fp8_tensorwise_contract(lhs_t: ArrayLike, lhs_scale: ArrayLike,
+                                           rhs_t: ArrayLike, rhs_scale: ArrayLike,
+                                           group_sizes: ArrayLike, *, num_rows: int,
+                                           fast_accumulation: bool = False) -> jax.Array:
+    """The tensorwise recipe's weight gradient (a ragged contraction) on FP8 operands, in one
+    engine call: out [G, K, N] bfloat16.
+
+    Args:
+      lhs_t: [K, P] float8_e4m3fn, `quantize_transposed(lhs, group_sizes, scale=lhs_scale)`'s
+        codes of lhs [M, K], and lhs_scale [1] float32, that one scale.
+      rhs_t: [N, P] float8_e4m3fn and rhs_scale [1] float32, the same of rhs [M, N] (the output
+        gradient) with the same group sizes.
+      group_sizes, num_rows: as `grouped_matmul_fp8_blockwise_contract`'s.
+      fast_accumulation: as `grouped_matmul_fp8_tensorwise`'s, over the rows of each group.
+    out[g] = (lhs_t[:, cols_g] @ rhs_t[:, cols_g].T) * (lhs_scale[0] * rhs_scale[0]), cols_g
+    being the columns of group g's rows (as quantize_transposed lays them out): the product
+    accumulated in float32, scaled once, rounded to bfloat16; an empty group gives zeros. K and
+    N partition locally under sharding, the rest is gathered. Not differentiable:
+    `fp8_grouped_matmul` is the differentiable recipe that calls it.
+    """
+    lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes = map(
+        _checks.as_array, (lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes))
+    _contract_codes(lhs_t, rhs_t, group_sizes, num_rows)
+    _require_scales("lhs_scale", lhs_scale, (1,), "one scale for all of lhs_t")
+    _require_scales("rhs_scale", rhs_scale, (1,), "one scale for all of rhs_t")
+    group_sizes = _checks.as_int32("group_sizes", group_sizes)
+    return _tensorwise_contract_p.bind(
+        *_ffi.match_vma(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes),
+        num_rows=int(num_rows), checked=_checks.checks_enabled(),
+        fast_accumulation=bool(fast_accumulation))
+
+
+def _engine_contract(target, lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes, *, platform,
+                     num_rows, **flags):
+    """One engine call of either contraction (`target`; flags: checked, and the tensorwise
+    one's fast_accumulation), N padded to the kernels' multiple of 8 (16-byte rows of the
+    bfloat16 output): zero codes add nothing, under scale 1 where the scales are per column
+    (the blockwise ones, [PB, N])."""
     num_cols = rhs_t.shape[0]
     padded_n = -(-num_cols // 8) * 8
     rhs_t = _pad_axis(rhs_t, 0, padded_n)
-    rhs_scales = jnp.pad(rhs_scales, ((0, 0), (0, padded_n - num_cols)), constant_values=1)
+    if rhs_scales.ndim == 2:
+        rhs_scales = jnp.pad(rhs_scales, ((0, 0), (0, padded_n - num_cols)), constant_values=1)
     workspace = None
-    if platform == "cuda":
+    if platform == "cuda":  # both contractions' workspace is the blockwise one's
         workspace = functools.partial(_ffi.grouped_matmul_fp8_blockwise_workspace_bytes,
                                       group_sizes.shape[0])
     return _ffi.engine_call(
-        "nodrop_grouped_matmul_fp8_blockwise_contract",
+        target,
         jax.ShapeDtypeStruct((group_sizes.shape[0], lhs_t.shape[0], padded_n), jnp.bfloat16),
-        workspace_bytes=workspace, num_rows=np.int64(num_rows),
-        checked=_checks.attr_bool(checked))(
+        workspace_bytes=workspace, num_rows=np.int64(num_rows), **_bool_attrs(**flags))(
         lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes)[:, :, :num_cols]
 
 
-def _blockwise_contract_lowering(lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes, *,
-                                 num_rows, checked, partition):
-    def run(*args):
-        return _ffi.on_platform(
-            *args, cpu=functools.partial(_engine_blockwise_contract, platform="cpu",
-                                         num_rows=num_rows, checked=checked),
-            cuda=functools.partial(_engine_blockwise_contract, platform="cuda",
-                                   num_rows=num_rows, checked=checked))
+def _contract_lowering(target: str, lhs_scale_factors: tuple[str, ...],
+                       rhs_scale_factors: tuple[str, ...]):
+    """The lowering of either contraction (`target`), its scales' dimensions named by the
+    sharding rule's factors: K "k", N "n", the blocks of rows "b", the rest their own."""
+    dims = (("k", "p"), lhs_scale_factors, ("n", "p"), rhs_scale_factors, ("g",))
+    rule = ", ".join(" ".join(factors) for factors in dims) + " -> g k n"
+    gathered = tuple(dict.fromkeys(f for factors in dims for f in factors
+                                   if f not in ("k", "n")))
 
-    if not partition:
-        return run(lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes)
-    # K and N split: local (each output element reads its own row of lhs_t and of rhs_t); the
-    # contraction (P, and the blocks of the scales) and the groups gathered.
-    return _partition.partitioned(
-        run, "k p, b k, n p, b n, g -> g k n",
-        (("k", "p"), ("b", "k"), ("n", "p"), ("b", "n"), ("g",)), (("g", "k", "n"),),
-        lambda axes_of, *args: run(*args), ("k", "n"),
-        need_replication_factors=("p", "b", "g"))(
-        lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes)
+    def lower(lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes, *, num_rows, partition,
+              **flags):
+        def run(*args):
+            return _ffi.on_platform(
+                *args, cpu=functools.partial(_engine_contract, target, platform="cpu",
+                                             num_rows=num_rows, **flags),
+                cuda=functools.partial(_engine_contract, target, platform="cuda",
+                                       num_rows=num_rows, **flags))
+
+        if not partition:
+            return run(lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes)
+        # K and N split: local (each output element reads its own row of lhs_t and of rhs_t);
+        # the contraction (P, and the blocks of the scales) and the groups gathered.
+        return _partition.partitioned(
+            run, rule, dims, (("g", "k", "n"),), lambda axes_of, *args: run(*args), ("k", "n"),
+            need_replication_factors=gathered)(
+            lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes)
+
+    return lower
 
 
+def _contract_abstract_eval(lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes, **params):
+    del params  # num_rows, checked (and fast_accumulation): the shape is the operands'
+    return _primitives.result_aval((lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes),
+                                   (group_sizes.shape[0], lhs_t.shape[0], rhs_t.shape[0]),
+                                   jnp.bfloat16)
+
+
+# The blockwise scales [PB, K] and [PB, N] split with K and N; the tensorwise ones are [1] each
+# (factors of their own, gathered).
 _blockwise_contract_p = _primitives.define(
-    "nodrop_grouped_matmul_fp8_blockwise_contract",
-    abstract_eval=lambda lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes, *, num_rows,
-    checked: _primitives.result_aval(
-        (lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes),
-        (group_sizes.shape[0], lhs_t.shape[0], rhs_t.shape[0]), jnp.bfloat16),
-    lower=_blockwise_contract_lowering)
+    "nodrop_grouped_matmul_fp8_blockwise_contract", abstract_eval=_contract_abstract_eval,
+    lower=_contract_lowering("nodrop_grouped_matmul_fp8_blockwise_contract", ("b", "k"),
+                             ("b", "n")))
+_tensorwise_contract_p = _primitives.define(
+    "nodrop_grouped_matmul_fp8_tensorwise_contract", abstract_eval=_contract_abstract_eval,
+    lower=_contract_lowering("nodrop_grouped_matmul_fp8_tensorwise_contract", ("s",), ("t",)))

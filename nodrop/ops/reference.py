@@ -153,14 +153,10 @@ def grouped_matmul_fp8_tensorwise(lhs_q, lhs_scale, rhs_q_t, rhs_scales, group_s
                      group_sizes)
 
 
-def grouped_matmul_fp8_blockwise_contract(lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes, *,
-                                          num_rows):
-    """The FP8 weight gradient: out[g] = the dequantised operands' product over group g's
-    columns in float32, as bfloat16. Columns are rows transposed (lhs_t [K, P], rhs_t [N, P],
-    scales [P / 128, K] and [P / 128, N] over blocks of 128 columns); group g's are its rows'
-    count from column 128 * (the blocks of 128 rows of the groups before it)."""
-    lhs = fp8.dequantize(lhs_t.T, lhs_scales, fp8.WGRAD_BLOCK)  # [P, K]
-    rhs = fp8.dequantize(rhs_t.T, rhs_scales, fp8.WGRAD_BLOCK)  # [P, N]
+def _fp8_contract(lhs, rhs, group_sizes, num_rows):
+    """The FP8 weight gradients' product of the dequantised operands (lhs [P, K], rhs [P, N])
+    over each group's columns in float32, as bfloat16: group g's are its rows' count from
+    column 128 * (the blocks of 128 rows of the groups before it)."""
     sizes = _group_row_masks(group_sizes, num_rows).sum(axis=1)
     blocks = -(-sizes // fp8.BLOCK)
     first = fp8.BLOCK * (jnp.cumsum(blocks) - blocks)
@@ -171,6 +167,24 @@ def grouped_matmul_fp8_blockwise_contract(lhs_t, lhs_scales, rhs_t, rhs_scales, 
     if not outs:
         return jnp.zeros((0, lhs.shape[1], rhs.shape[1]), jnp.bfloat16)
     return jnp.stack(outs).astype(jnp.bfloat16)
+
+
+def grouped_matmul_fp8_blockwise_contract(lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes, *,
+                                          num_rows):
+    """The FP8 blockwise weight gradient: out[g] = the dequantised operands' product over group
+    g's columns in float32, as bfloat16. Columns are rows transposed (lhs_t [K, P], rhs_t
+    [N, P], scales [P / 128, K] and [P / 128, N] over blocks of 128 columns)."""
+    return _fp8_contract(fp8.dequantize(lhs_t.T, lhs_scales, fp8.WGRAD_BLOCK),
+                         fp8.dequantize(rhs_t.T, rhs_scales, fp8.WGRAD_BLOCK), group_sizes,
+                         num_rows)
+
+
+def grouped_matmul_fp8_tensorwise_contract(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *,
+                                           num_rows):
+    """The FP8 tensorwise weight gradient: the same, with one scale ([1]) for each operand."""
+    return _fp8_contract(fp8.dequantize(lhs_t.T, lhs_scale.reshape(1, 1), "tensor"),
+                         fp8.dequantize(rhs_t.T, rhs_scale.reshape(1, 1), "tensor"),
+                         group_sizes, num_rows)
 
 
 def adamw_update(param, grad, mu, nu, *, step_size, count, b1, b2, eps, weight_decay=0.0,

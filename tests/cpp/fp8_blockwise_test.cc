@@ -1,6 +1,7 @@
 // Tests of the CPU grouped_matmul_fp8_blockwise (the forward), grouped_matmul_fp8_tensorwise
-// (the forward with one scale per tensor) and grouped_matmul_fp8_blockwise_contract (the weight
-// gradient) against float64 dequantise-then-matmul references: uneven, empty and invalid groups,
+// (the forward with one scale per tensor), grouped_matmul_fp8_blockwise_contract (the weight
+// gradient) and grouped_matmul_fp8_tensorwise_contract (the weight gradient with one scale per
+// tensor) against float64 dequantise-then-matmul references: uneven, empty and invalid groups,
 // K and N that are not multiples of 128, threads, and the argument errors the GPU engine gives
 // too.
 
@@ -381,45 +382,96 @@ ContractOperands random_contract_operands(const ContractProblem& p, uint32_t see
           random.scales(p.PB() * p.N)};
 }
 
-std::vector<uint16_t> run_contract(const ContractProblem& p, const ContractOperands& o,
-                                   nodrop::ParallelRunner* runner, bool checked = false,
-                                   nodrop::Status* status = nullptr) {
+// The tensorwise operands: the same codes, lhs_scales [1] and rhs_scales [1].
+ContractOperands random_tensorwise_contract_operands(const ContractProblem& p, uint32_t seed) {
+  RandomFp8 random(seed);
+  return {random.codes(p.K * p.P()), random.codes(p.N * p.P()), random.scales(1),
+          random.scales(1)};
+}
+
+// Both contractions take the same arguments; only the scales' layouts differ.
+using Contract = decltype(&nodrop::cpu::grouped_matmul_fp8_blockwise_contract);
+
+std::vector<uint16_t> run_contract(Contract contract, const ContractProblem& p,
+                                   const ContractOperands& o, nodrop::ParallelRunner* runner,
+                                   bool checked = false, nodrop::Status* status = nullptr) {
   Guarded<uint16_t> out(p.G() * p.K * p.N, 0xffff);  // NaN: every element must be written
   const Fenced lhs_t(o.lhs_t), lhs_scales(o.lhs_scales), rhs_t(o.rhs_t),
       rhs_scales(o.rhs_scales), sizes(p.sizes);
-  const auto s = nodrop::cpu::grouped_matmul_fp8_blockwise_contract(
-      lhs_t.data(), lhs_scales.as<float>(), rhs_t.data(), rhs_scales.as<float>(),
-      sizes.as<int32_t>(), p.M, p.K, p.N, p.G(), out.data(), checked, runner);
+  const auto s = contract(lhs_t.data(), lhs_scales.as<float>(), rhs_t.data(),
+                          rhs_scales.as<float>(), sizes.as<int32_t>(), p.M, p.K, p.N, p.G(),
+                          out.data(), checked, runner);
   if (status) *status = s;
   else EXPECT_TRUE(s.ok()) << s.message();
   EXPECT_TRUE(out.canaries_intact());
   return out.vec();
 }
 
-// Group g's rows (clamped) are columns 128 * b + j of its blocks b, numbered on from the blocks
-// of the groups before it; out[g] sums their dequantised products in float64.
-void expect_contract_matches_reference(const ContractProblem& p, const ContractOperands& o,
-                                       const std::vector<uint16_t>& out) {
+std::vector<uint16_t> run_contract(const ContractProblem& p, const ContractOperands& o,
+                                   nodrop::ParallelRunner* runner, bool checked = false,
+                                   nodrop::Status* status = nullptr) {
+  return run_contract(nodrop::cpu::grouped_matmul_fp8_blockwise_contract, p, o, runner, checked,
+                      status);
+}
+
+// The scale of lhs_t[k] times that of rhs_t[n] in block b, per recipe.
+double blockwise_contract_scale(const ContractProblem& p, const ContractOperands& o, int64_t b,
+                                int64_t k, int64_t n) {
+  return static_cast<double>(o.lhs_scales[b * p.K + k]) * o.rhs_scales[b * p.N + n];
+}
+
+double tensorwise_contract_scale(const ContractProblem&, const ContractOperands& o, int64_t,
+                                 int64_t, int64_t) {
+  return static_cast<double>(o.lhs_scales[0]) * o.rhs_scales[0];
+}
+
+using ContractScale = decltype(&blockwise_contract_scale);
+
+// Each group's rows (clamped) and its first block: group g's rows are columns 128 * b + j of
+// its blocks b, numbered on from the blocks of the groups before it.
+std::vector<std::pair<int64_t, int64_t>> contract_groups(const ContractProblem& p) {
+  std::vector<std::pair<int64_t, int64_t>> groups;
   int64_t begin = 0, first_block = 0;
   for (int64_t g = 0; g < p.G(); ++g) {
     const int64_t end = std::min<int64_t>(p.M, begin + std::max<int32_t>(p.sizes[g], 0));
+    groups.emplace_back(end - begin, first_block);
+    first_block += (end - begin + kBlock - 1) / kBlock;
+    begin = end;
+  }
+  return groups;
+}
+
+// out[g, k, n] of a group of `rows` rows from block first_block, against the dequantised
+// operands in float64: the value and the sum of its terms' magnitudes (which bounds float32
+// summation error).
+std::pair<double, double> contract_reference(const ContractProblem& p, const ContractOperands& o,
+                                             ContractScale scale, int64_t rows,
+                                             int64_t first_block, int64_t k, int64_t n) {
+  double want = 0.0, magnitude = 0.0;
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t b = first_block + row / kBlock, column = kBlock * b + row % kBlock;
+    const double term = e4m3_value(o.lhs_t[k * p.P() + column]) *
+                        e4m3_value(o.rhs_t[n * p.P() + column]) * scale(p, o, b, k, n);
+    want += term;
+    magnitude += std::fabs(term);
+  }
+  return {want, magnitude};
+}
+
+void expect_contract_matches_reference(const ContractProblem& p, const ContractOperands& o,
+                                       const std::vector<uint16_t>& out,
+                                       ContractScale scale = blockwise_contract_scale) {
+  const auto groups = contract_groups(p);
+  for (int64_t g = 0; g < p.G(); ++g) {
     for (int64_t k = 0; k < p.K; ++k) {
       for (int64_t n = 0; n < p.N; ++n) {
-        double want = 0.0, magnitude = 0.0;
-        for (int64_t row = 0; row < end - begin; ++row) {
-          const int64_t b = first_block + row / kBlock, column = kBlock * b + row % kBlock;
-          const double term = e4m3_value(o.lhs_t[k * p.P() + column]) * o.lhs_scales[b * p.K + k] *
-                              e4m3_value(o.rhs_t[n * p.P() + column]) * o.rhs_scales[b * p.N + n];
-          want += term;
-          magnitude += std::fabs(term);
-        }
+        const auto [rows, first_block] = groups[g];
+        const auto [want, magnitude] = contract_reference(p, o, scale, rows, first_block, k, n);
         const float got = bf16_to_float(out[(g * p.K + k) * p.N + n]);
         ASSERT_NEAR(got, want, std::fabs(want) / 256 + magnitude * 1e-6)
             << "group " << g << ", k " << k << ", n " << n;
       }
     }
-    first_block += (end - begin + kBlock - 1) / kBlock;
-    begin = end;
   }
 }
 
@@ -434,18 +486,18 @@ TEST_P(Fp8BlockwiseContract, MatchesTheDequantisedReference) {
   EXPECT_EQ(run_contract(p, o, &runner), serial);  // threads change nothing
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, Fp8BlockwiseContract,
-    testing::Values(
-        ContractProblem{300, 24, 16, {129, 1, 127, 43}},  // sizes off 128: short last blocks
-        ContractProblem{37, 20, 8, {5, 0, 20, 7}},        // an empty group, rows past them
-        ContractProblem{300, 10, 8, {0, 300, 0}},         // every row in one group
-        ContractProblem{20, 3, 8, {-3, 10, 100}},         // negative and overlong: clamped
-        ContractProblem{256, 8, 136, {128, 128}},         // whole blocks; N past 128
-        ContractProblem{9, 0, 8, {4, 5}},                 // K = 0: nothing to write
-        ContractProblem{40, 4, 0, {40}},                  // N = 0
-        ContractProblem{0, 5, 8, {0, 0}},                 // no rows: zeros
-        ContractProblem{6, 4, 8, {}}));                   // no groups
+const auto kContractShapes = testing::Values(
+    ContractProblem{300, 24, 16, {129, 1, 127, 43}},  // sizes off 128: short last blocks
+    ContractProblem{37, 20, 8, {5, 0, 20, 7}},        // an empty group, rows past them
+    ContractProblem{300, 10, 8, {0, 300, 0}},         // every row in one group
+    ContractProblem{20, 3, 8, {-3, 10, 100}},         // negative and overlong: clamped
+    ContractProblem{256, 8, 136, {128, 128}},         // whole blocks; N past 128
+    ContractProblem{9, 0, 8, {4, 5}},                 // K = 0: nothing to write
+    ContractProblem{40, 4, 0, {40}},                  // N = 0
+    ContractProblem{0, 5, 8, {0, 0}},                 // no rows: zeros
+    ContractProblem{6, 4, 8, {}});                    // no groups
+
+INSTANTIATE_TEST_SUITE_P(Shapes, Fp8BlockwiseContract, kContractShapes);
 
 TEST(Fp8BlockwiseContractNumerics, ScalesMultiplyEachBlocksPartialSumOverTheGroupsRows) {
   // One group of 200 rows: block 0 (128 rows) and block 1 (72 rows, then 56 columns that are
@@ -503,6 +555,138 @@ TEST(Fp8BlockwiseContractArgs, RejectsWhatTheGpuRejects) {
   status = call(4, 2, 16, nullptr);
   EXPECT_TRUE(mentions(status, "grouped_matmul_fp8_blockwise_contract: lhs_t is null"))
       << status.message();
+}
+
+// ---- grouped_matmul_fp8_tensorwise_contract ------------------------------------------------
+
+class Fp8TensorwiseContract : public testing::TestWithParam<ContractProblem> {};
+
+TEST_P(Fp8TensorwiseContract, MatchesTheDequantisedReference) {
+  const ContractProblem& p = GetParam();
+  const ContractOperands o = random_tensorwise_contract_operands(p, 5);
+  const Contract contract = nodrop::cpu::grouped_matmul_fp8_tensorwise_contract;
+  const auto serial = run_contract(contract, p, o, nullptr);
+  ASSERT_NO_FATAL_FAILURE(expect_contract_matches_reference(p, o, serial,
+                                                            tensorwise_contract_scale));
+  ThreadRunner runner(3);
+  EXPECT_EQ(run_contract(contract, p, o, &runner), serial);  // threads change nothing
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, Fp8TensorwiseContract, kContractShapes);
+
+// The tensorwise scales repeated over every block of the blockwise contraction's scale arrays
+// (what quantize_fp8_transposed writes when given the scale): the same products. A group of at
+// most 128 rows is one block, where both compute the same float32 dot times the same scale
+// product, bitwise; past it the blockwise contraction scales each block's sum before adding, so
+// they differ by float32 summation order (and the bfloat16 rounding that may flip).
+TEST(Fp8TensorwiseContractNumerics, IsTheBlockwiseContractOnRepeatedScales) {
+  for (const ContractProblem& p : {ContractProblem{37, 20, 8, {5, 0, 20, 7}},
+                                   ContractProblem{256, 8, 136, {128, 128}},
+                                   ContractProblem{300, 24, 16, {129, 1, 127, 43}},
+                                   ContractProblem{300, 10, 8, {0, 300, 0}}}) {
+    const ContractOperands tensorwise = random_tensorwise_contract_operands(p, 3);
+    ContractOperands blockwise = tensorwise;
+    blockwise.lhs_scales.assign(p.PB() * p.K, tensorwise.lhs_scales[0]);
+    blockwise.rhs_scales.assign(p.PB() * p.N, tensorwise.rhs_scales[0]);
+    const auto got =
+        run_contract(nodrop::cpu::grouped_matmul_fp8_tensorwise_contract, p, tensorwise, nullptr);
+    const auto want = run_contract(p, blockwise, nullptr);
+    if (*std::max_element(p.sizes.begin(), p.sizes.end()) <= kBlock) {
+      EXPECT_EQ(got, want) << "M = " << p.M;
+      continue;
+    }
+    const auto groups = contract_groups(p);
+    for (int64_t g = 0; g < p.G(); ++g) {
+      for (int64_t k = 0; k < p.K; ++k) {
+        for (int64_t n = 0; n < p.N; ++n) {
+          const int64_t i = (g * p.K + k) * p.N + n;
+          const float a = bf16_to_float(got[i]), b = bf16_to_float(want[i]);
+          const double magnitude = contract_reference(p, tensorwise, tensorwise_contract_scale,
+                                                      groups[g].first, groups[g].second, k, n)
+                                       .second;
+          ASSERT_NEAR(a, b, std::fabs(b) / 128 + magnitude * 2e-6)
+              << "group " << g << ", k " << k << ", n " << n << ", M = " << p.M;
+        }
+      }
+    }
+  }
+}
+
+TEST(Fp8TensorwiseContractNumerics, OneScaleProductMultipliesEachGroupsWholeDot) {
+  // Groups of 200 rows (blocks of 128 and 72, then 56 columns that are not the group's) and 0.
+  // Ones everywhere, so out[0] = 200 * (0.5 * 4) exactly, and out[1] = 0.
+  const ContractProblem p{200, 2, 8, {200, 0}};
+  ContractOperands o{std::vector<uint8_t>(p.K * p.P(), 0x38),  // 0x38 = 1.0
+                     std::vector<uint8_t>(p.N * p.P(), 0x38), {0.5f}, {4.0f}};
+  const Contract contract = nodrop::cpu::grouped_matmul_fp8_tensorwise_contract;
+  auto out = run_contract(contract, p, o, nullptr);
+  for (int64_t i = 0; i < p.K * p.N; ++i) EXPECT_EQ(bf16_to_float(out[i]), 200 * 2.0f);
+  for (int64_t i = p.K * p.N; i < p.G() * p.K * p.N; ++i) EXPECT_EQ(out[i], 0) << i;
+  // A non-finite scale shows in every group that contracts anything; an empty group stays zero.
+  o.rhs_scales[0] = std::nanf("");
+  out = run_contract(contract, p, o, nullptr);
+  for (int64_t i = 0; i < p.K * p.N; ++i) EXPECT_TRUE(std::isnan(bf16_to_float(out[i]))) << i;
+  for (int64_t i = p.K * p.N; i < p.G() * p.K * p.N; ++i) EXPECT_EQ(out[i], 0) << i;
+}
+
+TEST(Fp8TensorwiseContractArgs, CheckedModeRefusesInvalidGroupSizes) {
+  const Contract contract = nodrop::cpu::grouped_matmul_fp8_tensorwise_contract;
+  nodrop::Status status = nodrop::Status::Ok();
+  const ContractProblem negative{20, 3, 8, {-3, 10, 100}};
+  run_contract(contract, negative, random_tensorwise_contract_operands(negative, 1), nullptr,
+               /*checked=*/true, &status);
+  EXPECT_TRUE(mentions(status, "group_sizes[0] = -3 is negative")) << status.message();
+  const ContractProblem over{20, 3, 8, {10, 100}};
+  run_contract(contract, over, random_tensorwise_contract_operands(over, 1), nullptr, true,
+               &status);
+  EXPECT_TRUE(mentions(status, "group_sizes sum to 110 but there are only 20 rows"))
+      << status.message();
+}
+
+TEST(Fp8TensorwiseContractArgs, RejectsWhatTheGpuRejects) {
+  const ContractProblem p{4, 2, 16, {4}};
+  const ContractOperands o = random_tensorwise_contract_operands(p, 2);
+  std::vector<uint16_t> out(p.K * p.N);
+  struct Pointers {
+    const void* lhs_t;
+    const float* lhs_scale;
+    const void* rhs_t;
+    const float* rhs_scale;
+    const int32_t* group_sizes;
+    void* out;
+  };
+  const Pointers valid{o.lhs_t.data(), o.lhs_scales.data(), o.rhs_t.data(), o.rhs_scales.data(),
+                       p.sizes.data(), out.data()};
+  auto call = [&](int64_t M, int64_t K, int64_t N, const Pointers& at) {
+    return nodrop::cpu::grouped_matmul_fp8_tensorwise_contract(
+        at.lhs_t, at.lhs_scale, at.rhs_t, at.rhs_scale, at.group_sizes, M, K, N, 1, at.out,
+        false);
+  };
+  EXPECT_TRUE(call(4, 2, 16, valid).ok());
+  auto status = call(4, 2, 12, valid);
+  EXPECT_TRUE(mentions(status,
+                       "grouped_matmul_fp8_tensorwise_contract: N = 12 must be a multiple of 8"))
+      << status.message();
+  status = call(-1, 2, 16, valid);
+  EXPECT_TRUE(mentions(status, "M = -1 is negative")) << status.message();
+  status = call(4, -2, 16, valid);
+  EXPECT_TRUE(mentions(status, "K = -2 is negative")) << status.message();
+  // Each pointer null in turn.
+  const std::pair<const char*, void (*)(Pointers&)> nulls[] = {
+      {"lhs_t", [](Pointers& at) { at.lhs_t = nullptr; }},
+      {"lhs_scale", [](Pointers& at) { at.lhs_scale = nullptr; }},
+      {"rhs_t", [](Pointers& at) { at.rhs_t = nullptr; }},
+      {"rhs_scale", [](Pointers& at) { at.rhs_scale = nullptr; }},
+      {"group_sizes", [](Pointers& at) { at.group_sizes = nullptr; }},
+      {"out", [](Pointers& at) { at.out = nullptr; }}};
+  for (const auto& [name, make_null] : nulls) {
+    Pointers at = valid;
+    make_null(at);
+    status = call(4, 2, 16, at);
+    EXPECT_TRUE(mentions(status, std::string("grouped_matmul_fp8_tensorwise_contract: ") + name +
+                                     " is null"))
+        << status.message();
+  }
 }
 
 }  // namespace

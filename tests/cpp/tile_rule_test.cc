@@ -139,7 +139,25 @@ TEST(Fp8TensorwiseTileList, NamesAndIdsAreDistinct) {
   EXPECT_EQ(ids.size(), std::size(nodrop::cuda::kFp8TensorwiseTiles));
   EXPECT_STREQ(
       nodrop::cuda::fp8_tensorwise_tile_id(Fp8TensorwiseTile::kCooperative128x256x128Cluster1x2),
-      "cooperative_128x256x128_1x2");
+      "cooperative_128x256x128_1x2_fast");
+  EXPECT_STREQ(nodrop::cuda::fp8_tensorwise_tile_name(
+                   Fp8TensorwiseTile::kPingpong64x128x128Cluster1x1Promoted),
+               "pingpong 64x128x128, cluster 1x1, promoted accumulation");
+}
+
+// Each tile says how it accumulates, and the list holds both kinds.
+TEST(Fp8TensorwiseTileList, TilesOfBothAccumulations) {
+  using nodrop::cuda::Fp8TensorwiseTile;
+  int fast = 0;
+  for (Fp8TensorwiseTile tile : nodrop::cuda::kFp8TensorwiseTiles) {
+    const std::string id = nodrop::cuda::fp8_tensorwise_tile_id(tile);
+    const bool is_fast = nodrop::cuda::fp8_tensorwise_tile_fast_accumulation(tile);
+    EXPECT_EQ(id.substr(id.rfind('_') + 1), is_fast ? "fast" : "promoted") << id;
+    fast += is_fast;
+  }
+  EXPECT_GT(fast, 0);
+  EXPECT_LT(fast, static_cast<int>(std::size(nodrop::cuda::kFp8TensorwiseTiles)));
+  EXPECT_FALSE(nodrop::cuda::fp8_tensorwise_tile_fast_accumulation(Fp8TensorwiseTile::kAuto));
 }
 
 // The tensorwise rule (fp8_tile_rule.cc) on the benchmark's shapes: pingpong where groups average
@@ -160,11 +178,49 @@ TEST(Fp8TensorwiseTileRule, PicksTheMeasuredScheduleByShape) {
                         Case{16384, 14336, 4096, 8, cooperative},    // Mixtral's down
                         Case{32768, 2048, 7168, 4, cooperative},     // DeepGEMM's N 7168
                         Case{0, 128, 128, 0, pingpong}}) {           // no groups, 1 column tile
-    const auto schedule = nodrop::cuda::grouped_matmul_fp8_tensorwise_schedule(c.M, c.K, c.N, c.G);
+    const auto schedule = nodrop::cuda::grouped_matmul_fp8_tensorwise_schedule(
+        c.M, c.K, c.N, c.G, /*fast_accumulation=*/true);
     EXPECT_EQ(schedule.tile, c.tile) << c.M << "x" << c.K << "x" << c.N << ", G " << c.G;
     EXPECT_EQ(schedule.raster, GemmRaster::kAlongM) << c.M << "x" << c.K << "x" << c.N;
     EXPECT_EQ(schedule.swizzle, 1) << c.M << "x" << c.K << "x" << c.N;
   }
+}
+
+// Every tensorwise rule, both forms and accumulations, picks a tile of the accumulation asked
+// for, in a resolved order: promoted rows as the blockwise rule's small-group and paired tiles,
+// the promoted weight gradient on the blockwise weight gradient's tile.
+TEST(Fp8TensorwiseTileRule, PicksATileOfTheAccumulationAskedFor) {
+  using nodrop::cuda::Fp8TensorwiseTile;
+  struct Shape {
+    int64_t M, K, N, G;
+  };
+  for (const Shape& s : {Shape{16384, 2048, 768, 128}, Shape{131072, 2048, 768, 128},
+                         Shape{8192, 7168, 2048, 32}, Shape{16384, 14336, 4096, 8},
+                         Shape{16384, 4096, 14336, 8}, Shape{0, 128, 128, 0}}) {
+    for (bool fast : {false, true}) {
+      for (const auto& schedule :
+           {nodrop::cuda::grouped_matmul_fp8_tensorwise_schedule(s.M, s.K, s.N, s.G, fast),
+            nodrop::cuda::grouped_matmul_fp8_tensorwise_contract_schedule(s.M, s.K, s.N, s.G,
+                                                                          fast)}) {
+        EXPECT_EQ(nodrop::cuda::fp8_tensorwise_tile_fast_accumulation(schedule.tile), fast)
+            << s.M << "x" << s.K << "x" << s.N << ", G " << s.G;
+        EXPECT_NE(schedule.raster, GemmRaster::kAuto);
+        EXPECT_NE(schedule.swizzle, 0);
+      }
+    }
+  }
+  EXPECT_EQ(nodrop::cuda::grouped_matmul_fp8_tensorwise_schedule(16384, 2048, 768, 128, false).tile,
+            Fp8TensorwiseTile::kPingpong64x128x128Cluster1x1Promoted);
+  EXPECT_EQ(nodrop::cuda::grouped_matmul_fp8_tensorwise_schedule(16384, 4096, 14336, 8, false).tile,
+            Fp8TensorwiseTile::kCooperative128x128x128Cluster1x2Promoted);
+  EXPECT_EQ(
+      nodrop::cuda::grouped_matmul_fp8_tensorwise_contract_schedule(16384, 4096, 14336, 8, false)
+          .tile,
+      Fp8TensorwiseTile::kCooperative128x128x128Cluster1x2Promoted);
+  EXPECT_EQ(
+      nodrop::cuda::grouped_matmul_fp8_tensorwise_contract_schedule(131072, 2048, 768, 128, true)
+          .tile,
+      Fp8TensorwiseTile::kPingpong128x128x128Cluster1x2);
 }
 
 // The measured rule (fp8_tile_rule.cc) on the benchmark's shapes.

@@ -1,13 +1,14 @@
 // GPU tests of nodrop::cuda::grouped_matmul_fp8_blockwise (ragged rows, E4M3 with 1x128 / 128x128
 // float32 scales, bfloat16 out), grouped_matmul_fp8_tensorwise (the same with one scale for lhs
-// and one per expert, fast accumulation) and grouped_matmul_fp8_blockwise_contract (the weight
-// gradient: ragged contraction, 1x128 scales along it on both operands) against host references
-// computed from the dequantised inputs in double. Needs a Hopper GPU, so it is run by hand, not
+// and one per expert, fast or promoted accumulation), grouped_matmul_fp8_blockwise_contract (the
+// weight gradient: ragged contraction, 1x128 scales along it on both operands) and
+// grouped_matmul_fp8_tensorwise_contract (the same with one scale per operand) against host
+// references computed from the dequantised inputs in double. Needs a Hopper GPU, so it is run by hand, not
 // by ctest (part of nodrop_cuda_tests):
 //   ./nodrop_cuda_tests --gtest_filter='CudaFp8*:*/CudaFp8*'
 // Every kernel of fp8_tiles.def and fp8_tensorwise_tiles.def runs every case; the cases of one
 // shape, each kernel once, fit a sanitizer run:
-//   compute-sanitizer ./nodrop_cuda_tests --gtest_filter='*/CudaFp8*wiseTest.*/mixed_*'
+//   compute-sanitizer ./nodrop_cuda_tests --gtest_filter='*/CudaFp8*Test.*/mixed_*'
 //
 // Every call writes into an output poisoned with 0xFF bytes (NaN in bfloat16) and fenced by
 // poisoned guard bytes, so an unwritten element or a write out of bounds fails; every call runs
@@ -174,6 +175,13 @@ std::string compare(const std::vector<uint8_t>& got, const std::vector<float>& w
          first.str();
 }
 
+// The accumulation a tensorwise call on `schedule` asks for: its pinned tile's, else `automatic`.
+bool accumulation_of(const nodrop::cuda::Fp8TensorwiseSchedule& schedule, bool automatic) {
+  return schedule.tile == nodrop::cuda::Fp8TensorwiseTile::kAuto
+             ? automatic
+             : nodrop::cuda::fp8_tensorwise_tile_fast_accumulation(schedule.tile);
+}
+
 // Inputs, group sizes, output and workspace of one problem on the device.
 struct Buffers {
   DeviceBuffer lhs, lhs_scales, rhs, rhs_scales, sizes, out, workspace;
@@ -203,12 +211,15 @@ struct Buffers {
         static_cast<const float*>(rhs_scales.get()), static_cast<const int32_t*>(sizes.get()),
         in.M, in.K, in.N, in.G, out.get(), workspace.get(), workspace.bytes(), stream, schedule);
   }
+  // A pinned tile runs with its own accumulation; kAuto with `fast_accumulation`.
   Status run(const Inputs& in, cudaStream_t stream,
-             const nodrop::cuda::Fp8TensorwiseSchedule& schedule) const {
+             const nodrop::cuda::Fp8TensorwiseSchedule& schedule,
+             bool fast_accumulation = true) const {
     return nodrop::cuda::grouped_matmul_fp8_tensorwise(
         lhs.get(), static_cast<const float*>(lhs_scales.get()), rhs.get(),
         static_cast<const float*>(rhs_scales.get()), static_cast<const int32_t*>(sizes.get()),
-        in.M, in.K, in.N, in.G, out.get(), workspace.get(), workspace.bytes(), stream, schedule);
+        in.M, in.K, in.N, in.G, accumulation_of(schedule, fast_accumulation), out.get(),
+        workspace.get(), workspace.bytes(), stream, schedule);
   }
 };
 
@@ -235,8 +246,8 @@ std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name;
 // First in this file on purpose, as in grouped_matmul_gpu_test.cu: the process's first call of
 // each kind happens inside the capture, so its one-time host work (function attributes, the
 // occupancy query) must be capture-safe.
-template <class Schedule>
-void expect_graph_replays_with_new_group_sizes(bool tensorwise) {
+template <class Schedule, class... Accumulation>
+void expect_graph_replays_with_new_group_sizes(bool tensorwise, Accumulation... fast) {
   const Inputs in(/*M=*/300, /*K=*/256, /*N=*/256, /*G=*/3, /*seed=*/11, tensorwise);
   const Buffers buffers(in);
   buffers.set_sizes({100, 100, 100});
@@ -244,7 +255,7 @@ void expect_graph_replays_with_new_group_sizes(bool tensorwise) {
   CUDA_CHECK(cudaStreamCreate(&stream));
   cudaGraph_t graph;
   CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  const Status status = buffers.run(in, stream, Schedule());
+  const Status status = buffers.run(in, stream, Schedule(), fast...);
   CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   ASSERT_TRUE(status.ok()) << status.message();
   cudaGraphExec_t exec;
@@ -269,7 +280,8 @@ TEST(CudaFp8BlockwiseGraph, ReplaysWithNewGroupSizesOnTheDevice) {
 }
 
 TEST(CudaFp8TensorwiseGraph, ReplaysWithNewGroupSizesOnTheDevice) {
-  expect_graph_replays_with_new_group_sizes<nodrop::cuda::Fp8TensorwiseSchedule>(true);
+  expect_graph_replays_with_new_group_sizes<nodrop::cuda::Fp8TensorwiseSchedule>(true, true);
+  expect_graph_replays_with_new_group_sizes<nodrop::cuda::Fp8TensorwiseSchedule>(true, false);
 }
 
 using nodrop::cuda::Fp8GemmSchedule;
@@ -357,12 +369,13 @@ INSTANTIATE_TEST_SUITE_P(
       return std::get<0>(info.param).name + "_" + schedule_id(std::get<1>(info.param));
     });
 
-// ---- one scale per tensor (fast accumulation) --------------------------------------------------
+// ---- one scale per tensor (fast and promoted accumulation) -------------------------------------
 
 using nodrop::cuda::Fp8TensorwiseSchedule;
 using nodrop::cuda::Fp8TensorwiseTile;
 
-// Every tensorwise kernel in its automatic tile order, and the cooperative one along N.
+// Every tensorwise kernel (each with its accumulation) in its automatic tile order, and the
+// cooperative one along N.
 std::vector<Fp8TensorwiseSchedule> tensorwise_schedules() {
   std::vector<Fp8TensorwiseSchedule> all(std::begin(nodrop::cuda::kFp8TensorwiseTiles),
                                          std::end(nodrop::cuda::kFp8TensorwiseTiles));
@@ -409,32 +422,40 @@ TEST(CudaFp8Tensorwise, MatchesBlockwiseWithRepeatedScales) {
   const Buffers tensorwise_buffers(tensorwise), blockwise_buffers(blockwise);
   tensorwise_buffers.set_sizes(sizes);
   blockwise_buffers.set_sizes(sizes);
-  ASSERT_TRUE(tensorwise_buffers.run(tensorwise, nullptr, Fp8TensorwiseSchedule()).ok());
   ASSERT_TRUE(blockwise_buffers.run(blockwise, nullptr).ok());
   CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<uint8_t> got = blockwise_buffers.out.download();
-  std::vector<float> want(400 * 384);
-  const std::vector<uint8_t> tensorwise_out = tensorwise_buffers.out.download();
-  const auto* values = reinterpret_cast<const __nv_bfloat16*>(tensorwise_out.data());
-  for (size_t i = 0; i < want.size(); ++i) want[i] = __bfloat162float(values[i]);
-  EXPECT_EQ(compare(got, want, naive_offsets(sizes, 400), 384), "");
+  for (bool fast : {true, false}) {
+    tensorwise_buffers.out.poison();
+    ASSERT_TRUE(tensorwise_buffers.run(tensorwise, nullptr, Fp8TensorwiseSchedule(), fast).ok());
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> want(400 * 384);
+    const std::vector<uint8_t> tensorwise_out = tensorwise_buffers.out.download();
+    const auto* values = reinterpret_cast<const __nv_bfloat16*>(tensorwise_out.data());
+    for (size_t i = 0; i < want.size(); ++i) want[i] = __bfloat162float(values[i]);
+    EXPECT_EQ(compare(got, want, naive_offsets(sizes, 400), 384), "") << "fast " << fast;
+  }
 }
 
 // ---- the weight gradient (ragged contraction) ------------------------------------------------
 
 // One contraction problem's host inputs in quantize_fp8_transposed's layouts (engine.h):
-// lhs_t [K, P], rhs_t [N, P] E4M3, lhs_scales [PB, K], rhs_scales [PB, N]. Every column and scale
-// that no group's row owns holds NaN, so a kernel that read one would show it.
+// lhs_t [K, P], rhs_t [N, P] E4M3, lhs_scales [PB, K], rhs_scales [PB, N], or one scale each
+// (tensorwise). Every column and scale that no group's row owns holds NaN, so a kernel that read
+// one would show it.
 struct ContractInputs {
   int64_t M, K, N, G, PB, P;
+  bool tensorwise;
   std::vector<int64_t> offsets, first_block;  // clamped rows and block numbering per group
   std::vector<__nv_fp8_e4m3> lhs_t, rhs_t;
   std::vector<float> lhs_scales, rhs_scales;
 
-  ContractInputs(int64_t M, int64_t K, int64_t N, const Sizes& sizes, uint32_t seed)
+  ContractInputs(int64_t M, int64_t K, int64_t N, const Sizes& sizes, uint32_t seed,
+                 bool tensorwise = false)
       : M(M), K(K), N(N), G(int64_t(sizes.size())), PB(nodrop::fp8_contract_blocks(M, G)),
-        P(PB * kBlock), offsets(naive_offsets(sizes, M)), first_block(G + 1, 0),
-        lhs_t(K * P), rhs_t(N * P), lhs_scales(PB * K, NAN), rhs_scales(PB * N, NAN) {
+        P(PB * kBlock), tensorwise(tensorwise), offsets(naive_offsets(sizes, M)),
+        first_block(G + 1, 0), lhs_t(K * P), rhs_t(N * P),
+        lhs_scales(tensorwise ? 1 : PB * K, NAN), rhs_scales(tensorwise ? 1 : PB * N, NAN) {
     for (int64_t g = 0; g < G; ++g) {
       first_block[g + 1] = first_block[g] + blocks_of(offsets[g + 1] - offsets[g]);
     }
@@ -451,11 +472,17 @@ struct ContractInputs {
         for (int64_t n = 0; n < N; ++n) rhs_t[n * P + column] = __nv_fp8_e4m3(value(rng));
       }
     }
-    for (int64_t b = 0; b < first_block[G]; ++b) {
+    if (tensorwise) {
+      lhs_scales[0] = std::exp2(log2_scale(rng));
+      rhs_scales[0] = std::exp2(log2_scale(rng));
+    }
+    for (int64_t b = 0; b < (tensorwise ? 0 : first_block[G]); ++b) {
       for (int64_t k = 0; k < K; ++k) lhs_scales[b * K + k] = std::exp2(log2_scale(rng));
       for (int64_t n = 0; n < N; ++n) rhs_scales[b * N + n] = std::exp2(log2_scale(rng));
     }
   }
+  float lhs_scale(int64_t b, int64_t k) const { return lhs_scales[tensorwise ? 0 : b * K + k]; }
+  float rhs_scale(int64_t b, int64_t n) const { return rhs_scales[tensorwise ? 0 : b * N + n]; }
 
   // out [G, K, N] from the dequantised inputs, in double; an empty group's is zero.
   std::vector<float> reference() const {
@@ -467,8 +494,8 @@ struct ContractInputs {
           double acc = 0;
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t b = first_block[g] + r / kBlock, column = first_block[g] * kBlock + r;
-            acc += double(float(lhs_t[k * P + column]) * lhs_scales[b * K + k]) *
-                   double(float(rhs_t[n * P + column]) * rhs_scales[b * N + n]);
+            acc += double(float(lhs_t[k * P + column]) * lhs_scale(b, k)) *
+                   double(float(rhs_t[n * P + column]) * rhs_scale(b, n));
           }
           out[(g * K + k) * N + n] = float(acc);
         }
@@ -506,6 +533,15 @@ struct ContractBuffers {
         static_cast<const float*>(rhs_scales.get()), static_cast<const int32_t*>(sizes.get()),
         in.M, in.K, in.N, in.G, out.get(), workspace.get(), workspace.bytes(), stream, schedule);
   }
+  Status run(const ContractInputs& in, cudaStream_t stream,
+             const nodrop::cuda::Fp8TensorwiseSchedule& schedule,
+             bool fast_accumulation = false) const {
+    return nodrop::cuda::grouped_matmul_fp8_tensorwise_contract(
+        lhs_t.get(), static_cast<const float*>(lhs_scales.get()), rhs_t.get(),
+        static_cast<const float*>(rhs_scales.get()), static_cast<const int32_t*>(sizes.get()),
+        in.M, in.K, in.N, in.G, accumulation_of(schedule, fast_accumulation), out.get(),
+        workspace.get(), workspace.bytes(), stream, schedule);
+  }
 };
 
 // Every weight-gradient kernel (fp8_tiles.def's NODROP_FP8_CONTRACT_TILE lines) in its own tile
@@ -521,11 +557,12 @@ std::vector<Fp8GemmSchedule> contract_schedules() {
                           1)};
 }
 
-class CudaFp8ContractTest : public testing::TestWithParam<std::tuple<Case, Fp8GemmSchedule>> {};
-
-TEST_P(CudaFp8ContractTest, MatchesDequantisedReferenceDeterministically) {
-  const auto& [c, schedule] = GetParam();
-  const ContractInputs in(c.M, c.K, c.N, c.sizes, /*seed=*/9);
+// Runs the case twice on `schedule`, as expect_matches_reference_deterministically.
+template <class Schedule>
+void expect_contraction_matches_reference_deterministically(const Case& c,
+                                                            const Schedule& schedule,
+                                                            bool tensorwise) {
+  const ContractInputs in(c.M, c.K, c.N, c.sizes, /*seed=*/9, tensorwise);
   const ContractBuffers buffers(in);
   buffers.set_sizes(c.sizes);
   const std::vector<float> want = in.reference();
@@ -549,46 +586,101 @@ TEST_P(CudaFp8ContractTest, MatchesDequantisedReferenceDeterministically) {
   }
 }
 
+class CudaFp8ContractTest : public testing::TestWithParam<std::tuple<Case, Fp8GemmSchedule>> {};
+
+TEST_P(CudaFp8ContractTest, MatchesDequantisedReferenceDeterministically) {
+  const auto& [c, schedule] = GetParam();
+  expect_contraction_matches_reference_deterministically(c, schedule, /*tensorwise=*/false);
+}
+
+// The ragged-contraction cases every weight-gradient kernel runs.
+const auto kContractCases = testing::Values(
+    // Empty groups (zero gradients), one row, 130 rows (a block and two rows), 200 rows,
+    // and 69 rows past every group that nothing may read.
+    Case{"mixed", 400, 256, 256, {0, 1, 130, 200, 0}},
+    // K and N not multiples of the 128-wide tile.
+    Case{"partial_tiles", 333, 200, 136, {130, 0, 1, 202}},
+    // All rows in one group: 16 k tiles, more than the pipeline's stages.
+    Case{"one_group", 2048, 128, 256, {0, 2048, 0}},
+    // Invalid sizes: a negative one counts as zero, the total past M is clamped.
+    Case{"clamped", 300, 128, 128, {-5, 200, 250, 7}},
+    // More groups than the setup kernel's 256 threads, many of them empty or tiny.
+    Case{"many_groups", 2000, 128, 128, random_sizes(2000, 300, 12, 5)},
+    // Every group empty, and no rows at all: all zeros.
+    Case{"all_empty", 64, 128, 128, {0, 0, 0}}, Case{"no_rows", 0, 128, 128, {0, 0, 0, 0}});
+
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaFp8ContractTest,
-    testing::Combine(testing::Values(
-        // Empty groups (zero gradients), one row, 130 rows (a block and two rows), 200 rows,
-        // and 69 rows past every group that nothing may read.
-        Case{"mixed", 400, 256, 256, {0, 1, 130, 200, 0}},
-        // K and N not multiples of the 128-wide tile.
-        Case{"partial_tiles", 333, 200, 136, {130, 0, 1, 202}},
-        // All rows in one group: 16 k tiles, more than the pipeline's stages.
-        Case{"one_group", 2048, 128, 256, {0, 2048, 0}},
-        // Invalid sizes: a negative one counts as zero, the total past M is clamped.
-        Case{"clamped", 300, 128, 128, {-5, 200, 250, 7}},
-        // More groups than the setup kernel's 256 threads, many of them empty or tiny.
-        Case{"many_groups", 2000, 128, 128, random_sizes(2000, 300, 12, 5)},
-        // Every group empty, and no rows at all: all zeros.
-        Case{"all_empty", 64, 128, 128, {0, 0, 0}},
-        Case{"no_rows", 0, 128, 128, {0, 0, 0, 0}}),
-                     testing::ValuesIn(contract_schedules())),
+    testing::Combine(kContractCases, testing::ValuesIn(contract_schedules())),
     [](const testing::TestParamInfo<std::tuple<Case, Fp8GemmSchedule>>& info) {
       return std::get<0>(info.param).name + "_" + schedule_id(std::get<1>(info.param));
     });
 
+// The tensorwise weight gradient on every tensorwise kernel (one kernel serves both forms).
+class CudaFp8TensorwiseContractTest
+    : public testing::TestWithParam<std::tuple<Case, Fp8TensorwiseSchedule>> {};
+
+TEST_P(CudaFp8TensorwiseContractTest, MatchesDequantisedReferenceDeterministically) {
+  const auto& [c, schedule] = GetParam();
+  expect_contraction_matches_reference_deterministically(c, schedule, /*tensorwise=*/true);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaFp8TensorwiseContractTest,
+    testing::Combine(kContractCases, testing::ValuesIn(tensorwise_schedules())),
+    [](const testing::TestParamInfo<std::tuple<Case, Fp8TensorwiseSchedule>>& info) {
+      return std::get<0>(info.param).name + "_" + schedule_id(std::get<1>(info.param));
+    });
+
+// The tensorwise weight gradient is the blockwise one with every scale the tensor's: the same
+// values up to the order of the float32 sums, with either accumulation.
+TEST(CudaFp8TensorwiseContract, MatchesBlockwiseWithRepeatedScales) {
+  const Sizes sizes = {0, 700, 1, 253};
+  const ContractInputs tensorwise(/*M=*/1000, /*K=*/256, /*N=*/384, sizes, /*seed=*/5, true);
+  ContractInputs blockwise(1000, 256, 384, sizes, 5, false);
+  blockwise.lhs_t = tensorwise.lhs_t;
+  blockwise.rhs_t = tensorwise.rhs_t;
+  std::fill(blockwise.lhs_scales.begin(), blockwise.lhs_scales.end(), tensorwise.lhs_scales[0]);
+  std::fill(blockwise.rhs_scales.begin(), blockwise.rhs_scales.end(), tensorwise.rhs_scales[0]);
+  const ContractBuffers tensorwise_buffers(tensorwise), blockwise_buffers(blockwise);
+  tensorwise_buffers.set_sizes(sizes);
+  blockwise_buffers.set_sizes(sizes);
+  ASSERT_TRUE(blockwise_buffers.run(blockwise, nullptr).ok());
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<uint8_t> got = blockwise_buffers.out.download();
+  for (bool fast : {true, false}) {
+    tensorwise_buffers.out.poison();
+    ASSERT_TRUE(tensorwise_buffers.run(tensorwise, nullptr, Fp8TensorwiseSchedule(), fast).ok());
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> want(4 * 256 * 384);
+    const std::vector<uint8_t> tensorwise_out = tensorwise_buffers.out.download();
+    const auto* values = reinterpret_cast<const __nv_bfloat16*>(tensorwise_out.data());
+    for (size_t i = 0; i < want.size(); ++i) want[i] = __bfloat162float(values[i]);
+    EXPECT_EQ(compare(got, want, {0, 4 * 256}, 384), "") << "fast " << fast;
+  }
+}
+
 // Captured once into a CUDA graph, the weight gradient replays with new group sizes (the
 // quantiser's layout moves with them: each replay's inputs are laid out for its sizes).
-TEST(CudaFp8ContractGraph, ReplaysWithNewGroupSizesOnTheDevice) {
+template <class Schedule, class... Accumulation>
+void expect_contraction_graph_replays_with_new_group_sizes(bool tensorwise,
+                                                           Accumulation... fast) {
   const int64_t M = 300, K = 128, N = 256;
   const Sizes first = {100, 100, 100};
-  const ContractBuffers buffers(ContractInputs(M, K, N, first, /*seed=*/11));
+  const ContractBuffers buffers(ContractInputs(M, K, N, first, /*seed=*/11, tensorwise));
   buffers.set_sizes(first);
   cudaStream_t stream;
   CUDA_CHECK(cudaStreamCreate(&stream));
   cudaGraph_t graph;
   CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  const Status status = buffers.run(ContractInputs(M, K, N, first, 11), stream);
+  const Status status =
+      buffers.run(ContractInputs(M, K, N, first, 11, tensorwise), stream, Schedule(), fast...);
   CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   ASSERT_TRUE(status.ok()) << status.message();
   cudaGraphExec_t exec;
   CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
   for (const Sizes& sizes : {Sizes{100, 100, 100}, Sizes{0, 1, 130}, Sizes{299, 0, 1}}) {
-    const ContractInputs in(M, K, N, sizes, /*seed=*/13);
+    const ContractInputs in(M, K, N, sizes, /*seed=*/13, tensorwise);
     buffers.lhs_t.upload(in.lhs_t.data());
     buffers.lhs_scales.upload(in.lhs_scales.data());
     buffers.rhs_t.upload(in.rhs_t.data());
@@ -603,6 +695,15 @@ TEST(CudaFp8ContractGraph, ReplaysWithNewGroupSizesOnTheDevice) {
   CUDA_CHECK(cudaGraphExecDestroy(exec));
   CUDA_CHECK(cudaGraphDestroy(graph));
   CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST(CudaFp8ContractGraph, ReplaysWithNewGroupSizesOnTheDevice) {
+  expect_contraction_graph_replays_with_new_group_sizes<Fp8GemmSchedule>(false);
+}
+
+TEST(CudaFp8TensorwiseContractGraph, ReplaysWithNewGroupSizesOnTheDevice) {
+  expect_contraction_graph_replays_with_new_group_sizes<Fp8TensorwiseSchedule>(true, true);
+  expect_contraction_graph_replays_with_new_group_sizes<Fp8TensorwiseSchedule>(true, false);
 }
 
 TEST(CudaFp8ContractArguments, ErrorsNameTheArgument) {
@@ -664,8 +765,9 @@ TEST(CudaFp8TensorwiseArguments, ErrorsNameTheArgument) {
         buffers.lhs.get(),
         lhs_scale != nullptr ? lhs_scale : static_cast<const float*>(buffers.lhs_scales.get()),
         buffers.rhs.get(), static_cast<const float*>(buffers.rhs_scales.get()),
-        static_cast<const int32_t*>(buffers.sizes.get()), in.M, K, N, in.G, buffers.out.get(),
-        buffers.workspace.get(), workspace_bytes, nullptr, schedule);
+        static_cast<const int32_t*>(buffers.sizes.get()), in.M, K, N, in.G,
+        accumulation_of(schedule, true), buffers.out.get(), buffers.workspace.get(),
+        workspace_bytes, nullptr, schedule);
   };
   const size_t bytes = buffers.workspace.bytes();
   EXPECT_NE(call(/*K=*/120, 128, bytes).message().find("K = 120"), std::string::npos);
@@ -684,6 +786,44 @@ TEST(CudaFp8TensorwiseArguments, ErrorsNameTheArgument) {
       static_cast<const char*>(buffers.lhs_scales.get()) + 2);
   EXPECT_NE(call(128, 128, bytes, {}, misaligned).message().find("lhs_scale must be 4-byte"),
             std::string::npos);
+}
+
+// A pinned tile must accumulate as the call asks, in both forms; the contraction's checks name
+// its arguments.
+TEST(CudaFp8TensorwiseContractArguments, ErrorsNameTheArgument) {
+  const ContractInputs in(/*M=*/16, /*K=*/128, /*N=*/128, {16}, /*seed=*/3, /*tensorwise=*/true);
+  const ContractBuffers buffers(in);
+  auto call = [&](int64_t M, int64_t N, size_t workspace_bytes, bool fast,
+                  const Fp8TensorwiseSchedule& schedule = {}) {
+    return nodrop::cuda::grouped_matmul_fp8_tensorwise_contract(
+        buffers.lhs_t.get(), static_cast<const float*>(buffers.lhs_scales.get()),
+        buffers.rhs_t.get(), static_cast<const float*>(buffers.rhs_scales.get()),
+        static_cast<const int32_t*>(buffers.sizes.get()), M, in.K, N, in.G, fast,
+        buffers.out.get(), buffers.workspace.get(), workspace_bytes, nullptr, schedule);
+  };
+  const size_t bytes = buffers.workspace.bytes();
+  EXPECT_NE(call(/*M=*/-1, 128, bytes, false).message().find("M = -1"), std::string::npos);
+  EXPECT_NE(call(16, /*N=*/100, bytes, false).message().find("N = 100"), std::string::npos);
+  EXPECT_NE(call(16, 128, bytes - 1, false).message().find("workspace"), std::string::npos);
+  const std::string mismatch =
+      call(16, 128, bytes, /*fast=*/false, Fp8TensorwiseTile::kCooperative128x256x128Cluster1x2)
+          .message();
+  EXPECT_NE(mismatch.find("schedule.tile = cooperative 128x256x128, cluster 1x2, fast "
+                          "accumulation does not match fast_accumulation = false"),
+            std::string::npos)
+      << mismatch;
+
+  const Inputs rows(/*M=*/16, /*K=*/128, /*N=*/128, /*G=*/2, /*seed=*/3, /*tensorwise=*/true);
+  const Buffers rows_buffers(rows);
+  const Status status = nodrop::cuda::grouped_matmul_fp8_tensorwise(
+      rows_buffers.lhs.get(), static_cast<const float*>(rows_buffers.lhs_scales.get()),
+      rows_buffers.rhs.get(), static_cast<const float*>(rows_buffers.rhs_scales.get()),
+      static_cast<const int32_t*>(rows_buffers.sizes.get()), rows.M, rows.K, rows.N, rows.G,
+      /*fast_accumulation=*/true, rows_buffers.out.get(), rows_buffers.workspace.get(),
+      rows_buffers.workspace.bytes(), nullptr,
+      Fp8TensorwiseTile::kCooperative128x128x128Cluster1x2Promoted);
+  EXPECT_NE(status.message().find("does not match fast_accumulation = true"), std::string::npos)
+      << status.message();
 }
 
 }  // namespace

@@ -217,20 +217,23 @@ def check_grouped_matmul_fp8_blockwise():
 
 
 def check_grouped_matmul_fp8_tensorwise():
-    # K = 144, N = 8, groups of 2 and 1 rows of 4; one scale for lhs, one per expert.
+    # K = 144, N = 8, groups of 2 and 1 rows of 4; one scale for lhs, one per expert; either
+    # accumulation (the CPU engine's sums are float32 for both).
     rng = np.random.default_rng(9)
     lhs = rng.choice([-2.0, -0.5, 0.0, 1.0, 1.5], (4, 144)).astype(np.float32)
     rhs_t = rng.choice([-1.0, 0.25, 0.0, 3.0], (2, 8, 144)).astype(np.float32)
     lhs_scale, rhs_scales = np.asarray([0.5], np.float32), np.asarray([2.0, 0.125], np.float32)
-    out = ffi("nodrop_grouped_matmul_fp8_tensorwise", jax.ShapeDtypeStruct((4, 8), jnp.bfloat16),
-              jnp.asarray(lhs, jnp.float8_e4m3fn), jnp.asarray(lhs_scale),
-              jnp.asarray(rhs_t, jnp.float8_e4m3fn), jnp.asarray(rhs_scales), int32([2, 1]),
-              checked=np.bool_(False))
     rhs_dq = np.swapaxes(rhs_t * rhs_scales[:, None, None], 1, 2)
     want = numpy_grouped_matmul(lhs.astype(np.float64) * lhs_scale[0], rhs_dq.astype(np.float64),
                                 [2, 1])
-    np.testing.assert_allclose(as_f64(out), want, rtol=2 ** -8)
-    assert not np.any(as_f64(out)[3])
+    for fast_accumulation in (True, False):
+        out = ffi("nodrop_grouped_matmul_fp8_tensorwise",
+                  jax.ShapeDtypeStruct((4, 8), jnp.bfloat16),
+                  jnp.asarray(lhs, jnp.float8_e4m3fn), jnp.asarray(lhs_scale),
+                  jnp.asarray(rhs_t, jnp.float8_e4m3fn), jnp.asarray(rhs_scales), int32([2, 1]),
+                  checked=np.bool_(False), fast_accumulation=np.bool_(fast_accumulation))
+        np.testing.assert_allclose(as_f64(out), want, rtol=2 ** -8)
+        assert not np.any(as_f64(out)[3])
 
 
 def check_quantize_fp8_transposed():
@@ -280,6 +283,27 @@ def check_grouped_matmul_fp8_blockwise_contract():
     np.testing.assert_allclose(as_f64(out), want, rtol=2 ** -8)
 
 
+def check_grouped_matmul_fp8_tensorwise_contract():
+    # The blockwise contraction's layout (M = 3 rows in groups of 1 and 2, K = 2, N = 8) with
+    # one scale per operand, and an empty third group: zeros.
+    rng = np.random.default_rng(10)
+    lhs_t = np.zeros((2, 512), np.float32)
+    rhs_t = np.zeros((8, 512), np.float32)
+    for t in (lhs_t, rhs_t):
+        t[:, [0, 128, 129]] = rng.choice([-2.0, -0.5, 1.0, 1.5, 3.0], (t.shape[0], 3))
+    lhs_scale, rhs_scale = np.asarray([0.5], np.float32), np.asarray([4.0], np.float32)
+    want = 2.0 * np.stack([lhs_t[:, :1] @ rhs_t[:, :1].T, lhs_t[:, 128:130] @ rhs_t[:, 128:130].T,
+                           np.zeros((2, 8))])
+    for fast_accumulation in (True, False):
+        out = ffi("nodrop_grouped_matmul_fp8_tensorwise_contract",
+                  jax.ShapeDtypeStruct((3, 2, 8), jnp.bfloat16),
+                  jnp.asarray(lhs_t, jnp.float8_e4m3fn), jnp.asarray(lhs_scale),
+                  jnp.asarray(rhs_t, jnp.float8_e4m3fn), jnp.asarray(rhs_scale), int32([1, 2, 0]),
+                  num_rows=np.int64(3), checked=np.bool_(True),
+                  fast_accumulation=np.bool_(fast_accumulation))
+        np.testing.assert_allclose(as_f64(out), want, rtol=2 ** -8)
+
+
 def check_adamw_update():
     # Two elements in two chunks of 4 (the second empty); step 1, no decay, no clip: the step is
     # step_size * g / (|g| + eps).
@@ -315,6 +339,8 @@ CHECKS = {
     "nodrop_grouped_matmul_fp8_tensorwise": check_grouped_matmul_fp8_tensorwise,
     "nodrop_quantize_fp8_transposed": check_quantize_fp8_transposed,
     "nodrop_grouped_matmul_fp8_blockwise_contract": check_grouped_matmul_fp8_blockwise_contract,
+    "nodrop_grouped_matmul_fp8_tensorwise_contract":
+        check_grouped_matmul_fp8_tensorwise_contract,
 }
 
 
@@ -349,6 +375,7 @@ def test_ops_and_their_gradients_lower_to_every_registered_target():
     assert set(re.findall(r"custom_call @(nodrop_\w+)", lowered)) == set(_ffi.CPU_TARGETS) - {
         "nodrop_adamw_update", "nodrop_quantize_fp8", "nodrop_permute_fp8",
         "nodrop_grouped_matmul_fp8_blockwise", "nodrop_grouped_matmul_fp8_tensorwise",
-        "nodrop_quantize_fp8_transposed", "nodrop_grouped_matmul_fp8_blockwise_contract"}
+        "nodrop_quantize_fp8_transposed", "nodrop_grouped_matmul_fp8_blockwise_contract",
+        "nodrop_grouped_matmul_fp8_tensorwise_contract"}
     grads = jax.block_until_ready(grad_fn(x, params))
     assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))

@@ -717,18 +717,20 @@ def test_grouped_matmul_fp8_blockwise_matches_the_reference(case):
     np.testing.assert_array_equal(as_f64(jitted), as_f64(got))
 
 
+@pytest.mark.parametrize("weight_gradient", fp8.WEIGHT_GRADIENTS)
 @pytest.mark.parametrize("recipe", fp8.RECIPES)
 @pytest.mark.parametrize("case", FP8_GEMM_CASES)
-def test_the_kernel_forward_and_gradients_are_the_emulated_ones(case, recipe):
+def test_the_kernel_forward_and_gradients_are_the_emulated_ones(case, recipe, weight_gradient):
     """Up to float32 summation order and the kernels' bfloat16 outputs, the weight gradient
-    (the FP8 contraction) included; the tensorwise recipe on the same kernels."""
+    (the FP8 contraction, or the unquantised one) included; each recipe on its own kernels."""
     m, k, n, sizes = FP8_GEMM_CASES[case]
     lhs, rhs, _ = fp8_operands(m, k, n, len(sizes), seed=3)
     dout = jax.random.normal(jax.random.key(9), (m, n), jnp.bfloat16)
     results = {}
     for forward in ("kernel", "emulated"):
         f = lambda a, b: fp8.fp8_grouped_matmul(  # noqa: E731
-            a, b, int32(sizes), recipe=recipe, forward=forward)
+            a, b, int32(sizes), recipe=recipe, forward=forward,
+            weight_gradient=weight_gradient)
         out, vjp = jax.vjp(f, lhs, rhs)
         results[forward] = out, vjp(dout)
     (kernel, kernel_grads), (emulated, emulated_grads) = results["kernel"], results["emulated"]
@@ -777,37 +779,63 @@ def test_an_unquantised_weight_gradient_is_the_matmuls_own(case, recipe, forward
             np.abs(as_f64(drhs) - as_f64(want)))
 
 
-# recipe -> the forward's kernel calls (blockwise, tensorwise): the tensorwise recipe's forward
-# is its own kernel (fast accumulation), its input gradient the blockwise one.
-FORWARD_KERNELS = {"blockwise": (1, 0), "tensorwise": (0, 1)}
+# recipe -> its FP8 kernels: (ragged rows, the forward and the input gradient; the ragged
+# contraction, the weight gradient).
+KERNELS = {"blockwise": ("nodrop_grouped_matmul_fp8_blockwise",
+                         "nodrop_grouped_matmul_fp8_blockwise_contract"),
+           "tensorwise": ("nodrop_grouped_matmul_fp8_tensorwise",
+                          "nodrop_grouped_matmul_fp8_tensorwise_contract")}
+
+
+def kernel_calls(text, recipe, rows, contractions):
+    """Each FP8 kernel's custom calls in `text`, and what the recipe's should be: `rows` of its
+    ragged-rows kernel and `contractions` of its contraction, none of the other recipe's."""
+    got = {target: text.count(f"custom_call @{target}(") for kernels in KERNELS.values()
+           for target in kernels}
+    want = {target: 0 for target in got}
+    want.update(zip(KERNELS[recipe], (rows, contractions)))
+    return got, want
 
 
 @pytest.mark.parametrize("recipe, engine_row_quantisers", [("blockwise", 2), ("tensorwise", 0)])
 def test_both_gradients_run_on_the_fp8_kernels(recipe, engine_row_quantisers):
-    """With forward="kernel": the recipe's FP8 kernel for the forward, the blockwise one for the
-    input gradient, the FP8 contraction once on two transposed quantisations on the engine (the
-    weight gradient), and none of nodrop's bf16 grouped matmuls: no float32 contraction of
-    dequantised operands. The blockwise recipe quantises the rows on the engine; the tensorwise
-    one in XLA (one amax per tensor), which also gives the transposed quantisations their
-    scale."""
+    """With forward="kernel": the recipe's FP8 kernel for the forward and the input gradient,
+    its FP8 contraction once on two transposed quantisations on the engine (the weight
+    gradient), and none of nodrop's bf16 grouped matmuls: no float32 contraction of dequantised
+    operands. The blockwise recipe quantises the rows on the engine; the tensorwise one in XLA
+    (one amax per tensor), which also gives the transposed quantisations their scale."""
     lhs, rhs = jnp.ones((8, 128), jnp.bfloat16), jnp.ones((2, 128, 8), jnp.bfloat16)
     loss = lambda a, b: jnp.sum(jnp.sin(fp8.fp8_grouped_matmul(  # noqa: E731
         a, b, int32([3, 5]), recipe=recipe, forward="kernel").astype(jnp.float32)))
     text = jax.jit(jax.grad(loss, (0, 1))).lower(lhs, rhs).as_text()
+    got, want = kernel_calls(text, recipe, rows=2, contractions=1)
+    assert got == want
     calls = {target: text.count(f"custom_call @{target}(") for target in (
-        "nodrop_grouped_matmul_fp8_blockwise", "nodrop_grouped_matmul_fp8_tensorwise",
-        "nodrop_grouped_matmul_fp8_blockwise_contract", "nodrop_quantize_fp8",
-        "nodrop_quantize_fp8_transposed", "nodrop_grouped_matmul",
+        "nodrop_quantize_fp8", "nodrop_quantize_fp8_transposed", "nodrop_grouped_matmul",
         "nodrop_grouped_matmul_contract")}
-    blockwise, tensorwise = FORWARD_KERNELS[recipe]
-    assert calls == {"nodrop_grouped_matmul_fp8_blockwise": blockwise + 1,
-                     "nodrop_grouped_matmul_fp8_tensorwise": tensorwise,
-                     "nodrop_grouped_matmul_fp8_blockwise_contract": 1,
-                     "nodrop_quantize_fp8": engine_row_quantisers,
+    assert calls == {"nodrop_quantize_fp8": engine_row_quantisers,
                      "nodrop_quantize_fp8_transposed": 2,
                      "nodrop_grouped_matmul": 0, "nodrop_grouped_matmul_contract": 0}
     # and the emulation's segment reductions of the weight gradient's blocks are gone
     assert "scatter" not in text
+
+
+@pytest.mark.parametrize("weight_gradient, contractions", [("fp8", 1), ("unquantised", 0)])
+def test_the_tensorwise_recipe_accumulates_fast_forward_and_promoted_backward(weight_gradient,
+                                                                              contractions):
+    """Transformer Engine's split: the forward's tensorwise GEMM with fast_accumulation, the
+    input gradient's and the weight gradient's without."""
+    lhs, rhs = jnp.ones((8, 128), jnp.bfloat16), jnp.ones((2, 128, 8), jnp.bfloat16)
+    loss = lambda a, b: jnp.sum(jnp.sin(fp8.fp8_grouped_matmul(  # noqa: E731
+        a, b, int32([3, 5]), recipe="tensorwise", forward="kernel",
+        weight_gradient=weight_gradient).astype(jnp.float32)))
+    text = jax.jit(jax.grad(loss, (0, 1))).lower(lhs, rhs).as_text()
+    calls = re.findall(r"custom_call @(nodrop_grouped_matmul_fp8_tensorwise\w*)\(.*"
+                       r"fast_accumulation = (true|false)", text)
+    want = [("nodrop_grouped_matmul_fp8_tensorwise", "true"),
+            ("nodrop_grouped_matmul_fp8_tensorwise", "false")]
+    want += [("nodrop_grouped_matmul_fp8_tensorwise_contract", "false")] * contractions
+    assert sorted(calls) == sorted(want)
 
 
 @RECIPES
@@ -820,15 +848,11 @@ def test_an_unquantised_weight_gradient_runs_the_bf16_contraction(recipe):
         a, b, int32([3, 5]), recipe=recipe, forward="kernel",
         weight_gradient="unquantised").astype(jnp.float32)))
     text = jax.jit(jax.grad(loss, (0, 1))).lower(lhs, rhs).as_text()
+    got, want = kernel_calls(text, recipe, rows=2, contractions=0)
+    assert got == want
     calls = {target: text.count(f"custom_call @{target}(") for target in (
-        "nodrop_grouped_matmul_fp8_blockwise", "nodrop_grouped_matmul_fp8_tensorwise",
-        "nodrop_grouped_matmul_fp8_blockwise_contract", "nodrop_quantize_fp8_transposed",
-        "nodrop_grouped_matmul_contract")}
-    blockwise, tensorwise = FORWARD_KERNELS[recipe]
-    assert calls == {"nodrop_grouped_matmul_fp8_blockwise": blockwise + 1,
-                     "nodrop_grouped_matmul_fp8_tensorwise": tensorwise,
-                     "nodrop_grouped_matmul_fp8_blockwise_contract": 0,
-                     "nodrop_quantize_fp8_transposed": 0, "nodrop_grouped_matmul_contract": 1}
+        "nodrop_quantize_fp8_transposed", "nodrop_grouped_matmul_contract")}
+    assert calls == {"nodrop_quantize_fp8_transposed": 0, "nodrop_grouped_matmul_contract": 1}
 
 
 @pytest.mark.parametrize("recipe", fp8.RECIPES)
@@ -1071,16 +1095,19 @@ def test_quantize_transposed_with_a_given_scale_is_bitwise_the_numpy_derivation(
 
 def test_the_tensorwise_weight_gradient_operand_is_the_emulations():
     """The kernel path's tensorwise operand (the scale of the rows in the groups, then
-    quantize_transposed with it given) dequantises to the emulation's tensorwise quantisation
-    of those rows, and ignores the rows past the groups."""
+    quantize_transposed's codes with it given, and that scale [1]) dequantises to the
+    emulation's tensorwise quantisation of those rows, and ignores the rows past the groups."""
     m, c, sizes = TRANSPOSED_CASES["unaligned_groups_and_rows_past_them"]
     x = jax.random.normal(jax.random.key(4), (m, c), jnp.bfloat16) * 3
     x = x.at[m - 1].set(1e4)  # past the groups: no effect on the scale
-    q_t, scale = fp8._tensorwise_transposed(x, int32(sizes))
+    q_t, scale = fp8._tensor_transposed(x, int32(sizes))
     used = group_offsets(sizes, m)[-1]
+    want_q, want_scale = fp8.quantize(x[:used], "tensor")
+    assert scale.shape == (1,) and float(scale[0]) == float(want_scale.reshape(()))
     want = np.zeros((m, c))
-    want[:used] = as_f64(fp8.dequantize(*fp8.quantize(x[:used], "tensor"), "tensor"))
-    np.testing.assert_array_equal(untransposed(q_t, scale, sizes, m), want)
+    want[:used] = as_f64(fp8.dequantize(want_q, want_scale, "tensor"))
+    blocks = jnp.broadcast_to(scale, (q_t.shape[1] // fp8.BLOCK, c))
+    np.testing.assert_array_equal(untransposed(q_t, blocks, sizes, m), want)
 
 
 def untransposed(q_t, scale, sizes, m):
@@ -1256,6 +1283,147 @@ def _contract_args(**changes):
 def test_grouped_matmul_fp8_blockwise_contract_refuses_bad_input(changes, error, message):
     with pytest.raises(error, match=re.escape(message)):
         nodrop.grouped_matmul_fp8_blockwise_contract(**_contract_args(**changes))
+
+
+# --- the engine's tensorwise weight gradient ---------------------------------------------------
+
+TENSORWISE_CONTRACT_CASES = {**CONTRACT_CASES, "no_groups": (6, 16, 8, [])}
+
+
+def tensorwise_contract_operands(m, k, n, sizes, seed=0):
+    """lhs [M, K] and dout [M, N] in bfloat16 (dout on a scale of its own), and the tensorwise
+    contraction's operands: each one's quantize_transposed codes with its one scale over the
+    rows in the groups given, and that scale [1]."""
+    lhs = jax.random.normal(jax.random.key(seed), (m, k), jnp.bfloat16)
+    dout = jax.random.normal(jax.random.key(seed + 1), (m, n), jnp.bfloat16) / 1024
+    return lhs, dout, (*fp8._tensor_transposed(lhs, int32(sizes)),
+                       *fp8._tensor_transposed(dout, int32(sizes)))
+
+
+@pytest.mark.parametrize("case", TENSORWISE_CONTRACT_CASES)
+def test_grouped_matmul_fp8_tensorwise_contract_matches_the_reference(case):
+    """Against the reference (the dequantised operands' product per group) and against the
+    emulated tensorwise weight gradient: up to float32 summation order and the kernel's bfloat16
+    output. Empty groups give zeros; jitted, the same."""
+    m, k, n, sizes = TENSORWISE_CONTRACT_CASES[case]
+    lhs, dout, operands = tensorwise_contract_operands(m, k, n, sizes)
+    got = nodrop.grouped_matmul_fp8_tensorwise_contract(*operands, int32(sizes), num_rows=m)
+    assert got.dtype == jnp.bfloat16 and got.shape == (len(sizes), k, n)
+    assert_bf16_close(got, reference.grouped_matmul_fp8_tensorwise_contract(
+        *operands, int32(sizes), num_rows=m), "reference")
+    rhs = jnp.zeros((len(sizes), k, n), jnp.bfloat16)  # the weight gradient needs its shape only
+    _, emulated = jax.jit(fp8._emulated_backward, static_argnums=(4, 5, 6))(
+        lhs, rhs, dout, int32(sizes), "tensorwise", "fp8", grouped_matmul)
+    assert_bf16_close(got, emulated, "emulation")
+    for g, size in enumerate(np.diff(group_offsets(sizes, m))):
+        if size == 0:
+            assert not np.any(as_f64(got[g])), f"empty group {g}'s gradient is not zero"
+    jitted = jax.jit(nodrop.grouped_matmul_fp8_tensorwise_contract, static_argnames="num_rows")
+    np.testing.assert_array_equal(as_f64(jitted(*operands, int32(sizes), num_rows=m)),
+                                  as_f64(got))
+
+
+@pytest.mark.parametrize("case", ["aligned", "negative_and_overlong_sizes",
+                                  "unaligned_groups_and_rows_past_them"])
+def test_grouped_matmul_fp8_tensorwise_contract_is_the_blockwise_one_on_repeated_scales(case):
+    """The blockwise contraction on the same codes with quantize_transposed's own scales (the
+    given one repeated over every block): bitwise the same where no group has more than 128
+    rows (one block: the same float32 dot times the same scale product), else up to float32
+    summation order."""
+    m, k, n, sizes = CONTRACT_CASES[case]
+    lhs, dout, (lhs_t, lhs_scale, rhs_t, rhs_scale) = tensorwise_contract_operands(
+        m, k, n, sizes, seed=2)
+    repeated = [fp8.quantize_transposed(x, int32(sizes), scale=scale)[1]
+                for x, scale in ((lhs, lhs_scale), (dout, rhs_scale))]
+    blockwise = nodrop.grouped_matmul_fp8_blockwise_contract(
+        lhs_t, repeated[0], rhs_t, repeated[1], int32(sizes), num_rows=m)
+    got = nodrop.grouped_matmul_fp8_tensorwise_contract(lhs_t, lhs_scale, rhs_t, rhs_scale,
+                                                        int32(sizes), num_rows=m)
+    if np.all(np.diff(group_offsets(sizes, m)) <= fp8.BLOCK):
+        np.testing.assert_array_equal(as_f64(got), as_f64(blockwise))
+    else:
+        assert_bf16_close(got, blockwise)
+
+
+def test_grouped_matmul_fp8_tensorwise_contract_under_vmap_scan_and_checked_mode():
+    m, k, sizes = 40, 16, int32([10, 30])
+    x = jax.random.normal(jax.random.key(0), (2, m, k), jnp.bfloat16) * jnp.asarray(
+        [[[1.0]], [[8.0]]], jnp.bfloat16)
+    q_t, scale = (jnp.stack(parts) for parts in zip(*(fp8._tensor_transposed(xi, sizes)
+                                                      for xi in x)))
+    gram = lambda q, s: nodrop.grouped_matmul_fp8_tensorwise_contract(  # noqa: E731
+        q, s, q, s, sizes, num_rows=m)
+    one_by_one = np.stack([as_f64(gram(q, s)) for q, s in zip(q_t, scale)])
+    np.testing.assert_array_equal(as_f64(jax.vmap(gram)(q_t, scale)), one_by_one)
+
+    def body(total, operand):  # the same call on each element of a scan
+        return total, gram(*operand)
+
+    _, scanned = jax.jit(lambda q, s: jax.lax.scan(body, 0, (q, s)))(q_t, scale)
+    np.testing.assert_array_equal(as_f64(scanned), one_by_one)
+    with nodrop.checks(), pytest.raises(jax.errors.JaxRuntimeError,
+                                        match=re.escape("group_sizes[0] = -1 is negative")):
+        jax.block_until_ready(nodrop.grouped_matmul_fp8_tensorwise_contract(
+            q_t[0], scale[0], q_t[0], scale[0], int32([-1, 30]), num_rows=m))
+
+
+def _tensorwise_contract_args(**changes):
+    _, _, (lhs_t, lhs_scale, rhs_t, rhs_scale) = tensorwise_contract_operands(
+        200, 16, 24, [70, 90])
+    args = dict(lhs_t=lhs_t, lhs_scale=lhs_scale, rhs_t=rhs_t, rhs_scale=rhs_scale,
+                group_sizes=int32([70, 90]), num_rows=200)
+    return {**args, **{name: change(args[name]) for name, change in changes.items()}}
+
+
+@pytest.mark.parametrize("changes, error, message", [
+    (dict(num_rows=lambda r: -1), ValueError, "num_rows must be a non-negative int (M), got -1"),
+    (dict(num_rows=lambda r: 300), ValueError,
+     "lhs_t has 512 columns along axis 1 (P = 128 * (ceil(num_rows / 128) + G) for num_rows "
+     "300 and G 2) but expected 640 (shape (16, 512))"),
+    (dict(lhs_t=lambda x: x[0]), ValueError, "lhs_t must have rank 2 ([K, P]), got shape (512,)"),
+    (dict(rhs_t=lambda x: x.astype(jnp.float32)), TypeError,
+     "rhs_t must be float8_e4m3fn, got float32"),
+    (dict(rhs_t=lambda x: x[:, :256]), ValueError,
+     "rhs_t has 256 columns along axis 1 (P = 128 * (ceil(num_rows / 128) + G) for num_rows "
+     "200 and G 2) but expected 512"),
+    (dict(lhs_scale=lambda s: s.reshape(1, 1)), ValueError,
+     "lhs_scale must be float32 of shape (1,) (one scale for all of lhs_t), got float32 of "
+     "shape (1, 1)"),
+    (dict(lhs_scale=lambda s: s.astype(jnp.bfloat16)), ValueError,
+     "lhs_scale must be float32 of shape (1,) (one scale for all of lhs_t), got bfloat16 of "
+     "shape (1,)"),
+    (dict(rhs_scale=lambda s: jnp.broadcast_to(s, (4, 24))), ValueError,
+     "rhs_scale must be float32 of shape (1,) (one scale for all of rhs_t), got float32 of "
+     "shape (4, 24)"),
+    (dict(group_sizes=lambda g: g[None]), ValueError,
+     "group_sizes must have rank 1 ([G]), got shape (1, 2)"),
+    (dict(group_sizes=lambda g: g.astype(jnp.float32)), TypeError,
+     "group_sizes must have an integer dtype, got float32"),
+])
+def test_grouped_matmul_fp8_tensorwise_contract_refuses_bad_input(changes, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        nodrop.grouped_matmul_fp8_tensorwise_contract(**_tensorwise_contract_args(**changes))
+
+
+@pytest.mark.parametrize("op", ["rows", "contract"])
+def test_fast_accumulation_reaches_the_engine_and_changes_nothing_on_the_cpu(op):
+    """Both tensorwise ops pass fast_accumulation (default False) to their FFI target as a
+    bool attribute; the CPU engine's sums are float32 either way, so the results are the
+    same."""
+    m, sizes = 40, int32([10, 25])
+    if op == "rows":
+        operands = tensorwise_operands(m, 200, 16, 2, seed=7)
+        run = nodrop.grouped_matmul_fp8_tensorwise
+    else:
+        operands = tensorwise_contract_operands(m, 24, 16, [10, 25], seed=7)[2]
+        run = functools.partial(nodrop.grouped_matmul_fp8_tensorwise_contract, num_rows=m)
+    assert "fast_accumulation = false" in jax.jit(run).lower(*operands, sizes).as_text()
+    results = {}
+    for fast in (False, True):
+        f = jax.jit(functools.partial(run, fast_accumulation=fast))
+        assert f"fast_accumulation = {str(fast).lower()}" in f.lower(*operands, sizes).as_text()
+        results[fast] = f(*operands, sizes)
+    np.testing.assert_array_equal(as_f64(results[True]), as_f64(results[False]))
 
 
 @pytest.mark.parametrize("args, error, message", [

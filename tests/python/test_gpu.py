@@ -5,6 +5,8 @@ this file with XLA's command buffers (CUDA graphs) on for custom calls, so the j
 check that a captured call reads new group sizes on every replay.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -364,19 +366,23 @@ def test_fp8_blockwise_grouped_matmul_matches_the_reference_on_the_gpu(kind):
         assert not np.any(np.asarray(got[used:], np.float32)), "rows past the groups"
 
 
-# The tensorwise kernel's fast accumulation: the tensor cores' own sums over all of K, which
+# The tensorwise kernels' fast accumulation: the tensor cores' own sums over all of K, which
 # keep fewer bits than float32 (DeepSeek-V3 measured about 14 on the H800), so its error is
 # counted against the dot's magnitude (the sum of its terms' magnitudes), on top of bfloat16's
-# rounding of the result.
+# rounding of the result. Promoted accumulation keeps those sums over 128-deep blocks only, so
+# the same bound holds for it.
 FAST_ACCUMULATION = 1e-3
 
 
+@pytest.mark.parametrize("fast_accumulation", [True, False], ids=["fast", "promoted"])
 @pytest.mark.parametrize("kind", SIZE_KINDS)
-def test_fp8_tensorwise_grouped_matmul_matches_the_reference_on_the_gpu(kind):
-    """The CUTLASS FP8 tensorwise kernel behind its FFI handler against the dequantised
-    reference (on the CPU), K and N off the kernel's multiples (padded around the call), each
-    expert with a scale of its own; jitted, replayed with new group sizes. Each element within
-    one bfloat16 rounding of the reference plus FAST_ACCUMULATION of its dot's magnitude."""
+def test_fp8_tensorwise_grouped_matmul_matches_the_reference_on_the_gpu(kind,
+                                                                        fast_accumulation):
+    """The CUTLASS FP8 tensorwise kernel behind its FFI handler, either accumulation, against
+    the dequantised reference (on the CPU), K and N off the kernel's multiples (padded around
+    the call), each expert with a scale of its own; jitted, replayed with new group sizes. Each
+    element within one bfloat16 rounding of the reference plus FAST_ACCUMULATION of its dot's
+    magnitude."""
     from nodrop.ops import fp8
 
     m, k, n, g = 1000, 200, 136, 8
@@ -386,7 +392,8 @@ def test_fp8_tensorwise_grouped_matmul_matches_the_reference_on_the_gpu(kind):
     (lhs_q, lhs_scale), (rhs_q_t, rhs_scales) = (fp8.quantize(lhs, "tensor"),
                                                  fp8.quantize(jnp.swapaxes(rhs, 1, 2), "tensor"))
     operands = (lhs_q, lhs_scale.reshape(1), rhs_q_t, rhs_scales.reshape(g))
-    run = jax.jit(nodrop.grouped_matmul_fp8_tensorwise)
+    run = jax.jit(functools.partial(nodrop.grouped_matmul_fp8_tensorwise,
+                                    fast_accumulation=fast_accumulation))
     cpu = jax.devices("cpu")[0]
     lhs_abs = jnp.abs(fp8.dequantize(*jax.device_put((lhs_q, lhs_scale), cpu), "tensor"))
     rhs_abs = jnp.abs(fp8.dequantize(*jax.device_put((rhs_q_t, rhs_scales), cpu), "tensor"))
@@ -420,12 +427,12 @@ def test_fp8_round_trip_under_jit_is_the_eager_one_on_the_gpu(block):
 def test_fp8_recipe_runs_the_kernels_forward_and_both_gradients_on_the_gpu(recipe,
                                                                             weight_gradient):
     """fp8_grouped_matmul's "auto" mode runs the FP8 kernels on the GPU for bfloat16: the
-    recipe's GEMM for the forward (the tensorwise one's with fast accumulation), the blockwise
-    GEMM for the input gradient (the tensorwise recipe's one scale repeated over the blocks), the
-    FP8 contraction for the weight gradient (one; with weight_gradient="unquantised" nodrop's
-    bf16 contraction instead), each within bfloat16 rounding of the emulated result, relative
-    to its largest element (fast accumulation's error, 1e-3 of a dot's magnitude at most, is
-    well inside that here)."""
+    recipe's GEMM for the forward and the input gradient (the tensorwise one's with fast
+    accumulation in the forward, promoted in the input gradient), the recipe's FP8 contraction
+    for the weight gradient (one; with weight_gradient="unquantised" nodrop's bf16 contraction
+    instead), each within bfloat16 rounding of the emulated result, relative to its largest
+    element (fast accumulation's error, 1e-3 of a dot's magnitude at most, is well inside that
+    here)."""
     from nodrop.ops import fp8
 
     m, k, n, g = 777, 256, 384, 8
@@ -445,13 +452,14 @@ def test_fp8_recipe_runs_the_kernels_forward_and_both_gradients_on_the_gpu(recip
         calls = (text.count("custom_call @nodrop_grouped_matmul_fp8_blockwise("),
                  text.count("custom_call @nodrop_grouped_matmul_fp8_tensorwise("),
                  text.count("custom_call @nodrop_grouped_matmul_fp8_blockwise_contract("),
+                 text.count("custom_call @nodrop_grouped_matmul_fp8_tensorwise_contract("),
                  text.count("custom_call @nodrop_grouped_matmul_contract("))
-        tensorwise = int(recipe == "tensorwise")
+        blockwise = int(recipe == "blockwise")
         if forward == "auto":
-            assert calls == (2 - tensorwise, tensorwise, fp8_contractions,
-                             1 - fp8_contractions), calls
+            assert calls == (2 * blockwise, 2 * (1 - blockwise), fp8_contractions * blockwise,
+                             fp8_contractions * (1 - blockwise), 1 - fp8_contractions), calls
         else:
-            assert calls[:3] == (0, 0, 0), calls
+            assert calls[:4] == (0, 0, 0, 0), calls
         results[forward] = f(lhs, rhs)
     assert rel_error(results["auto"][0], results["emulated"][0]) <= 2 ** -7
     (dlhs, drhs), (dlhs_emulated, drhs_emulated) = results["auto"][1], results["emulated"][1]
@@ -505,6 +513,37 @@ def test_fp8_blockwise_contract_matches_the_reference_on_the_gpu(kind):
             codes, scale = numpy_quantize_transposed(x, np.asarray(sizes).tolist())
             operands += [codes.view(fp8.E4M3), scale]
         want = reference.grouped_matmul_fp8_blockwise_contract(
+            *jax.device_put((*operands, np.asarray(sizes)), cpu), num_rows=m)
+        assert rel_error(got, want) <= 2 ** -7, kind
+        empty = np.asarray(sizes) == 0
+        assert not np.any(np.asarray(got, np.float32)[empty]), "empty groups"
+
+
+@pytest.mark.parametrize("fast_accumulation", [True, False], ids=["fast", "promoted"])
+@pytest.mark.parametrize("kind", SIZE_KINDS)
+def test_fp8_tensorwise_contract_matches_the_reference_on_the_gpu(kind, fast_accumulation):
+    """The tensorwise recipe's FP8 weight gradient on the GPU, either accumulation, against the
+    dequantised reference on the CPU, from the numpy derivation of its operands (one scale per
+    operand, given), N off the kernel's multiple of 8 (padded around the call); jitted,
+    replayed with new group sizes. An empty group's gradient is zero."""
+    from nodrop.ops import fp8
+
+    m, k, n, g = 1000, 200, 132, 8
+    rng = np.random.default_rng(16)
+    lhs, _, dout = inputs((m, k, n, g), jnp.bfloat16, seed=16)
+    run = jax.jit(lambda a, d, sizes: nodrop.grouped_matmul_fp8_tensorwise_contract(
+        *fp8._tensor_transposed(a, sizes), *fp8._tensor_transposed(d, sizes), sizes,
+        num_rows=m, fast_accumulation=fast_accumulation))
+    cpu = jax.devices("cpu")[0]
+    for sizes in (group_sizes(kind, m, g, rng), group_sizes("random_short", m, g, rng)):
+        got = run(lhs, dout, sizes)
+        operands = []
+        for x in jax.device_put((lhs, dout), cpu):
+            scale = fp8._tensor_rows(x, jax.device_put(sizes, cpu))[1]
+            codes, _ = numpy_quantize_transposed(x, np.asarray(sizes).tolist(),
+                                                 np.float32(scale[0]))
+            operands += [codes.view(fp8.E4M3), scale]
+        want = reference.grouped_matmul_fp8_tensorwise_contract(
             *jax.device_put((*operands, np.asarray(sizes)), cpu), num_rows=m)
         assert rel_error(got, want) <= 2 ** -7, kind
         empty = np.asarray(sizes) == 0

@@ -130,7 +130,8 @@ def test_the_public_api_is_typed():
     assert (ROOT / "nodrop" / "py.typed").is_file()
     functions = [nodrop.grouped_matmul, nodrop.grouped_matmul_contract, nodrop.ragged_dot,
                  nodrop.fp8_grouped_matmul, nodrop.grouped_matmul_fp8_blockwise_contract,
-                 nodrop.grouped_matmul_fp8_tensorwise, nodrop.quantize, nodrop.dequantize,
+                 nodrop.grouped_matmul_fp8_tensorwise,
+                 nodrop.grouped_matmul_fp8_tensorwise_contract, nodrop.quantize, nodrop.dequantize,
                  nodrop.permute, nodrop.unpermute, nodrop.topk_router, nodrop.checks,
                  MoEBlock.__init__, MoEBlock.__call__, nodrop.backends, load, export,
                  generate.check_sampling, generate.generate, generate.evaluate, Loaded.encode,

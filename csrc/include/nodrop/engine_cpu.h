@@ -139,6 +139,18 @@ Status grouped_matmul_fp8_blockwise_contract(const void* lhs_t, const float* lhs
                                              int64_t N, int64_t G, void* out, bool checked,
                                              ParallelRunner* runner = nullptr);
 
+// The tensorwise recipe's weight gradient, ragged contraction on FP8 operands with one scale
+// each: lhs_t [K, P] and rhs_t [N, P] laid out as for grouped_matmul_fp8_blockwise_contract
+// (quantize_fp8_transposed with a given scale), lhs_scale [1] and rhs_scale [1] float32,
+// out[g] [K, N] bfloat16 = (the float32 dot of lhs_t[k] and rhs_t[n] over the columns of group
+// g's rows) * (lhs_scale[0] * rhs_scale[0]); an empty group gives zeros. The CUDA engine's
+// function of this name, whose fast_accumulation changes only how its float32 sums round.
+Status grouped_matmul_fp8_tensorwise_contract(const void* lhs_t, const float* lhs_scale,
+                                              const void* rhs_t, const float* rhs_scale,
+                                              const int32_t* group_sizes, int64_t M, int64_t K,
+                                              int64_t N, int64_t G, void* out, bool checked,
+                                              ParallelRunner* runner = nullptr);
+
 // AdamW's step and its statistics (engine.h, AdamWConfig): param, grad, mu, nu [n] float32,
 // scalars [4] float32, partials [num_partials, kAdamWSums] float32. The outputs may be the
 // inputs. Each chunk is summed in element order.

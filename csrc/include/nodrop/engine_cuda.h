@@ -174,19 +174,29 @@ Status grouped_matmul_fp8_blockwise_contract(const void* lhs_t, const float* lhs
                                              size_t workspace_bytes, cudaStream_t stream,
                                              Fp8GemmSchedule schedule = {});
 
-// ---- FP8 grouped matmul with one scale per tensor (grouped_matmul/fp8_blockwise.cu) -----------
-//   The tensorwise recipe's forward: engine_cpu.h's grouped_matmul_fp8_tensorwise, out_g =
-//   (lhs_g @ rhs[g]^T) * (lhs_scale[0] * rhs_scales[g]) in bfloat16, lhs [M, K] and rhs [G, N, K]
-//   E4M3 as for grouped_matmul_fp8_blockwise, lhs_scale [1] and rhs_scales [G] float32 on the
-//   device. With one scale per operand the products need no scaling inside the contraction, so the
-//   kernels accumulate in the tensor cores' own float32 sums over all of K ("fast accumulation",
-//   what Transformer Engine runs its FP8 forward GEMMs with and torch._scaled_grouped_mm offers
-//   as use_fast_accum) and scale once in the epilogue: one accumulator per output, so a consumer
-//   warpgroup can hold a 64x256 tile. Same rules, alignment, errors and workspace
-//   (grouped_matmul_fp8_blockwise_workspace_bytes) as grouped_matmul_fp8_blockwise.
+// ---- FP8 grouped matmuls with one scale per tensor (grouped_matmul/fp8_blockwise.cu) ----------
+//   The tensorwise recipe's GEMMs. grouped_matmul_fp8_tensorwise (its forward and input gradient):
+//   engine_cpu.h's grouped_matmul_fp8_tensorwise, out_g = (lhs_g @ rhs[g]^T) * (lhs_scale[0] *
+//   rhs_scales[g]) in bfloat16, lhs [M, K] and rhs [G, N, K] E4M3 as for
+//   grouped_matmul_fp8_blockwise, lhs_scale [1] and rhs_scales [G] float32 on the device.
+//   grouped_matmul_fp8_tensorwise_contract (its weight gradient): engine_cpu.h's function of that
+//   name, out[g] [K, N] = (lhs_t_g @ rhs_t_g^T) * (lhs_scale[0] * rhs_scale[0]), operands laid
+//   out as for grouped_matmul_fp8_blockwise_contract, one scale [1] each. Same rules, alignment,
+//   errors and workspace (grouped_matmul_fp8_blockwise_workspace_bytes) as the blockwise
+//   functions of the same form.
+//   With one scale per operand nothing inside the contraction needs scaling; the product of the
+//   scales is applied once in the epilogue. fast_accumulation picks how the float32 sums are kept:
+//     - true: the tensor cores' own sums over all of K ("fast accumulation", what Transformer
+//       Engine runs its FP8 forward GEMMs with and torch._scaled_grouped_mm offers as
+//       use_fast_accum): one accumulator per output, so a consumer warpgroup can hold 64x256;
+//     - false: each 128-deep block's wgmma sums added into a second float32 accumulator with
+//       FFMAs ("promoted"; Transformer Engine's split accumulator, its default for both
+//       gradients): the tensor cores' coarser rounding never spans more than 128 products.
+//   A schedule's tile must accumulate as fast_accumulation says (Fp8TensorwiseTile).
 
-// The CUTLASS kernel a call runs, one per line of grouped_matmul/fp8_tensorwise_tiles.def. kAuto
-// picks from the static shapes (grouped_matmul_fp8_tensorwise_schedule).
+// The CUTLASS kernel a call runs, one per line of grouped_matmul/fp8_tensorwise_tiles.def, each
+// with its accumulation. kAuto picks from the static shapes and the accumulation
+// (grouped_matmul_fp8_tensorwise_schedule, grouped_matmul_fp8_tensorwise_contract_schedule).
 enum class Fp8TensorwiseTile : int32_t {
   kAuto = 0,
 #define NODROP_FP8_TENSORWISE_TILE(name, ...) name,
@@ -199,9 +209,12 @@ inline constexpr Fp8TensorwiseTile kFp8TensorwiseTiles[] = {
 #undef NODROP_FP8_TENSORWISE_TILE
 };
 
-// "cooperative 128x256x128, cluster 1x2" and "cooperative_128x256x128_1x2", as for Fp8GemmTile.
+// "cooperative 128x256x128, cluster 1x2, fast accumulation" and
+// "cooperative_128x256x128_1x2_fast", as for Fp8GemmTile.
 const char* fp8_tensorwise_tile_name(Fp8TensorwiseTile tile);
 const char* fp8_tensorwise_tile_id(Fp8TensorwiseTile tile);
+// Whether the tile's kernel accumulates fast (false for kAuto and unknown values).
+bool fp8_tensorwise_tile_fast_accumulation(Fp8TensorwiseTile tile);
 
 // The kernel and tile order of one tensorwise call, as Fp8GemmSchedule.
 struct Fp8TensorwiseSchedule {
@@ -213,15 +226,28 @@ struct Fp8TensorwiseSchedule {
   int swizzle;
 };
 
-// The schedule that a tensorwise call's automatic fields resolve to (fp8_tile_rule.cc).
+// The schedules that a tensorwise call's automatic fields resolve to (fp8_tile_rule.cc): ragged
+// rows, and the ragged contraction (M rows in G groups contracted into G outputs of K x N).
 Fp8TensorwiseSchedule grouped_matmul_fp8_tensorwise_schedule(int64_t M, int64_t K, int64_t N,
-                                                             int64_t G);
+                                                             int64_t G, bool fast_accumulation);
+Fp8TensorwiseSchedule grouped_matmul_fp8_tensorwise_contract_schedule(int64_t M, int64_t K,
+                                                                      int64_t N, int64_t G,
+                                                                      bool fast_accumulation);
 
 Status grouped_matmul_fp8_tensorwise(const void* lhs, const float* lhs_scale, const void* rhs,
                                      const float* rhs_scales, const int32_t* group_sizes,
-                                     int64_t M, int64_t K, int64_t N, int64_t G, void* out,
-                                     void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                                     int64_t M, int64_t K, int64_t N, int64_t G,
+                                     bool fast_accumulation, void* out, void* workspace,
+                                     size_t workspace_bytes, cudaStream_t stream,
                                      Fp8TensorwiseSchedule schedule = {});
+
+Status grouped_matmul_fp8_tensorwise_contract(const void* lhs_t, const float* lhs_scale,
+                                              const void* rhs_t, const float* rhs_scale,
+                                              const int32_t* group_sizes, int64_t M, int64_t K,
+                                              int64_t N, int64_t G, bool fast_accumulation,
+                                              void* out, void* workspace, size_t workspace_bytes,
+                                              cudaStream_t stream,
+                                              Fp8TensorwiseSchedule schedule = {});
 
 // ---- routing and token permutation (permute.cu, router.cu) -------------------------------------
 //   - permute_rows zeroes the rows [n, T*k), n being the number of in-range row_map entries.

@@ -1,5 +1,5 @@
-// CUDA FP8 grouped matmuls: blockwise-scaled ragged rows and ragged contraction, tensorwise-scaled
-// ragged rows (fp8_blockwise.cuh says what each form computes and the scale layouts): argument
+// CUDA FP8 grouped matmuls: ragged rows and ragged contraction, each blockwise-scaled and
+// tensorwise-scaled (fp8_blockwise.cuh says what each form computes and the scale layouts): argument
 // checks, workspace layout, the setup kernel that builds the group table from the group sizes on
 // the device, and the two launches of a call (setup kernel, then the CUTLASS kernel of the call's
 // form and tile, fp8_blockwise_gemm.cuh or fp8_tensorwise_gemm.cuh), all on the caller's
@@ -28,7 +28,7 @@ __host__ __device__ int64_t scale_blocks(int64_t extent) {
 
 // One group's GEMM of form F: shape, operand pointers and strides, and its scales: the scale
 // pointers and layouts of a blockwise form (the packed layouts CUTLASS rebuilds from the shape
-// anyway, see fp8_blockwise.cuh), the one alpha of the tensorwise form.
+// anyway, see fp8_blockwise.cuh), the one alpha of a tensorwise form.
 template <Fp8GemmForm F>
 __device__ void write_fp8_group(const Fp8GroupTable& t, int64_t g, int64_t begin, int64_t rows,
                                 int64_t first_block, int64_t M, int64_t K, int64_t N,
@@ -37,7 +37,7 @@ __device__ void write_fp8_group(const Fp8GroupTable& t, int64_t g, int64_t begin
   const auto* rhs = static_cast<const uint8_t*>(ops.rhs);
   auto* out = static_cast<char*>(ops.out);
   int64_t gemm_m, gemm_k;
-  if constexpr (F == Fp8GemmForm::kContract) {
+  if constexpr (is_contraction(F)) {
     // lhs_t [K, P] and rhs_t [N, P]: the group's rows are columns 128 * first_block onwards.
     // An empty group gets no tiles (CUTLASS 4.2 cannot contract over 0): the fill zeroes out[g].
     const int64_t P = kFp8Block * fp8_contract_blocks(M, t.num_groups);
@@ -47,10 +47,14 @@ __device__ void write_fp8_group(const Fp8GroupTable& t, int64_t g, int64_t begin
     t.ptr_a[g] = lhs + column;
     t.ptr_b[g] = rhs + column;
     t.ptr_d[g] = out + g * K * N * kOutBytes;           // out[g] [K, N]
-    t.ptr_sfa[g] = ops.lhs_scales + first_block * K;  // lhs_scales[first_block:, :] [., K]
-    t.ptr_sfb[g] = ops.rhs_scales + first_block * N;  // rhs_scales[first_block:, :] [., N]
     t.stride_a[g] = cute::make_stride(P, cute::_1{}, cute::_0{});
     t.stride_b[g] = cute::make_stride(P, cute::_1{}, cute::_0{});
+    if constexpr (F == Fp8GemmForm::kContractTensorwise) {
+      t.alpha[g] = ops.lhs_scales[0] * ops.rhs_scales[0];
+    } else {
+      t.ptr_sfa[g] = ops.lhs_scales + first_block * K;  // lhs_scales[first_block:, :] [., K]
+      t.ptr_sfb[g] = ops.rhs_scales + first_block * N;  // rhs_scales[first_block:, :] [., N]
+    }
   } else {
     gemm_m = rows;  // an empty group gets M_g = 0, hence no tiles
     gemm_k = K;
@@ -69,7 +73,7 @@ __device__ void write_fp8_group(const Fp8GroupTable& t, int64_t g, int64_t begin
   }
   t.shapes[g] = cute::make_shape(int(gemm_m), int(N), int(gemm_k));
   t.stride_d[g] = cute::make_stride(N, cute::_1{}, cute::_0{});
-  if constexpr (F != Fp8GemmForm::kRowsTensorwise) {
+  if constexpr (!is_tensorwise(F)) {
     using Config = typename Fp8Scales<F>::Config;
     const auto problem = cute::make_shape(int(gemm_m), int(N), int(gemm_k), 1);
     static_cast<Fp8LayoutSFA<F>*>(t.layout_sfa)[g] = Config::tile_atom_to_shape_SFA(problem);
@@ -96,7 +100,7 @@ __global__ void __launch_bounds__(kSetupThreads)
     return;
   }
   const int64_t fill = blockIdx.x - 1, fills = gridDim.x - 1;
-  if constexpr (F == Fp8GemmForm::kContract) {
+  if constexpr (is_contraction(F)) {
     zero_empty_groups(group_sizes, M, K, N, ops.out, kOutBytes, table.num_groups, fill, fills,
                       storage.sum);
   } else {
@@ -111,8 +115,7 @@ cudaError_t launch_prepare_fp8_blockwise(Fp8GemmForm form, const int32_t* group_
                                          int64_t K, int64_t N, const Fp8Operands& ops,
                                          const Fp8GroupTable& table, cudaStream_t stream) {
   // The bytes the fill blocks may have to zero: every row of out, or every group's [K, N].
-  const int64_t out_bytes = (form == Fp8GemmForm::kContract ? table.num_groups * K : M) * N *
-                            kOutBytes;
+  const int64_t out_bytes = (is_contraction(form) ? table.num_groups * K : M) * N * kOutBytes;
   const unsigned blocks = 1 + fill_blocks(out_bytes, 4 * int64_t(table.sm_count));
   switch (form) {
     case Fp8GemmForm::kRows:
@@ -125,6 +128,10 @@ cudaError_t launch_prepare_fp8_blockwise(Fp8GemmForm form, const int32_t* group_
       break;
     case Fp8GemmForm::kRowsTensorwise:
       prepare_fp8_blockwise<Fp8GemmForm::kRowsTensorwise>
+          <<<blocks, kSetupThreads, 0, stream>>>(group_sizes, M, K, N, ops, table);
+      break;
+    case Fp8GemmForm::kContractTensorwise:
+      prepare_fp8_blockwise<Fp8GemmForm::kContractTensorwise>
           <<<blocks, kSetupThreads, 0, stream>>>(group_sizes, M, K, N, ops, table);
       break;
   }
@@ -254,7 +261,7 @@ Status run_tile(const char* fn, Fp8GemmTile tile, const Fp8GroupTable& table,
                        (F == Fp8GemmForm::kContract ? " (NODROP_FP8_CONTRACT_TILE)" : ""));
 }
 
-// The instantiated tensorwise kernel of `tile` (fp8_tensorwise_tiles.def).
+// The instantiated tensorwise kernel of `tile` (fp8_tensorwise_tiles.def), for either form.
 Status run_tile(const char* fn, Fp8TensorwiseTile tile, const Fp8GroupTable& table,
                 cudaStream_t stream) {
   switch (tile) {
@@ -274,17 +281,35 @@ size_t tile_count(const Fp8TensorwiseSchedule&) { return std::size(kFp8Tensorwis
 const char* tile_type(const Fp8GemmSchedule&) { return "an Fp8GemmTile"; }
 const char* tile_type(const Fp8TensorwiseSchedule&) { return "an Fp8TensorwiseTile"; }
 
-// The automatic schedule of form F (fp8_tile_rule.cc).
+// The automatic schedule of form F (fp8_tile_rule.cc); fast_accumulation is the tensorwise
+// forms'.
 template <detail::Fp8GemmForm F>
-auto automatic_schedule(int64_t M, int64_t K, int64_t N, int64_t G) {
+auto automatic_schedule(int64_t M, int64_t K, int64_t N, int64_t G, bool fast_accumulation) {
   using detail::Fp8GemmForm;
   if constexpr (F == Fp8GemmForm::kRows) return grouped_matmul_fp8_schedule(M, K, N, G);
   if constexpr (F == Fp8GemmForm::kContract) {
     return grouped_matmul_fp8_contract_schedule(M, K, N, G);
   }
   if constexpr (F == Fp8GemmForm::kRowsTensorwise) {
-    return grouped_matmul_fp8_tensorwise_schedule(M, K, N, G);
+    return grouped_matmul_fp8_tensorwise_schedule(M, K, N, G, fast_accumulation);
   }
+  if constexpr (F == Fp8GemmForm::kContractTensorwise) {
+    return grouped_matmul_fp8_tensorwise_contract_schedule(M, K, N, G, fast_accumulation);
+  }
+}
+
+// A tensorwise call's pinned tile must accumulate as the call asks; the blockwise kernels have one
+// accumulation.
+Status check_accumulation(const char*, const Fp8GemmSchedule&, bool) { return Status::Ok(); }
+Status check_accumulation(const char* fn, const Fp8TensorwiseSchedule& schedule,
+                          bool fast_accumulation) {
+  if (schedule.tile == Fp8TensorwiseTile::kAuto ||
+      fp8_tensorwise_tile_fast_accumulation(schedule.tile) == fast_accumulation) {
+    return Status::Ok();
+  }
+  return Status::Error(std::string(fn) + ": schedule.tile = " +
+                       fp8_tensorwise_tile_name(schedule.tile) + " does not match " +
+                       "fast_accumulation = " + (fast_accumulation ? "true" : "false"));
 }
 
 // Elements of a [dims...] tensor, or -1 past 2^60, so that byte counts cannot overflow either.
@@ -313,16 +338,20 @@ Status cuda_status(const char* fn, const char* step, cudaError_t error) {
   return fail(fn, std::string(step) + ": " + cudaGetErrorString(error));
 }
 
-// The argument checks every form shares: the schedule's fields, the dims (CUTLASS's problem
-// shapes are int), N, the buffers' presence and alignment, group_sizes and the workspace.
+// The argument checks every form shares: the schedule's fields (and its tile's accumulation), the
+// dims (CUTLASS's problem shapes are int), N, the buffers' presence and alignment, group_sizes
+// and the workspace.
 template <class Schedule>
-Status check_call(const char* fn, const Schedule& schedule,
+Status check_call(const char* fn, const Schedule& schedule, bool fast_accumulation,
                   std::initializer_list<std::pair<const char*, int64_t>> dims, int64_t N,
                   std::initializer_list<Buffer> buffers, const int32_t* group_sizes, int64_t G,
                   const void* workspace, size_t workspace_bytes) {
   const auto tile = static_cast<int32_t>(schedule.tile);
   if (tile < 0 || tile > static_cast<int32_t>(tile_count(schedule))) {
     return fail(fn, "schedule.tile = " + std::to_string(tile) + " is not " + tile_type(schedule));
+  }
+  if (Status status = check_accumulation(fn, schedule, fast_accumulation); !status.ok()) {
+    return status;
   }
   const auto raster = static_cast<int32_t>(schedule.raster);
   if (raster < 0 || raster > static_cast<int32_t>(GemmRaster::kAlongN)) {
@@ -362,9 +391,9 @@ Status check_call(const char* fn, const Schedule& schedule,
 
 // The two launches of a checked call with work to do: the setup kernel, then the CUTLASS kernel.
 template <detail::Fp8GemmForm F, class Schedule>
-Status launch(const char* fn, Schedule schedule, const detail::Fp8Operands& ops,
-              const int32_t* group_sizes, int64_t M, int64_t K, int64_t N, int64_t G,
-              void* workspace, cudaStream_t stream) {
+Status launch(const char* fn, Schedule schedule, bool fast_accumulation,
+              const detail::Fp8Operands& ops, const int32_t* group_sizes, int64_t M, int64_t K,
+              int64_t N, int64_t G, void* workspace, cudaStream_t stream) {
   int device = 0, sm_count = 0;
   Status status = cuda_status(fn, "cudaGetDevice", cudaGetDevice(&device));
   if (status.ok()) {
@@ -373,14 +402,14 @@ Status launch(const char* fn, Schedule schedule, const detail::Fp8Operands& ops,
         cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
   }
   if (!status.ok()) return status;
-  schedule = resolve_schedule(schedule, automatic_schedule<F>(M, K, N, G));
+  schedule = resolve_schedule(schedule, automatic_schedule<F>(M, K, N, G, fast_accumulation));
   const Fp8GroupTable table =
       make_table(workspace, G, device, sm_count, schedule.raster, schedule.swizzle);
   status = cuda_status(
       fn, "setup kernel",
       detail::launch_prepare_fp8_blockwise(F, group_sizes, M, K, N, ops, table, stream));
   if (!status.ok()) return status;
-  if constexpr (F == detail::Fp8GemmForm::kRowsTensorwise) {
+  if constexpr (detail::is_tensorwise(F)) {
     return run_tile(fn, schedule.tile, table, stream);
   } else {
     return run_tile<F>(fn, schedule.tile, table, stream);
@@ -390,11 +419,12 @@ Status launch(const char* fn, Schedule schedule, const detail::Fp8Operands& ops,
 // A ragged-rows call (kRows or kRowsTensorwise) with its two scale arrays: the checks, the zero
 // fill of the calls that contract nothing, else the launches.
 template <detail::Fp8GemmForm F, class Schedule>
-Status rows_call(const char* fn, const Schedule& schedule, const void* lhs, Buffer lhs_scales,
-                 const void* rhs, Buffer rhs_scales, const int32_t* group_sizes, int64_t M,
-                 int64_t K, int64_t N, int64_t G, void* out, void* workspace,
-                 size_t workspace_bytes, cudaStream_t stream) {
-  Status status = check_call(fn, schedule, {{"M", M}, {"K", K}, {"N", N}, {"G", G}}, N,
+Status rows_call(const char* fn, const Schedule& schedule, bool fast_accumulation,
+                 const void* lhs, Buffer lhs_scales, const void* rhs, Buffer rhs_scales,
+                 const int32_t* group_sizes, int64_t M, int64_t K, int64_t N, int64_t G,
+                 void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  Status status = check_call(fn, schedule, fast_accumulation,
+                             {{"M", M}, {"K", K}, {"N", N}, {"G", G}}, N,
                              {{"lhs", lhs, elements({M, K}), 16}, lhs_scales,
                               {"rhs", rhs, elements({G, N, K}), 16}, rhs_scales,
                               {"out", out, elements({M, N}), 16}},
@@ -411,8 +441,36 @@ Status rows_call(const char* fn, const Schedule& schedule, const void* lhs, Buff
   }
   const auto* lhs_scale_data = static_cast<const float*>(lhs_scales.data);
   const auto* rhs_scale_data = static_cast<const float*>(rhs_scales.data);
-  return launch<F>(fn, schedule, {lhs, lhs_scale_data, rhs, rhs_scale_data, out}, group_sizes, M,
-                   K, N, G, workspace, stream);
+  return launch<F>(fn, schedule, fast_accumulation,
+                   {lhs, lhs_scale_data, rhs, rhs_scale_data, out}, group_sizes, M, K, N, G,
+                   workspace, stream);
+}
+
+// A ragged-contraction call (kContract or kContractTensorwise) of M rows in G groups, its
+// operands padded to P = 128 * fp8_contract_blocks(M, G) columns, with its two scale arrays.
+template <detail::Fp8GemmForm F, class Schedule>
+Status contract_call(const char* fn, const Schedule& schedule, bool fast_accumulation,
+                     const void* lhs_t, Buffer lhs_scales, const void* rhs_t, Buffer rhs_scales,
+                     const int32_t* group_sizes, int64_t M, int64_t K, int64_t N, int64_t G,
+                     void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  const int64_t P = M >= 0 && G >= 0 ? fp8_contract_blocks(M, G) * kFp8Block : 0;
+  Status status = check_call(fn, schedule, fast_accumulation,
+                             {{"M", M}, {"K", K}, {"N", N}, {"G", G}, {"P", P}}, N,
+                             {{"lhs_t", lhs_t, elements({K, P}), 16}, lhs_scales,
+                              {"rhs_t", rhs_t, elements({N, P}), 16}, rhs_scales,
+                              {"out", out, elements({G, K, N}), 16}},
+                             group_sizes, G, workspace, workspace_bytes);
+  if (!status.ok()) return status;
+  if (G == 0 || K == 0 || N == 0) return Status::Ok();
+  if (M == 0) {  // every group is empty
+    return cuda_status(fn, "cudaMemsetAsync",
+                       cudaMemsetAsync(out, 0, G * K * N * detail::kOutBytes, stream));
+  }
+  const auto* lhs_scale_data = static_cast<const float*>(lhs_scales.data);
+  const auto* rhs_scale_data = static_cast<const float*>(rhs_scales.data);
+  return launch<F>(fn, schedule, fast_accumulation,
+                   {lhs_t, lhs_scale_data, rhs_t, rhs_scale_data, out}, group_sizes, M, K, N, G,
+                   workspace, stream);
 }
 
 }  // namespace
@@ -428,7 +486,7 @@ Status grouped_matmul_fp8_blockwise(const void* lhs, const float* lhs_scales, co
                                     cudaStream_t stream, Fp8GemmSchedule schedule) {
   const int64_t KB = detail::scale_blocks(K), NB = detail::scale_blocks(N);
   return rows_call<detail::Fp8GemmForm::kRows>(
-      "grouped_matmul_fp8_blockwise", schedule, lhs,
+      "grouped_matmul_fp8_blockwise", schedule, /*fast_accumulation=*/false, lhs,
       {"lhs_scales", lhs_scales, elements({M, KB}), 4}, rhs,
       {"rhs_scales", rhs_scales, elements({G, NB, KB}), 4}, group_sizes, M, K, N, G, out,
       workspace, workspace_bytes, stream);
@@ -436,13 +494,14 @@ Status grouped_matmul_fp8_blockwise(const void* lhs, const float* lhs_scales, co
 
 Status grouped_matmul_fp8_tensorwise(const void* lhs, const float* lhs_scale, const void* rhs,
                                      const float* rhs_scales, const int32_t* group_sizes,
-                                     int64_t M, int64_t K, int64_t N, int64_t G, void* out,
-                                     void* workspace, size_t workspace_bytes,
-                                     cudaStream_t stream, Fp8TensorwiseSchedule schedule) {
+                                     int64_t M, int64_t K, int64_t N, int64_t G,
+                                     bool fast_accumulation, void* out, void* workspace,
+                                     size_t workspace_bytes, cudaStream_t stream,
+                                     Fp8TensorwiseSchedule schedule) {
   return rows_call<detail::Fp8GemmForm::kRowsTensorwise>(
-      "grouped_matmul_fp8_tensorwise", schedule, lhs, {"lhs_scale", lhs_scale, 1, 4}, rhs,
-      {"rhs_scales", rhs_scales, G, 4}, group_sizes, M, K, N, G, out, workspace,
-      workspace_bytes, stream);
+      "grouped_matmul_fp8_tensorwise", schedule, fast_accumulation, lhs,
+      {"lhs_scale", lhs_scale, 1, 4}, rhs, {"rhs_scales", rhs_scales, G, 4}, group_sizes, M, K,
+      N, G, out, workspace, workspace_bytes, stream);
 }
 
 Status grouped_matmul_fp8_blockwise_contract(const void* lhs_t, const float* lhs_scales,
@@ -451,25 +510,25 @@ Status grouped_matmul_fp8_blockwise_contract(const void* lhs_t, const float* lhs
                                              int64_t N, int64_t G, void* out, void* workspace,
                                              size_t workspace_bytes, cudaStream_t stream,
                                              Fp8GemmSchedule schedule) {
-  constexpr const char* fn = "grouped_matmul_fp8_blockwise_contract";
   const int64_t PB = M >= 0 && G >= 0 ? fp8_contract_blocks(M, G) : 0;
-  const int64_t P = PB * kFp8Block;
-  Status status = check_call(fn, schedule, {{"M", M}, {"K", K}, {"N", N}, {"G", G}, {"P", P}}, N,
-                             {{"lhs_t", lhs_t, elements({K, P}), 16},
-                              {"lhs_scales", lhs_scales, elements({PB, K}), 4},
-                              {"rhs_t", rhs_t, elements({N, P}), 16},
-                              {"rhs_scales", rhs_scales, elements({PB, N}), 4},
-                              {"out", out, elements({G, K, N}), 16}},
-                             group_sizes, G, workspace, workspace_bytes);
-  if (!status.ok()) return status;
-  if (G == 0 || K == 0 || N == 0) return Status::Ok();
-  if (M == 0) {  // every group is empty
-    return cuda_status(fn, "cudaMemsetAsync",
-                       cudaMemsetAsync(out, 0, G * K * N * detail::kOutBytes, stream));
-  }
-  return launch<detail::Fp8GemmForm::kContract>(
-      fn, schedule, {lhs_t, lhs_scales, rhs_t, rhs_scales, out}, group_sizes, M, K, N, G,
-      workspace, stream);
+  return contract_call<detail::Fp8GemmForm::kContract>(
+      "grouped_matmul_fp8_blockwise_contract", schedule, /*fast_accumulation=*/false, lhs_t,
+      {"lhs_scales", lhs_scales, elements({PB, K}), 4}, rhs_t,
+      {"rhs_scales", rhs_scales, elements({PB, N}), 4}, group_sizes, M, K, N, G, out, workspace,
+      workspace_bytes, stream);
+}
+
+Status grouped_matmul_fp8_tensorwise_contract(const void* lhs_t, const float* lhs_scale,
+                                              const void* rhs_t, const float* rhs_scale,
+                                              const int32_t* group_sizes, int64_t M, int64_t K,
+                                              int64_t N, int64_t G, bool fast_accumulation,
+                                              void* out, void* workspace, size_t workspace_bytes,
+                                              cudaStream_t stream,
+                                              Fp8TensorwiseSchedule schedule) {
+  return contract_call<detail::Fp8GemmForm::kContractTensorwise>(
+      "grouped_matmul_fp8_tensorwise_contract", schedule, fast_accumulation, lhs_t,
+      {"lhs_scale", lhs_scale, 1, 4}, rhs_t, {"rhs_scale", rhs_scale, 1, 4}, group_sizes, M, K,
+      N, G, out, workspace, workspace_bytes, stream);
 }
 
 }  // namespace nodrop::cuda

@@ -1,7 +1,7 @@
-// The FP8 (E4M3) grouped GEMMs: blockwise-scaled in two forms, ragged rows (the forward and the
-// input gradient) and ragged contraction (the weight gradient), and tensorwise-scaled ragged rows
-// (the tensorwise recipe's forward). The group table that their setup kernel writes on the
-// device and their CUTLASS kernels read, and the launches.
+// The FP8 (E4M3) grouped GEMMs, blockwise-scaled and tensorwise-scaled, each in two forms: ragged
+// rows (the forward and the input gradient) and ragged contraction (the weight gradient). The
+// group table that their setup kernel writes on the device and their CUTLASS kernels read, and
+// the launches.
 //
 // kRows:     out_g [M_g, N] (bf16) = sum over k blocks kb of (lhs_g[:, kb] @ rhs[g][:, kb]^T)
 //                                    * lhs_scale[row, kb] * rhs_scale[g, n / 128, kb]
@@ -9,11 +9,13 @@
 //                                    (lhs_t[:, b] @ rhs_t[:, b]^T) * lhs_scale[b, k] * rhs_scale[b, n]
 // kRowsTensorwise: out_g [M_g, N] (bf16) = (lhs_g @ rhs[g]^T) * alpha[g],
 //                  alpha[g] = lhs_scale[0] * rhs_scale[g] (written by the setup kernel),
+// kContractTensorwise: out[g] [K, N] (bf16) = (lhs_t_g @ rhs_t_g^T) * alpha[g],
+//                  alpha[g] = lhs_scale[0] * rhs_scale[0], kContract's operands,
 // the blockwise forms accumulated in float32: CUTLASS's sm90 blockwise mainloop
 // (sm90_mma_array_tma_gmma_ss_warpspecialized_fp8_blockwise_scaling.hpp) runs each 128-deep k
 // block's wgmmas into a temporary accumulator and adds it, times the two scales, to the main one
-// (the DeepSeek-V3 recipe); the tensorwise form in the tensor cores' own float32 sums over all of
-// K ("fast accumulation", fp8_tensorwise_gemm.cuh), scaled once in the epilogue.
+// (the DeepSeek-V3 recipe); the tensorwise forms as the kernel's tile says
+// (fp8_tensorwise_gemm.cuh: fast or promoted accumulation), scaled once in the epilogue.
 //
 // kRows scale layouts (both K-major: the k blocks of one row, or of one 128-row block of rhs[g],
 // are contiguous), KB = ceil(K / 128), NB = ceil(N / 128):
@@ -53,8 +55,16 @@ constexpr int kScaleBlock = static_cast<int>(kFp8ScaleBlock);
 enum class Fp8GemmForm : int32_t {
   kRows,      // A = lhs_g [M_g, K], B = rhs[g] [N, K], D = out_g [M_g, N]
   kContract,  // A = lhs_t_g [K, rows_g], B = rhs_t_g [N, rows_g], D = out[g] [K, N]
-  kRowsTensorwise,  // kRows' operands, one scale per operand (alpha[g]) instead of scale blocks
+  kRowsTensorwise,      // kRows' operands, one scale per operand (alpha[g]) instead of blocks
+  kContractTensorwise,  // kContract's operands, one scale per operand (alpha[g])
 };
+
+constexpr bool is_contraction(Fp8GemmForm form) {
+  return form == Fp8GemmForm::kContract || form == Fp8GemmForm::kContractTensorwise;
+}
+constexpr bool is_tensorwise(Fp8GemmForm form) {
+  return form == Fp8GemmForm::kRowsTensorwise || form == Fp8GemmForm::kContractTensorwise;
+}
 
 // The scale granularities and layouts of each form (see above).
 template <Fp8GemmForm F>
@@ -84,7 +94,7 @@ static_assert(sizeof(Fp8LayoutSFB<Fp8GemmForm::kRows>) ==
 // Device arrays inside the workspace, one entry per group (offsets has G + 1). A, B and D are all
 // K-major in every form (each a row-major matrix whose rows hold the contraction). layout_sfa and
 // layout_sfb hold Fp8LayoutSFA<F> and Fp8LayoutSFB<F> of a blockwise call's form; alpha is the
-// tensorwise form's per-group scale (the other arrays of scales are unused there).
+// tensorwise forms' per-group scale (the other arrays of scales are unused there).
 struct Fp8GroupTable {
   int32_t num_groups = 0;
   int64_t* offsets = nullptr;  // clamped row offsets: group g owns rows [offsets[g], offsets[g+1])
@@ -110,16 +120,18 @@ struct Fp8GroupTable {
 
 // The operands of one call (device pointers), as the public functions take them.
 struct Fp8Operands {
+  // The tensorwise forms' operands are those of the blockwise form of the same shape.
   const void* lhs;          // kRows: [M, K];  kContract: lhs_t [K, P]  (float8_e4m3)
-  const float* lhs_scales;  // kRows: [M, KB]; kContract: [PB, K]; kRowsTensorwise: [1]
-  const void* rhs;          // kRows, kRowsTensorwise: [G, N, K]; kContract: rhs_t [N, P] (E4M3)
-  const float* rhs_scales;  // kRows: [G, NB, KB]; kContract: [PB, N]; kRowsTensorwise: [G]
+  const float* lhs_scales;  // kRows: [M, KB]; kContract: [PB, K]; tensorwise: [1]
+  const void* rhs;          // kRows: [G, N, K]; kContract: rhs_t [N, P] (E4M3)
+  const float* rhs_scales;  // kRows: [G, NB, KB]; kContract: [PB, N]; kRowsTensorwise: [G];
+                            // kContractTensorwise: [1]
   void* out;                // kRows: [M, N]; kContract: [G, K, N] (bfloat16)
 };
 
 // One launch that fills the table of form F from group_sizes [G] on the device (clamping invalid
 // sizes as clamp_group_offsets does) and zeroes what no tile writes: rows [offsets[G], M) of out
-// (kRows, kRowsTensorwise), or out[g] of each group without rows (kContract). Requires N % 8 == 0
+// (the rows forms), or out[g] of each group without rows (the contractions). Requires N % 8 == 0
 // (whole 16-byte vectors per row). Defined in fp8_blockwise.cu.
 cudaError_t launch_prepare_fp8_blockwise(Fp8GemmForm form, const int32_t* group_sizes, int64_t M,
                                          int64_t K, int64_t N, const Fp8Operands& ops,
@@ -131,7 +143,8 @@ cudaError_t launch_prepare_fp8_blockwise(Fp8GemmForm form, const int32_t* group_
 template <Fp8GemmForm F, Fp8GemmTile T>
 Status run_fp8_blockwise_gemm(const Fp8GroupTable& table, cudaStream_t stream);
 
-// The same for the kRowsTensorwise form: fp8_tensorwise_gemm.cuh, one generated file per tile.
+// The same for the tensorwise forms (either table runs on each kernel): fp8_tensorwise_gemm.cuh,
+// one generated file per tile.
 template <Fp8TensorwiseTile T>
 Status run_fp8_tensorwise_gemm(const Fp8GroupTable& table, cudaStream_t stream);
 

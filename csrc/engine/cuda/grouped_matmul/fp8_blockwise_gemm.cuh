@@ -45,26 +45,37 @@
 
 namespace nodrop::cuda::detail {
 
-// FastAccumulation: the tensorwise kernels' schedules (fp8_tensorwise_gemm.cuh), one float32
-// accumulator per output, so a consumer warpgroup may own twice the blockwise share.
+// How a kernel's mainloop keeps its float32 sums: kBlockwise, each 128-deep block's wgmma sums
+// times that block's scales added into a second accumulator (these kernels); the tensorwise
+// kernels' (fp8_tensorwise_gemm.cuh) kFast, one accumulator over all of K, so a consumer
+// warpgroup may own twice the blockwise share, and kPromoted, the blockwise mainloop's second
+// accumulator without the scales.
+enum class Fp8Accumulation { kBlockwise, kFast, kPromoted };
+
 template <int TileM, int TileN, int TileK, bool Pingpong, int ClusterM, int ClusterN,
-          bool FastAccumulation = false>
+          Fp8Accumulation Accumulation = Fp8Accumulation::kBlockwise>
 struct Fp8TileSpec {
   using Shape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
   using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
+  template <class PingpongSchedule, class CooperativeSchedule>
+  using Pick = std::conditional_t<Pingpong, PingpongSchedule, CooperativeSchedule>;
+  // CUTLASS's builder gives FP8 operands on the plain pointer-array schedules its promoting
+  // mainloop (MainloopSm90ArrayTmaGmmaWarpSpecializedFP8, one promotion per 4 wgmmas of depth 32).
   using MainloopSchedule = std::conditional_t<
-      FastAccumulation,
-      std::conditional_t<Pingpong,
-                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum,
-                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum>,
-      std::conditional_t<Pingpong,
-                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
-                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>>;
-  using EpilogueSchedule =
-      std::conditional_t<Pingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
-                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+      Accumulation == Fp8Accumulation::kFast,
+      Pick<cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum,
+           cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum>,
+      std::conditional_t<
+          Accumulation == Fp8Accumulation::kPromoted,
+          Pick<cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+               cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>,
+          Pick<cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
+               cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>>>;
+  using EpilogueSchedule = Pick<cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                                cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
   // One consumer warpgroup's share of the tile (see above): 128 accumulator registers a thread.
-  static_assert((Pingpong ? TileM : TileM / 2) * TileN <= (FastAccumulation ? 128 : 64) * 128,
+  static_assert((Pingpong ? TileM : TileM / 2) * TileN <=
+                    (Accumulation == Fp8Accumulation::kFast ? 128 : 64) * 128,
                 "a consumer warpgroup's accumulators would spill");
 };
 

@@ -1,14 +1,15 @@
-// The CUTLASS kernels of the FP8 tensorwise grouped GEMM (fp8_blockwise.cuh, form
-// kRowsTensorwise): CUTLASS's sm90 pointer-array FP8 kernels with fast accumulation (as in its
-// example 57, hopper_grouped_gemm) and D = alpha[g] * acc, alpha read per group from the table on
-// the device. One configuration per line of fp8_tensorwise_tiles.def; include this header only
-// from the generated instantiation files (generate_instantiations.py).
+// The CUTLASS kernels of the FP8 tensorwise grouped GEMMs (fp8_blockwise.cuh, forms
+// kRowsTensorwise and kContractTensorwise, one kernel for both): CUTLASS's sm90 pointer-array FP8
+// kernels (as in its example 57, hopper_grouped_gemm) and D = alpha[g] * acc, alpha read per
+// group from the table on the device. One configuration per line of fp8_tensorwise_tiles.def;
+// include this header only from the generated instantiation files (generate_instantiations.py).
 //
 // Fast accumulation: the wgmmas of a tile add into one float32 accumulator over all of K, with
 // the tensor cores' own rounding of those sums (the FP8 MMA keeps fewer mantissa bits than an
-// FFMA; DeepSeek-V3 measured the error growing with K), where the blockwise kernels add each
-// 128-deep block into a second accumulator with FFMAs. One accumulator per output is what lets a
-// consumer warpgroup own 64x256 (cooperative 128x256) or 128x128 (pingpong).
+// FFMA; DeepSeek-V3 measured the error growing with K). One accumulator per output is what lets a
+// consumer warpgroup own 64x256 (cooperative 128x256) or 128x128 (pingpong). Promoted: each
+// 128-deep block's sums are added into a second accumulator with FFMAs, as the blockwise kernels
+// do, so that rounding never spans more than 128 products.
 #pragma once
 
 #include <string>
@@ -21,11 +22,12 @@ namespace nodrop::cuda::detail {
 
 template <Fp8TensorwiseTile T>
 struct Fp8TensorwiseTileConfig;
-#define NODROP_FP8_TENSORWISE_TILE(name, schedule, m, n, k, cluster_m, cluster_n)          \
-  template <>                                                                              \
-  struct Fp8TensorwiseTileConfig<Fp8TensorwiseTile::name>                                  \
-      : Fp8TileSpec<m, n, k, std::string_view(#schedule) == "pingpong", cluster_m, cluster_n, \
-                    /*FastAccumulation=*/true> {};
+#define NODROP_FP8_TENSORWISE_TILE(name, schedule, m, n, k, cluster_m, cluster_n, accumulation) \
+  template <>                                                                                     \
+  struct Fp8TensorwiseTileConfig<Fp8TensorwiseTile::name>                                         \
+      : Fp8TileSpec<m, n, k, std::string_view(#schedule) == "pingpong", cluster_m, cluster_n,     \
+                    std::string_view(#accumulation) == "fast" ? Fp8Accumulation::kFast            \
+                                                              : Fp8Accumulation::kPromoted> {};
 #include "engine/cuda/grouped_matmul/fp8_tensorwise_tiles.def"
 #undef NODROP_FP8_TENSORWISE_TILE
 

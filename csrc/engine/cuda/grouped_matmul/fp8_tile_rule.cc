@@ -1,6 +1,7 @@
 // Which kernel and tile order an FP8 grouped GEMM call gets, from its static shapes, and the
 // kernels' names. Host code only.
 #include <cstdint>
+#include <string_view>
 
 #include "nodrop/engine_cuda.h"
 
@@ -31,9 +32,10 @@ const char* fp8_gemm_tile_id(Fp8GemmTile tile) {
 const char* fp8_tensorwise_tile_name(Fp8TensorwiseTile tile) {
   switch (tile) {
     case Fp8TensorwiseTile::kAuto: return "auto";
-#define NODROP_FP8_TENSORWISE_TILE(name, schedule, m, n, k, cluster_m, cluster_n) \
-  case Fp8TensorwiseTile::name:                                                   \
-    return #schedule " " #m "x" #n "x" #k ", cluster " #cluster_m "x" #cluster_n;
+#define NODROP_FP8_TENSORWISE_TILE(name, schedule, m, n, k, cluster_m, cluster_n, accumulation) \
+  case Fp8TensorwiseTile::name:                                                                 \
+    return #schedule " " #m "x" #n "x" #k ", cluster " #cluster_m "x" #cluster_n               \
+                     ", " #accumulation " accumulation";
 #include "engine/cuda/grouped_matmul/fp8_tensorwise_tiles.def"
 #undef NODROP_FP8_TENSORWISE_TILE
   }
@@ -43,12 +45,24 @@ const char* fp8_tensorwise_tile_name(Fp8TensorwiseTile tile) {
 const char* fp8_tensorwise_tile_id(Fp8TensorwiseTile tile) {
   switch (tile) {
     case Fp8TensorwiseTile::kAuto: return "auto";
-#define NODROP_FP8_TENSORWISE_TILE(name, schedule, m, n, k, cluster_m, cluster_n) \
-  case Fp8TensorwiseTile::name: return #schedule "_" #m "x" #n "x" #k "_" #cluster_m "x" #cluster_n;
+#define NODROP_FP8_TENSORWISE_TILE(name, schedule, m, n, k, cluster_m, cluster_n, accumulation) \
+  case Fp8TensorwiseTile::name:                                                                 \
+    return #schedule "_" #m "x" #n "x" #k "_" #cluster_m "x" #cluster_n "_" #accumulation;
 #include "engine/cuda/grouped_matmul/fp8_tensorwise_tiles.def"
 #undef NODROP_FP8_TENSORWISE_TILE
   }
   return "unknown";
+}
+
+bool fp8_tensorwise_tile_fast_accumulation(Fp8TensorwiseTile tile) {
+  switch (tile) {
+    case Fp8TensorwiseTile::kAuto: return false;
+#define NODROP_FP8_TENSORWISE_TILE(name, schedule, m, n, k, cluster_m, cluster_n, accumulation) \
+  case Fp8TensorwiseTile::name: return std::string_view(#accumulation) == "fast";
+#include "engine/cuda/grouped_matmul/fp8_tensorwise_tiles.def"
+#undef NODROP_FP8_TENSORWISE_TILE
+  }
+  return false;
 }
 
 // Measured on an H200 (nodrop_cuda_fp8_bench --configs=all, one run,
@@ -87,8 +101,9 @@ Fp8GemmSchedule grouped_matmul_fp8_contract_schedule(int64_t /*M*/, int64_t /*K*
                          /*swizzle=*/4);
 }
 
-// The tensorwise kernels, measured on an H100 (nodrop_cuda_fp8_bench --configs=all, one run,
-// bench/results/2026-12-07-fp8-tensorwise/), each kernel along M with swizzle 1:
+// The tensorwise kernels with fast accumulation, measured on an H100 (nodrop_cuda_fp8_bench
+// --configs=all, one run, bench/results/2026-12-07-fp8-tensorwise/), each kernel along M with
+// swizzle 1:
 //   - pingpong 128x128 where the cooperative 128x256 tile's column tiles do not pair up on its
 //     1x2 cluster (an odd count runs an empty tile per row of tiles: Qwen3's N 768, 1092 against
 //     792 TFLOP/s) or where groups average at most 128 rows (Qwen3's 2k tokens: 477 against
@@ -98,14 +113,42 @@ Fp8GemmSchedule grouped_matmul_fp8_contract_schedule(int64_t /*M*/, int64_t /*K*
 //     projection), and 8% slower on Mixtral's 14336-wide forward;
 //   - along M with swizzle 1: swizzle 4 was slower for the cooperative kernel on 7 of 8 shapes
 //     and level for pingpong; along N lost on all but DeepGEMM's N 4096 (1.6% faster).
+// With promoted accumulation, the blockwise kernels' rule (above) on the two of its tiles that
+// are instantiated promoted: pingpong 64x128 for groups of at most 128 rows on average, else the
+// cooperative 128x128 on a 1x2 cluster.
 Fp8TensorwiseSchedule grouped_matmul_fp8_tensorwise_schedule(int64_t M, int64_t /*K*/,
-                                                             int64_t N, int64_t G) {
+                                                             int64_t N, int64_t G,
+                                                             bool fast_accumulation) {
   const bool small_groups = G > 0 && M <= 128 * G;
+  if (!fast_accumulation) {
+    return small_groups
+               ? Fp8TensorwiseSchedule(Fp8TensorwiseTile::kPingpong64x128x128Cluster1x1Promoted,
+                                       GemmRaster::kAlongN, /*swizzle=*/4)
+               : Fp8TensorwiseSchedule(
+                     Fp8TensorwiseTile::kCooperative128x128x128Cluster1x2Promoted,
+                     GemmRaster::kAlongM, /*swizzle=*/4);
+  }
   const bool column_tiles_pair_up = (N + 255) / 256 % 2 == 0;
   const Fp8TensorwiseTile tile = small_groups || !column_tiles_pair_up
                                      ? Fp8TensorwiseTile::kPingpong128x128x128Cluster1x2
                                      : Fp8TensorwiseTile::kCooperative128x256x128Cluster1x2;
   return Fp8TensorwiseSchedule(tile, GemmRaster::kAlongM, /*swizzle=*/1);
+}
+
+// The tensorwise weight gradient's, each group's output [K, N] tiled as the ragged rows' [M_g, N]:
+// promoted, the blockwise weight gradient's tile and order (above); fast, the cooperative 128x256
+// where its column tiles pair up, else pingpong 128x128, both along N with swizzle 4 as the
+// blockwise weight gradient.
+Fp8TensorwiseSchedule grouped_matmul_fp8_tensorwise_contract_schedule(int64_t /*M*/,
+                                                                      int64_t /*K*/, int64_t N,
+                                                                      int64_t /*G*/,
+                                                                      bool fast_accumulation) {
+  Fp8TensorwiseTile tile = Fp8TensorwiseTile::kCooperative128x128x128Cluster1x2Promoted;
+  if (fast_accumulation) {
+    tile = (N + 255) / 256 % 2 == 0 ? Fp8TensorwiseTile::kCooperative128x256x128Cluster1x2
+                                    : Fp8TensorwiseTile::kPingpong128x128x128Cluster1x2;
+  }
+  return Fp8TensorwiseSchedule(tile, GemmRaster::kAlongN, /*swizzle=*/4);
 }
 
 }  // namespace nodrop::cuda

@@ -455,8 +455,8 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
     const double tw_bf16_wgrad = rows_ms + tw_fwd + tw_grad[0][0] + bf16_wgrad;
     char line[512];
     std::snprintf(line, sizeof(line),
-                  "| %s | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.2fx | %.3f | %.3f | %.3f | "
-                  "%.2fx | %.3f | %.2fx |",
+                  "| %s | %.3f | %.3f | %.3f | %.3f | %.3f | %.2fx | %.3f | %.3f | %.3f | %.2fx | "
+                  "%.3f | %.2fx |",
                   s.id, bf16_total, tw_fwd, tw_grad[0][0], tw_grad[0][1], tw_promoted,
                   bf16_total / tw_promoted, tw_grad[1][0], tw_grad[1][1], tw_fast,
                   bf16_total / tw_fast, tw_bf16_wgrad, bf16_total / tw_bf16_wgrad);

@@ -141,8 +141,8 @@ TEST(Fp8TensorwiseTileList, NamesAndIdsAreDistinct) {
       nodrop::cuda::fp8_tensorwise_tile_id(Fp8TensorwiseTile::kCooperative128x256x128Cluster1x2),
       "cooperative_128x256x128_1x2_fast");
   EXPECT_STREQ(nodrop::cuda::fp8_tensorwise_tile_name(
-                   Fp8TensorwiseTile::kPingpong64x128x128Cluster1x1Promoted),
-               "pingpong 64x128x128, cluster 1x1, promoted accumulation");
+                   Fp8TensorwiseTile::kCooperative128x128x128Cluster1x2Promoted),
+               "cooperative 128x128x128, cluster 1x2, promoted accumulation");
 }
 
 // Each tile says how it accumulates, and the list holds both kinds.
@@ -187,8 +187,8 @@ TEST(Fp8TensorwiseTileRule, PicksTheMeasuredScheduleByShape) {
 }
 
 // Every tensorwise rule, both forms and accumulations, picks a tile of the accumulation asked
-// for, in a resolved order: promoted rows as the blockwise rule's small-group and paired tiles,
-// the promoted weight gradient on the blockwise weight gradient's tile.
+// for, in a resolved order: promoted, the one promoted tile along N with swizzle 4 (measured as
+// the input gradient, and the blockwise weight gradient's order).
 TEST(Fp8TensorwiseTileRule, PicksATileOfTheAccumulationAskedFor) {
   using nodrop::cuda::Fp8TensorwiseTile;
   struct Shape {
@@ -209,10 +209,13 @@ TEST(Fp8TensorwiseTileRule, PicksATileOfTheAccumulationAskedFor) {
       }
     }
   }
-  EXPECT_EQ(nodrop::cuda::grouped_matmul_fp8_tensorwise_schedule(16384, 2048, 768, 128, false).tile,
-            Fp8TensorwiseTile::kPingpong64x128x128Cluster1x1Promoted);
-  EXPECT_EQ(nodrop::cuda::grouped_matmul_fp8_tensorwise_schedule(16384, 4096, 14336, 8, false).tile,
-            Fp8TensorwiseTile::kCooperative128x128x128Cluster1x2Promoted);
+  for (const auto& schedule :
+       {nodrop::cuda::grouped_matmul_fp8_tensorwise_schedule(16384, 2048, 768, 128, false),
+        nodrop::cuda::grouped_matmul_fp8_tensorwise_schedule(16384, 4096, 14336, 8, false)}) {
+    EXPECT_EQ(schedule.tile, Fp8TensorwiseTile::kCooperative128x128x128Cluster1x2Promoted);
+    EXPECT_EQ(schedule.raster, GemmRaster::kAlongN);
+    EXPECT_EQ(schedule.swizzle, 4);
+  }
   EXPECT_EQ(
       nodrop::cuda::grouped_matmul_fp8_tensorwise_contract_schedule(16384, 4096, 14336, 8, false)
           .tile,

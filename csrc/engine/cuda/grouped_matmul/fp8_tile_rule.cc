@@ -113,21 +113,19 @@ Fp8GemmSchedule grouped_matmul_fp8_contract_schedule(int64_t /*M*/, int64_t /*K*
 //     projection), and 8% slower on Mixtral's 14336-wide forward;
 //   - along M with swizzle 1: swizzle 4 was slower for the cooperative kernel on 7 of 8 shapes
 //     and level for pingpong; along N lost on all but DeepGEMM's N 4096 (1.6% faster).
-// With promoted accumulation, the blockwise kernels' rule (above) on the two of its tiles that
-// are instantiated promoted: pingpong 64x128 for groups of at most 128 rows on average, else the
-// cooperative 128x128 on a 1x2 cluster.
+// With promoted accumulation, the one promoted tile, cooperative 128x128 on a 1x2 cluster, along
+// N with swizzle 4: measured on an H100 as the input gradient (nodrop_cuda_fp8_bench
+// --mode=training --configs=all, bench/results/2026-12-07-fp8-tensorwise-gradients/), along N
+// with swizzle 4 was faster than along M with swizzle 1 on 7 of 12 shapes (by up to 12%), level
+// on 2 and slower on 3 (by up to 11%, Mixtral's down projection).
 Fp8TensorwiseSchedule grouped_matmul_fp8_tensorwise_schedule(int64_t M, int64_t /*K*/,
                                                              int64_t N, int64_t G,
                                                              bool fast_accumulation) {
-  const bool small_groups = G > 0 && M <= 128 * G;
   if (!fast_accumulation) {
-    return small_groups
-               ? Fp8TensorwiseSchedule(Fp8TensorwiseTile::kPingpong64x128x128Cluster1x1Promoted,
-                                       GemmRaster::kAlongN, /*swizzle=*/4)
-               : Fp8TensorwiseSchedule(
-                     Fp8TensorwiseTile::kCooperative128x128x128Cluster1x2Promoted,
-                     GemmRaster::kAlongM, /*swizzle=*/4);
+    return Fp8TensorwiseSchedule(Fp8TensorwiseTile::kCooperative128x128x128Cluster1x2Promoted,
+                                 GemmRaster::kAlongN, /*swizzle=*/4);
   }
+  const bool small_groups = G > 0 && M <= 128 * G;
   const bool column_tiles_pair_up = (N + 255) / 256 % 2 == 0;
   const Fp8TensorwiseTile tile = small_groups || !column_tiles_pair_up
                                      ? Fp8TensorwiseTile::kPingpong128x128x128Cluster1x2
@@ -136,7 +134,8 @@ Fp8TensorwiseSchedule grouped_matmul_fp8_tensorwise_schedule(int64_t M, int64_t 
 }
 
 // The tensorwise weight gradient's, each group's output [K, N] tiled as the ragged rows' [M_g, N]:
-// promoted, the blockwise weight gradient's tile and order (above); fast, the cooperative 128x256
+// promoted, the blockwise weight gradient's tile and order (above; in the same H100 run along N
+// with swizzle 4 beat along M with swizzle 1 on 7 of 12 shapes); fast, the cooperative 128x256
 // where its column tiles pair up, else pingpong 128x128, both along N with swizzle 4 as the
 // blockwise weight gradient.
 Fp8TensorwiseSchedule grouped_matmul_fp8_tensorwise_contract_schedule(int64_t /*M*/,

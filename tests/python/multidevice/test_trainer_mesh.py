@@ -100,9 +100,13 @@ def test_an_overflowing_step_changes_nothing_and_reruns_with_a_larger_buffer(run
     assert [(r["old_factor"], r["new_factor"]) for r in reruns[2:]] in ([], [(4.0, None)])
     compiled = [r["ep_buffer_factor"] for r in records(small, "compile")]
     assert compiled == [0.25] + [r["new_factor"] for r in reruns]
-    # The recompiles are not training time: all the steps together took less than one of them.
+    # The recompiles are not training time: counted, they would add their whole time to the
+    # steps'; the steps took about what the worst-case run's did (half the recompiles' time is
+    # the margin for a loaded machine, not a single compile, which a busy CI host exceeded).
     training_s = records(small, "timing")[-1]["elapsed_s"]
-    assert training_s < min(r["train_step_s"] for r in records(small, "compile")), training_s
+    recompile_s = sum(r["train_step_s"] for r in records(small, "compile")[1:])
+    worst_s = records(worst, "timing")[-1]["elapsed_s"]
+    assert training_s < worst_s + recompile_s / 2, (training_s, worst_s, recompile_s)
     # Every step logged once, in order, each from the state of the step before it.
     assert [r["step"] for r in records(small, "train")] == list(range(1, STEPS + 1))
     np.testing.assert_allclose(losses(small), losses(worst), rtol=1e-6)

@@ -14,8 +14,9 @@ Either recipe may leave the weight gradient unquantised (`weight_gradient="unqua
 Transformer Engine's `override_linear_precision` does): the forward and the input gradient on
 FP8 operands, the weight gradient the grouped matmul's own on the unquantised activations and
 output gradient. It skips the transposed quantisations, and on the H200 the bf16 contraction
-kernel was as fast as or faster than the FP8 one with its quantisations at every benchmark shape
-but the widest (docs/performance.md).
+kernel was as fast as or faster than the blockwise FP8 one with its quantisations at every
+benchmark shape but the widest; the tensorwise recipe's promoted FP8 weight gradient trained
+faster than the bf16 one (docs/performance.md).
 
 Emulated, the operands are quantised, dequantised to float32 and multiplied by an ordinary
 grouped matmul, which computes what FP8 kernels do up to float32 summation order; it is not

@@ -305,6 +305,16 @@ std::string schedule_id(const Fp8GemmSchedule& schedule) {
   return id;
 }
 
+// Defined with the tensorwise tiles below.
+std::string schedule_id(const nodrop::cuda::Fp8TensorwiseSchedule& schedule);
+
+// "mixed_cooperative_128x128x128_1x2_along_n_swizzle_2": every parametrised suite's test names.
+template <class Schedule>
+std::string case_and_schedule_name(
+    const testing::TestParamInfo<std::tuple<Case, Schedule>>& info) {
+  return std::get<0>(info.param).name + "_" + schedule_id(std::get<1>(info.param));
+}
+
 // Runs the case twice on `schedule`: both runs match the reference, write nothing outside out
 // and the workspace, and give the same bytes.
 template <class Schedule>
@@ -365,9 +375,7 @@ const auto kRowsCases = testing::Values(
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaFp8BlockwiseTest, testing::Combine(kRowsCases, testing::ValuesIn(schedules())),
-    [](const testing::TestParamInfo<std::tuple<Case, Fp8GemmSchedule>>& info) {
-      return std::get<0>(info.param).name + "_" + schedule_id(std::get<1>(info.param));
-    });
+    case_and_schedule_name<Fp8GemmSchedule>);
 
 // ---- one scale per tensor (fast and promoted accumulation) -------------------------------------
 
@@ -401,9 +409,7 @@ TEST_P(CudaFp8TensorwiseTest, MatchesDequantisedReferenceDeterministically) {
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaFp8TensorwiseTest,
     testing::Combine(kRowsCases, testing::ValuesIn(tensorwise_schedules())),
-    [](const testing::TestParamInfo<std::tuple<Case, Fp8TensorwiseSchedule>>& info) {
-      return std::get<0>(info.param).name + "_" + schedule_id(std::get<1>(info.param));
-    });
+    case_and_schedule_name<Fp8TensorwiseSchedule>);
 
 // The tensorwise op is the blockwise one with every block's scale the tensor's: same values up
 // to the order of the float32 sums (the blockwise kernel adds per 128-deep block).
@@ -612,9 +618,7 @@ const auto kContractCases = testing::Values(
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaFp8ContractTest,
     testing::Combine(kContractCases, testing::ValuesIn(contract_schedules())),
-    [](const testing::TestParamInfo<std::tuple<Case, Fp8GemmSchedule>>& info) {
-      return std::get<0>(info.param).name + "_" + schedule_id(std::get<1>(info.param));
-    });
+    case_and_schedule_name<Fp8GemmSchedule>);
 
 // The tensorwise weight gradient on every tensorwise kernel (one kernel serves both forms).
 class CudaFp8TensorwiseContractTest
@@ -628,9 +632,7 @@ TEST_P(CudaFp8TensorwiseContractTest, MatchesDequantisedReferenceDeterministical
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaFp8TensorwiseContractTest,
     testing::Combine(kContractCases, testing::ValuesIn(tensorwise_schedules())),
-    [](const testing::TestParamInfo<std::tuple<Case, Fp8TensorwiseSchedule>>& info) {
-      return std::get<0>(info.param).name + "_" + schedule_id(std::get<1>(info.param));
-    });
+    case_and_schedule_name<Fp8TensorwiseSchedule>);
 
 // The tensorwise weight gradient is the blockwise one with every scale the tensor's: the same
 // values up to the order of the float32 sums, with either accumulation.

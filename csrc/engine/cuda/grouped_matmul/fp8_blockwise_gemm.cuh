@@ -73,9 +73,10 @@ struct Fp8TileSpec {
                cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>>>;
   using EpilogueSchedule = Pick<cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
                                 cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
-  // One consumer warpgroup's share of the tile (see above): 128 accumulator registers a thread.
+  // One consumer warpgroup's share of the tile (see above): at most 128 accumulator registers a
+  // thread for one accumulator, 192 for two (96 each: the promoted 64x192).
   static_assert((Pingpong ? TileM : TileM / 2) * TileN <=
-                    (Accumulation == Fp8Accumulation::kFast ? 128 : 64) * 128,
+                    (Accumulation == Fp8Accumulation::kFast ? 128 : 96) * 128,
                 "a consumer warpgroup's accumulators would spill");
 };
 

@@ -56,18 +56,39 @@ auto bind_quantize_fp8(Binding binding) {
       .template Attr<int64_t>("block");
 }
 
-// permute's operands and results (decode_permute), and q [T*k, H] float8_e4m3fn and
-// scale [T*k, ceil(H / 128)] float32: the rows' quantisation.
-inline ffi::ErrorOr<RowsShape> decode_permute_fp8(const ffi::AnyBuffer& x,
-                                                  const ffi::Buffer<ffi::S32>& ids,
-                                                  const ffi::AnyBuffer& rows,
-                                                  const ffi::Buffer<ffi::S32>& group_sizes,
-                                                  const ffi::Buffer<ffi::S32>& row_map,
-                                                  const ffi::AnyBuffer& q,
-                                                  const ffi::Buffer<ffi::F32>& scale,
-                                                  int64_t num_experts) {
+// given_scale [0] (no scale given: null) or [1] (the engine's given_scale: its one element).
+inline ffi::ErrorOr<const float*> decode_given_scale(const ffi::Buffer<ffi::F32>& given_scale) {
+  NODROP_RETURN_IF_ERROR(require_rank("given_scale", given_scale, 1));
+  const int64_t given = given_scale.dimensions()[0];
+  if (given > 1) {
+    return ffi::Error::InvalidArgument("given_scale must hold 0 or 1 elements, got " +
+                                       std::to_string(given));
+  }
+  return given == 1 ? given_scale.typed_data() : nullptr;
+}
+
+// The engine's view of one permute with the rows' quantisation.
+struct PermuteFp8Call {
+  RowsShape shape;
+  const float* given_scale;  // null: each block's own
+};
+
+// permute's operands and results (decode_permute) with given_scale (decode_given_scale) after
+// ids, and q [T*k, H] float8_e4m3fn and scale [T*k, ceil(H / 128)] float32: the rows'
+// quantisation.
+inline ffi::ErrorOr<PermuteFp8Call> decode_permute_fp8(const ffi::AnyBuffer& x,
+                                                       const ffi::Buffer<ffi::S32>& ids,
+                                                       const ffi::Buffer<ffi::F32>& given_scale,
+                                                       const ffi::AnyBuffer& rows,
+                                                       const ffi::Buffer<ffi::S32>& group_sizes,
+                                                       const ffi::Buffer<ffi::S32>& row_map,
+                                                       const ffi::AnyBuffer& q,
+                                                       const ffi::Buffer<ffi::F32>& scale,
+                                                       int64_t num_experts) {
   auto s = decode_permute(x, ids, rows, group_sizes, row_map, num_experts);
   if (!s) return s.error();
+  auto given = decode_given_scale(given_scale);
+  if (!given) return given.error();
   NODROP_RETURN_IF_ERROR(require_e4m3("q", q));
   NODROP_RETURN_IF_ERROR(require_rank("q", q, 2));
   NODROP_RETURN_IF_ERROR(require_dim("q", q, 0, s->T * s->k));
@@ -75,16 +96,18 @@ inline ffi::ErrorOr<RowsShape> decode_permute_fp8(const ffi::AnyBuffer& x,
   NODROP_RETURN_IF_ERROR(require_rank("scale", scale, 2));
   NODROP_RETURN_IF_ERROR(require_dim("scale", scale, 0, s->T * s->k));
   NODROP_RETURN_IF_ERROR(require_dim("scale", scale, 1, (s->H + kFp8Block - 1) / kFp8Block));
-  return s;
+  return PermuteFp8Call{*s, *given};
 }
 
-// The operands after the platform's context: permute's (bind_permute) with q and scale after
-// row_map (the CUDA handler returns its workspace after the attributes).
+// The operands after the platform's context: permute's (bind_permute) with given_scale after
+// ids, and q and scale after row_map (the CUDA handler returns its workspace after the
+// attributes).
 template <typename Binding>
 auto bind_permute_fp8(Binding binding) {
   return std::move(binding)
       .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::Buffer<ffi::S32>>()
       .template Ret<ffi::Buffer<ffi::S32>>()
@@ -112,12 +135,8 @@ inline ffi::ErrorOr<QuantizeTransposedCall> decode_quantize_fp8_transposed(
   if (!dtype) return dtype.error();
   NODROP_RETURN_IF_ERROR(require_rank("x", x, 2));
   NODROP_RETURN_IF_ERROR(require_rank("group_sizes", group_sizes, 1));
-  NODROP_RETURN_IF_ERROR(require_rank("given_scale", given_scale, 1));
-  const int64_t given = given_scale.dimensions()[0];
-  if (given > 1) {
-    return ffi::Error::InvalidArgument("given_scale must hold 0 or 1 elements, got " +
-                                       std::to_string(given));
-  }
+  auto given = decode_given_scale(given_scale);
+  if (!given) return given.error();
   const int64_t M = x.dimensions()[0], C = x.dimensions()[1], G = group_sizes.dimensions()[0];
   const int64_t PB = fp8_contract_blocks(M, G);
   NODROP_RETURN_IF_ERROR(require_e4m3("q_t", q_t));
@@ -127,7 +146,7 @@ inline ffi::ErrorOr<QuantizeTransposedCall> decode_quantize_fp8_transposed(
   NODROP_RETURN_IF_ERROR(require_rank("scale", scale, 2));
   NODROP_RETURN_IF_ERROR(require_dim("scale", scale, 0, PB));
   NODROP_RETURN_IF_ERROR(require_dim("scale", scale, 1, C));
-  return QuantizeTransposedCall{*dtype, M, C, G, given == 1 ? given_scale.typed_data() : nullptr};
+  return QuantizeTransposedCall{*dtype, M, C, G, *given};
 }
 
 // The operands after the platform's context: x, group_sizes, given_scale -> q_t, scale; the

@@ -19,20 +19,23 @@ ffi::Error QuantizeFp8(ffi::ThreadPool pool, ffi::AnyBuffer x,
 }
 
 ffi::Error PermuteFp8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids,
-                      ffi::Result<ffi::AnyBuffer> rows,
+                      ffi::Buffer<ffi::F32> given_scale, ffi::Result<ffi::AnyBuffer> rows,
                       ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
                       ffi::Result<ffi::Buffer<ffi::S32>> row_map, ffi::Result<ffi::AnyBuffer> q,
                       ffi::Result<ffi::Buffer<ffi::F32>> scale, int64_t num_experts,
                       bool checked) {
-  auto s = decode_permute_fp8(x, ids, *rows, *group_sizes, *row_map, *q, *scale, num_experts);
-  if (!s) return s.error();
+  auto call = decode_permute_fp8(x, ids, given_scale, *rows, *group_sizes, *row_map, *q, *scale,
+                                 num_experts);
+  if (!call) return call.error();
+  const RowsShape& s = call->shape;
   XlaThreadPoolRunner runner(pool);
-  Status status = cpu::sort_by_expert(ids.typed_data(), s->T, s->k, num_experts, checked,
+  Status status = cpu::sort_by_expert(ids.typed_data(), s.T, s.k, num_experts, checked,
                                       row_map->typed_data(), group_sizes->typed_data());
   if (!status.ok()) return to_ffi_error(status);
   return to_ffi_error(cpu::permute_rows_fp8(
-      x.untyped_data(), s->dtype, row_map->typed_data(), s->T, s->k, s->H, rows->untyped_data(),
-      static_cast<uint8_t*>(q->untyped_data()), scale->typed_data(), &runner));
+      x.untyped_data(), s.dtype, row_map->typed_data(), s.T, s.k, s.H, call->given_scale,
+      rows->untyped_data(), static_cast<uint8_t*>(q->untyped_data()), scale->typed_data(),
+      &runner));
 }
 
 ffi::Error GroupedMatmulFp8Blockwise(ffi::ThreadPool pool, ffi::AnyBuffer lhs,

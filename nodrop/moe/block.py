@@ -29,7 +29,7 @@ from nodrop.ops import reference
 from nodrop.ops._checks import FLOAT_DTYPES
 from nodrop.ops.fp8 import RECIPES as FP8_RECIPES
 from nodrop.ops.fp8 import WEIGHT_GRADIENTS as FP8_WEIGHT_GRADIENTS
-from nodrop.ops.fp8 import fp8_grouped_matmul, permute_fp8
+from nodrop.ops.fp8 import fp8_grouped_matmul, permute_fp8, tensor_scale
 from nodrop.ops.grouped_matmul import grouped_matmul
 from nodrop.ops.permute import permute, unpermute
 from nodrop.ops.router import SCORE_FUNCTIONS, topk_router
@@ -449,20 +449,31 @@ def _on_nodrop(cfg: MoEConfig) -> bool:
 
 
 def _permute(cfg: MoEConfig, tokens, ids, num_experts):
-    """(rows, group_sizes, row_map, rows_fp8): the tokens permuted, and with the blockwise FP8
-    recipe on nodrop's ops also quantised (`permute_fp8`: each token once, as it is moved), so
-    the experts' first matmul reads rows_fp8 (codes, scales) instead of quantising the rows
-    again; else rows_fp8 is None."""
-    if cfg.fp8 == "blockwise" and _on_nodrop(cfg):
-        rows, group_sizes, row_map, rows_q, rows_scale = permute_fp8(tokens, ids, num_experts)
-        return rows, group_sizes, row_map, (rows_q, rows_scale)
-    return (*OPS[cfg.ops]["permute"](tokens, ids, num_experts), None)
+    """(rows, group_sizes, row_map, rows_fp8): the tokens permuted, and with an FP8 recipe on
+    nodrop's ops also quantised (`permute_fp8`: each token once, as it is moved), so the
+    experts' first matmul reads rows_fp8 (codes, scales) instead of quantising the rows again;
+    else rows_fp8 is None.
+
+    The tensorwise scale is the rows' in the groups (`_tensor_rows`'s), taken over the tokens:
+    every row is a copy of a token and the block's ids are all in range, so the tokens' amax is
+    the rows'. In the expert-parallel path the tokens are the receive buffer, whose padding
+    rows (zeros) form a group past the experts' that the scale must not see: zeros leave the
+    amax as it is."""
+    if cfg.fp8 == "off" or not _on_nodrop(cfg):
+        return (*OPS[cfg.ops]["permute"](tokens, ids, num_experts), None)
+    if cfg.fp8 == "tensorwise":
+        scale = tensor_scale(tokens)
+        rows, group_sizes, row_map, rows_q, _ = permute_fp8(tokens, ids, num_experts, scale=scale)
+        return rows, group_sizes, row_map, (rows_q, scale)
+    rows, group_sizes, row_map, rows_q, rows_scale = permute_fp8(tokens, ids, num_experts)
+    return rows, group_sizes, row_map, (rows_q, rows_scale)
 
 
 @jax.named_scope("experts")
 def _experts(cfg: MoEConfig, rows, group_sizes, gate_up, down, rows_fp8=None):
     """The SwiGLU experts over rows grouped by expert (group_sizes [G] against G experts);
-    rows_fp8: the rows' blockwise quantisation made already (`_permute`), or None."""
+    rows_fp8: the rows' quantisation under cfg.fp8's recipe made already (`_permute`), or
+    None."""
     matmul = _fp8_or(cfg, OPS[cfg.ops]["grouped_matmul"] if cfg.matmul == "nodrop"
                      else jax.lax.ragged_dot, forward="auto" if _on_nodrop(cfg) else "emulated")
     def gate_up_matmul(a, w):

@@ -154,17 +154,34 @@ def quantize(x: ArrayLike, block: Block, *, scale: ArrayLike | None = None
     x = x.astype(jnp.float32)
     grid = (-(-x.shape[-2] // rows), -(-x.shape[-1] // cols))
     if scale is None:
-        # Zero padding up to whole blocks leaves every block's amax as it is.
-        padded = jnp.pad(jnp.abs(x), [(0, 0)] * (x.ndim - 2)
-                         + [(0, grid[0] * rows - x.shape[-2]), (0, grid[1] * cols - x.shape[-1])])
-        blocks = padded.reshape(*x.shape[:-2], grid[0], rows, grid[1], cols)
-        scale = _scale(blocks.max(axis=(-3, -1), initial=0.0),
-                       jnp.isfinite(blocks).all(axis=(-3, -1)))
+        scale = _amax_scales(x, rows, cols, grid)
     scale = jnp.asarray(scale, jnp.float32)
     if scale.shape != (*x.shape[:-2], *grid):
         raise ValueError(f"scale must have shape {(*x.shape[:-2], *grid)} (one per block of "
                          f"{block!r} over x of shape {tuple(x.shape)}), got {tuple(scale.shape)}")
     return _cast(x, _expand(scale, block, x.shape)), scale
+
+
+def _amax_scales(x, rows: int, cols: int, grid: tuple[int, int]):
+    """quantize's scales of float32 x [..., R, C] in blocks of rows x cols (a grid of them): each
+    block's amax through `_scale`."""
+    # Zero padding up to whole blocks leaves every block's amax as it is.
+    padded = jnp.pad(jnp.abs(x), [(0, 0)] * (x.ndim - 2)
+                     + [(0, grid[0] * rows - x.shape[-2]), (0, grid[1] * cols - x.shape[-1])])
+    blocks = padded.reshape(*x.shape[:-2], grid[0], rows, grid[1], cols)
+    return _scale(blocks.max(axis=(-3, -1), initial=0.0), jnp.isfinite(blocks).all(axis=(-3, -1)))
+
+
+def tensor_scale(x: ArrayLike) -> jax.Array:
+    """The tensorwise recipe's scale of x [M, C] as float32 [1]: `quantize(x, "tensor")`'s,
+    amax(|x|) / 448 (1 for zeros, NaN for a NaN or an inf), for `permute_fp8`'s `scale`: taken
+    over the tokens, it is the scale of their permuted rows, each row being a copy of a token
+    (provided every token has a slot in some group)."""
+    x = jnp.asarray(x)
+    _checks.require_rank("x", x, 2, "[M, C]")
+    _checks.require_float("x", x)
+    x = x.astype(jnp.float32)
+    return _amax_scales(x, *_block_shape("tensor", x), (1, 1)).reshape(1)
 
 
 def dequantize(q: ArrayLike, scale: ArrayLike, block: Block,
@@ -273,9 +290,12 @@ def fp8_grouped_matmul(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *
         "unquantised": on lhs and the output gradient as they are, by `matmul`'s transpose in
         float32 when emulated, by nodrop's grouped matmul (its contraction kernel, in lhs's
         dtype) on the kernels.
-      lhs_quantized: the blockwise recipe only: (q, scale), `quantize_rows(lhs)` made
-        already (by `permute_fp8`, which quantises each token once as it permutes), read by the
-        forward in place of quantising lhs again. Not differentiated: lhs carries the gradient.
+      lhs_quantized: (q, scale), lhs's quantisation made already (by `permute_fp8`, which
+        quantises each token once as it permutes), read by the forward in place of quantising
+        lhs again: blockwise, `quantize_rows(lhs)`; tensorwise, q [M, K] float8_e4m3fn and scale
+        [1] float32 as `quantize(lhs, "tensor")` of lhs's rows in the groups gives them
+        (`permute_fp8` with `tensor_scale` of the tokens). Not differentiated: lhs carries the
+        gradient.
 
     Forward: matmul(qdq(lhs, 1 x 128), qdq(rhs, 128 x 128 per expert)). Backward, with dout
     quantised too: dlhs = matmul(qdq(dout, 1 x 128), qdq(rhs)^T), and drhs[g] = qdq(lhs)^T @
@@ -305,20 +325,21 @@ def fp8_grouped_matmul(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *
 
 
 def _checked_lhs_quantized(lhs, lhs_quantized, recipe: str):
-    if recipe != "blockwise":
-        raise ValueError(f"lhs_quantized needs the blockwise recipe (1 x 128 blocks), got "
-                         f"recipe {recipe!r}")
+    if recipe == "blockwise":
+        made_by, scale_shape = "quantize_rows(lhs)", (lhs.shape[0], -(-lhs.shape[1] // BLOCK))
+    else:
+        made_by, scale_shape = 'quantize(lhs, "tensor"), its scale as [1],', (1,)
     if not (isinstance(lhs_quantized, (tuple, list)) and len(lhs_quantized) == 2):
-        raise ValueError(f"lhs_quantized must be (q, scale) as quantize_rows(lhs) gives them, "
+        raise ValueError(f"lhs_quantized must be (q, scale) as {made_by} gives them, "
                          f"got {type(lhs_quantized).__name__}")
     q, scale = map(_checks.as_array, lhs_quantized)
-    want = ((lhs.shape, E4M3), ((lhs.shape[0], -(-lhs.shape[1] // BLOCK)), jnp.float32))
+    want = ((lhs.shape, E4M3), (scale_shape, jnp.float32))
     for name, x, (shape, dtype) in zip(("q", "scale"), (q, scale), want):
         if x.shape != shape or jnp.dtype(x.dtype) != jnp.dtype(dtype):
             raise ValueError(
                 f"lhs_quantized's {name} must be {jnp.dtype(dtype).name} of shape {shape} "
-                f"(quantize_rows of lhs {tuple(lhs.shape)}), got {jnp.dtype(x.dtype).name} of "
-                f"shape {tuple(x.shape)}")
+                f"(the {recipe} recipe's quantisation of lhs {tuple(lhs.shape)}), got "
+                f"{jnp.dtype(x.dtype).name} of shape {tuple(x.shape)}")
     return q, scale
 
 
@@ -373,11 +394,11 @@ def _tensor_transposed(x, group_sizes):
 def _kernel_forward(lhs, rhs, group_sizes, lhs_quantized, recipe):
     """The forward on the recipe's FP8 kernel: each expert's weight transposed (a block of
     rhs[g] is a block of rhs[g].T, and its tensor scale is rhs[g]'s); lhs's quantisation as
-    given, if it is (blockwise only)."""
+    given, if it is."""
     rhs_t = jnp.swapaxes(rhs, 1, 2)
     if recipe == "tensorwise":
-        return grouped_matmul_fp8_tensorwise(*_tensor_rows(lhs, group_sizes),
-                                             *_expert_weights(rhs_t), group_sizes,
+        lhs_q = _tensor_rows(lhs, group_sizes) if lhs_quantized is None else lhs_quantized
+        return grouped_matmul_fp8_tensorwise(*lhs_q, *_expert_weights(rhs_t), group_sizes,
                                              fast_accumulation=True),
     lhs_q = _blockwise_rows(lhs, group_sizes) if lhs_quantized is None else lhs_quantized
     return grouped_matmul_fp8_blockwise(*lhs_q, *_blockwise_weights(rhs_t), group_sizes),
@@ -387,7 +408,8 @@ def _emulated_forward(lhs, rhs, group_sizes, lhs_quantized, recipe, matmul):
     rows_block, weights_block = _operand_blocks(recipe)
     if lhs_quantized is None:
         lhs_qdq = _qdq(_rows_in_groups(lhs, group_sizes), rows_block)
-    else:  # blockwise: zeroing rows past the groups before or after quantising is the same
+    else:  # zeroing rows past the groups before or after quantising is the same for the rows
+        # in them (a tensorwise scale being theirs), and the matmul reads no other
         lhs_qdq = _rows_in_groups(dequantize(*lhs_quantized, rows_block), group_sizes)
     return matmul(lhs_qdq, _qdq(rhs, weights_block), group_sizes),
 
@@ -500,6 +522,18 @@ _fp8_grouped_matmul.defvjp(_forward, _backward)
 # --- the engine's quantisation -------------------------------------------------------------------
 
 
+def _given_scale(scale):
+    """The engine's operand given_scale of an op's `scale`: [0] float32 for None (each block's
+    own scale), else that one float32 value as [1]."""
+    if scale is None:
+        return jnp.zeros((0,), jnp.float32)
+    given = jnp.asarray(scale)
+    if given.dtype != jnp.float32 or given.size != 1:
+        raise ValueError("scale must be one float32 value (any shape of one element), got "
+                         f"{jnp.dtype(given.dtype).name}{list(given.shape)}")
+    return given.reshape(1)
+
+
 def quantize_rows(x: ArrayLike, block: int = BLOCK) -> tuple[jax.Array, jax.Array]:
     """`quantize(x, (1, block))` in one engine call: x [M, C] (float32, float16 or bfloat16) ->
     (q float8_e4m3fn [M, C], scale float32 [M, ceil(C / block)]), bitwise the same as the
@@ -542,7 +576,8 @@ _quantize_p = _primitives.define(
 # --- permute with the rows' quantisation ---------------------------------------------------------
 
 
-def permute_fp8(x: ArrayLike, ids: ArrayLike, num_experts: int) -> tuple[jax.Array, ...]:
+def permute_fp8(x: ArrayLike, ids: ArrayLike, num_experts: int, *,
+                scale: ArrayLike | None = None) -> tuple[jax.Array, ...]:
     """`nodrop.permute` and `quantize_rows` of its rows in one engine call, each token quantised
     once (a row is a copy of its token, so its 1 x 128 blocks are the token's): the blockwise
     recipe's first expert matmul reads the codes without another pass over the rows.
@@ -554,17 +589,25 @@ def permute_fp8(x: ArrayLike, ids: ArrayLike, num_experts: int) -> tuple[jax.Arr
     `quantize_rows(rows)` (rows no slot maps to are zero: codes 0, scale 1). rows is
     differentiable in x as `permute`'s; the codes and scales are not (the recipes' custom_vjp
     never differentiates a quantisation). Under sharding the operands are gathered.
+
+    scale: None, or one float32 scale (one element) that every block takes instead of its
+    own: the tensorwise recipe's, from an amax taken over the tokens beforehand (`tensor_scale`
+    of x: every row is a copy of a token). Then rows_q holds rows * (1 / scale) rounded and
+    saturated alike, bitwise the codes of `quantize(rows, "tensor", scale=...)` (rows no slot
+    maps to: codes 0), and every element of rows_scale is that scale
+    (`grouped_matmul_fp8_tensorwise` reads the codes with it).
     """
     x, ids = _permute_operands(x, ids, num_experts)
+    x, ids, given = _ffi.match_vma(x, ids, _given_scale(scale))
     rows, group_sizes, row_map, rows_q, rows_scale = _permute_fp8_p.bind(
-        *jax.lax.stop_gradient((x, ids)), num_experts=int(num_experts),
+        *jax.lax.stop_gradient((x, ids, given)), num_experts=int(num_experts),
         checked=_checks.checks_enabled())
     return (_moved_rows(x, rows, row_map, ids.shape[1]), group_sizes, row_map, rows_q,
             rows_scale)
 
 
-def _permute_fp8_abstract_eval(x, ids, *, num_experts, checked):
-    del checked
+def _permute_fp8_abstract_eval(x, ids, given_scale, *, num_experts, checked):
+    del given_scale, checked
     operands, num_slots = (x, ids), ids.shape[0] * ids.shape[1]
     return (_primitives.result_aval(operands, (num_slots, x.shape[1]), x.dtype),
             _primitives.result_aval(operands, (num_experts,), jnp.int32),
@@ -573,7 +616,7 @@ def _permute_fp8_abstract_eval(x, ids, *, num_experts, checked):
             _primitives.result_aval(operands, (num_slots, -(-x.shape[1] // BLOCK)), jnp.float32))
 
 
-def _permute_fp8_lowering(x, ids, *, num_experts, checked, partition):
+def _permute_fp8_lowering(x, ids, given_scale, *, num_experts, checked, partition):
     """One call on whole operands: under sharding XLA gathers them (the sort needs every token's
     ids, the scales every column of a block)."""
     del partition
@@ -586,7 +629,7 @@ def _permute_fp8_lowering(x, ids, *, num_experts, checked, partition):
          jax.ShapeDtypeStruct((num_slots,), jnp.int32),
          jax.ShapeDtypeStruct((num_slots, x.shape[1]), E4M3),
          jax.ShapeDtypeStruct((num_slots, -(-x.shape[1] // BLOCK)), jnp.float32)),
-        x, ids, cuda_workspace=lambda: _ffi.sort_by_expert_workspace_bytes(
+        x, ids, given_scale, cuda_workspace=lambda: _ffi.sort_by_expert_workspace_bytes(
             num_tokens, k, num_experts),
         num_experts=num_experts, checked=_checks.attr_bool(checked))
 
@@ -795,16 +838,8 @@ def quantize_transposed(x: ArrayLike, group_sizes: ArrayLike, *, scale: ArrayLik
     _checks.require_float("x", x)
     _checks.require_rank("group_sizes", group_sizes, 1, "[G]")
     group_sizes = _checks.as_int32("group_sizes", group_sizes)
-    if scale is None:
-        given = jnp.zeros((0,), jnp.float32)
-    else:
-        given = jnp.asarray(scale)
-        if given.dtype != jnp.float32 or given.size != 1:
-            raise ValueError("scale must be one float32 value (any shape of one element), got "
-                             f"{jnp.dtype(given.dtype).name}{list(given.shape)}")
-        given = given.reshape(1)
-    return tuple(_quantize_transposed_p.bind(*_ffi.match_vma(x, group_sizes, given),
-                                             checked=_checks.checks_enabled()))
+    return tuple(_quantize_transposed_p.bind(
+        *_ffi.match_vma(x, group_sizes, _given_scale(scale)), checked=_checks.checks_enabled()))
 
 
 def _quantize_transposed_lowering(x, group_sizes, given_scale, *, checked, partition):

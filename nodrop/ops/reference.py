@@ -112,11 +112,19 @@ def permute(x, ids, num_experts):
     return rows, group_sizes, row_map
 
 
-def permute_fp8(x, ids, num_experts):
-    """permute, and the rows quantised in 1 x 128 blocks (fp8.quantize, the blockwise recipe's):
-    (rows, group_sizes, row_map, rows_q, rows_scale)."""
+def permute_fp8(x, ids, num_experts, *, scale=None):
+    """permute, and the rows quantised in 1 x 128 blocks (fp8.quantize, the blockwise recipe's),
+    or with scale (one float32) given, every block under it (the tensorwise recipe's) and the
+    rows no slot maps to coded 0: (rows, group_sizes, row_map, rows_q, rows_scale)."""
     rows, group_sizes, row_map = permute(x, ids, num_experts)
-    return (rows, group_sizes, row_map, *fp8.quantize(rows, fp8.ACTIVATION_BLOCK))
+    if scale is None:
+        return (rows, group_sizes, row_map, *fp8.quantize(rows, fp8.ACTIVATION_BLOCK))
+    blocks = (rows.shape[0], -(-rows.shape[1] // fp8.BLOCK))
+    rows_scale = jnp.broadcast_to(jnp.asarray(scale, jnp.float32).reshape(()), blocks)
+    rows_q, _ = fp8.quantize(rows, fp8.ACTIVATION_BLOCK, scale=rows_scale)
+    mapped = jnp.arange(rows.shape[0]) < jnp.sum(group_sizes)
+    return (rows, group_sizes, row_map, jnp.where(mapped[:, None], rows_q, jnp.zeros_like(rows_q)),
+            rows_scale)
 
 
 def unpermute(rows, row_map, weights):

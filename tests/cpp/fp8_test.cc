@@ -1,6 +1,7 @@
-// Tests of quantize_fp8 (1 x block FP8 scaling) and quantize_fp8_transposed (the weight
-// gradient's blocks of 128 rows within each group, transposed) against a brute-force E4M3
-// encoder: the nearest of the 127 finite magnitudes, ties to the even code.
+// Tests of quantize_fp8 (1 x block FP8 scaling), quantize_fp8_transposed (the weight gradient's
+// blocks of 128 rows within each group, transposed) and permute_rows_fp8 (permute with the rows'
+// quantisation) against a brute-force E4M3 encoder: the nearest of the 127 finite magnitudes,
+// ties to the even code.
 
 #include <gtest/gtest.h>
 
@@ -165,77 +166,6 @@ TEST(QuantizeFp8Args, RejectsBadShapesAndBlocks) {
   EXPECT_FALSE(nodrop::cpu::quantize_fp8(&x, DType::kFloat32, -1, 1, 1, &q, &scale).ok());
   EXPECT_TRUE(nodrop::cpu::quantize_fp8(nullptr, DType::kFloat32, 0, 5, 128, nullptr, nullptr)
                   .ok());  // nothing to do
-}
-
-// ---- permute_rows_fp8 -----------------------------------------------------------------------
-
-class PermuteRowsFp8 : public testing::TestWithParam<DType> {};
-
-// Bitwise permute_rows and quantize_fp8 of its rows, for k = 1 and 3, H = 300 (a short last
-// block) and 5 (less than a block), with dropped slots (row_map -1): their rows are zero rows,
-// codes 0 and scale 1; and the codes of a NaN and of a saturating block.
-TEST_P(PermuteRowsFp8, IsPermuteRowsThenQuantizeFp8) {
-  const DType dtype = GetParam();
-  for (const auto& [k, H] : {std::pair<int64_t, int64_t>{1, 300}, {3, 300}, {3, 5}}) {
-    const int64_t T = 29, slots = T * k, blocks = (H + 127) / 128;
-    std::mt19937 rng(11);
-    Array x = nodrop_test::random_array(dtype, T * H, rng, -3e3, 3e3);
-    x.set(2 * H + H / 2, std::numeric_limits<double>::quiet_NaN());
-    // row_map: a permutation of [0, slots) with every fifth slot dropped.
-    std::vector<int32_t> row_map(slots);
-    std::vector<int32_t> rows_left(slots);
-    std::iota(rows_left.begin(), rows_left.end(), 0);
-    std::shuffle(rows_left.begin(), rows_left.end(), rng);
-    int64_t next = 0;
-    for (int64_t i = 0; i < slots; ++i) row_map[i] = i % 5 == 4 ? -1 : rows_left[next++];
-    // Rows past the mapped ones stay unmapped only if the mapped rows are the first n: remap.
-    std::vector<int32_t> order(rows_left.begin(), rows_left.begin() + next);
-    std::sort(order.begin(), order.end());
-    for (int32_t& row : row_map) {
-      if (row >= 0) row = int32_t(std::lower_bound(order.begin(), order.end(), row) - order.begin());
-    }
-    Array want_rows(dtype, slots * H);
-    nodrop::cpu::permute_rows(x.data(), dtype, row_map.data(), nullptr, T, k, H,
-                              want_rows.data());
-    std::vector<uint8_t> want_q(slots * H);
-    std::vector<float> want_scale(slots * blocks);
-    ASSERT_TRUE(nodrop::cpu::quantize_fp8(want_rows.data(), dtype, slots, H, 128, want_q.data(),
-                                          want_scale.data()).ok());
-    Array rows(dtype, slots * H);
-    Guarded<uint8_t> q(slots * H, 0xEE);
-    Guarded<float> scale(slots * blocks, -7.0f);
-    ThreadRunner runner(3);
-    ASSERT_TRUE(nodrop::cpu::permute_rows_fp8(x.data(), dtype, row_map.data(), T, k, H,
-                                              rows.data(), q.data(), scale.data(), &runner)
-                    .ok());
-    EXPECT_EQ(rows.raw(), want_rows.raw()) << "k " << k << ", H " << H;
-    EXPECT_EQ(q.vec(), want_q) << "k " << k << ", H " << H;
-    for (int64_t i = 0; i < slots * blocks; ++i) {
-      expect_scale(scale[i], want_scale[i], "block " + std::to_string(i));
-    }
-    EXPECT_TRUE(rows.canaries_intact() && q.canaries_intact() && scale.canaries_intact());
-    for (int64_t r = next; r < slots; ++r) {  // the unmapped rows: a zero row's quantisation
-      EXPECT_EQ(scale[r * blocks], 1.0f);
-      EXPECT_EQ(q[r * H], 0);
-    }
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(Dtypes, PermuteRowsFp8, testing::ValuesIn(nodrop_test::kAllDtypes));
-
-TEST(PermuteRowsFp8Args, NamesTheNullBufferAndDoesNothingWhenEmpty) {
-  float x = 1.0f, scale = 0.0f;
-  int32_t row_map = 0;
-  uint8_t q = 0;
-  const auto status = nodrop::cpu::permute_rows_fp8(&x, DType::kFloat32, &row_map, 1, 1, 1,
-                                                    nullptr, &q, &scale);
-  EXPECT_TRUE(mentions(status, "permute_rows_fp8: dst is null")) << status.message();
-  EXPECT_TRUE(mentions(nodrop::cpu::permute_rows_fp8(&x, DType::kFloat32, &row_map, 1, -2, 1,
-                                                     &x, &q, &scale),
-                       "k = -2 is negative"));
-  EXPECT_TRUE(nodrop::cpu::permute_rows_fp8(nullptr, DType::kFloat32, nullptr, 0, 2, 4, nullptr,
-                                            nullptr, nullptr)
-                  .ok());
 }
 
 // ---- quantize_fp8_transposed ---------------------------------------------------------------
@@ -433,6 +363,140 @@ TEST(QuantizeFp8TransposedArgs, RejectsNegativeShapesAndNullBuffers) {
   status = call(4, 2, 3, x.data(), nullptr);
   EXPECT_TRUE(mentions(status, "q_t is null")) << status.message();
   EXPECT_TRUE(call(0, 0, 0, nullptr, nullptr).ok());  // nothing to write: PB = 0
+}
+
+// ---- permute_rows_fp8 -----------------------------------------------------------------------
+
+class PermuteRowsFp8 : public testing::TestWithParam<DType> {};
+
+// A row_map of `slots` slots: a permutation of the first `mapped` rows, every fifth slot dropped
+// (-1), so rows [mapped, slots) are the ones no slot maps to, as sort_by_expert leaves them.
+std::vector<int32_t> dropping_row_map(int64_t slots, std::mt19937& rng, int64_t* mapped) {
+  std::vector<int32_t> row_map(slots);
+  std::vector<int32_t> rows_left(slots);
+  std::iota(rows_left.begin(), rows_left.end(), 0);
+  std::shuffle(rows_left.begin(), rows_left.end(), rng);
+  int64_t next = 0;
+  for (int64_t i = 0; i < slots; ++i) row_map[i] = i % 5 == 4 ? -1 : rows_left[next++];
+  // Rows past the mapped ones stay unmapped only if the mapped rows are the first n: remap.
+  std::vector<int32_t> order(rows_left.begin(), rows_left.begin() + next);
+  std::sort(order.begin(), order.end());
+  for (int32_t& row : row_map) {
+    if (row >= 0) row = int32_t(std::lower_bound(order.begin(), order.end(), row) - order.begin());
+  }
+  *mapped = next;
+  return row_map;
+}
+
+// Bitwise permute_rows and quantize_fp8 of its rows, for k = 1 and 3, H = 300 (a short last
+// block) and 5 (less than a block), with dropped slots (row_map -1): their rows are zero rows,
+// codes 0 and scale 1; and the codes of a NaN and of a saturating block.
+TEST_P(PermuteRowsFp8, IsPermuteRowsThenQuantizeFp8) {
+  const DType dtype = GetParam();
+  for (const auto& [k, H] : {std::pair<int64_t, int64_t>{1, 300}, {3, 300}, {3, 5}}) {
+    const int64_t T = 29, slots = T * k, blocks = (H + 127) / 128;
+    std::mt19937 rng(11);
+    Array x = nodrop_test::random_array(dtype, T * H, rng, -3e3, 3e3);
+    x.set(2 * H + H / 2, std::numeric_limits<double>::quiet_NaN());
+    int64_t next = 0;
+    const std::vector<int32_t> row_map = dropping_row_map(slots, rng, &next);
+    Array want_rows(dtype, slots * H);
+    nodrop::cpu::permute_rows(x.data(), dtype, row_map.data(), nullptr, T, k, H,
+                              want_rows.data());
+    std::vector<uint8_t> want_q(slots * H);
+    std::vector<float> want_scale(slots * blocks);
+    ASSERT_TRUE(nodrop::cpu::quantize_fp8(want_rows.data(), dtype, slots, H, 128, want_q.data(),
+                                          want_scale.data()).ok());
+    Array rows(dtype, slots * H);
+    Guarded<uint8_t> q(slots * H, 0xEE);
+    Guarded<float> scale(slots * blocks, -7.0f);
+    ThreadRunner runner(3);
+    ASSERT_TRUE(nodrop::cpu::permute_rows_fp8(x.data(), dtype, row_map.data(), T, k, H, nullptr,
+                                              rows.data(), q.data(), scale.data(), &runner)
+                    .ok());
+    EXPECT_EQ(rows.raw(), want_rows.raw()) << "k " << k << ", H " << H;
+    EXPECT_EQ(q.vec(), want_q) << "k " << k << ", H " << H;
+    for (int64_t i = 0; i < slots * blocks; ++i) {
+      expect_scale(scale[i], want_scale[i], "block " + std::to_string(i));
+    }
+    EXPECT_TRUE(rows.canaries_intact() && q.canaries_intact() && scale.canaries_intact());
+    for (int64_t r = next; r < slots; ++r) {  // the unmapped rows: a zero row's quantisation
+      EXPECT_EQ(scale[r * blocks], 1.0f);
+      EXPECT_EQ(q[r * H], 0);
+    }
+  }
+}
+
+// A tensorwise recipe's scale given: the tokens' amax (every row is a copy of a token), then half
+// of it (the largest values saturate), a tiny one (every nonzero value saturates) and NaN (every
+// code NaN). The codes are bitwise the tensorwise quantisation of the permuted rows
+// (quantize_fp8_transposed of them as one group, the same scale given) and the brute-force
+// encoder's; every scale, the unmapped rows' included, is the given one, and the unmapped rows'
+// codes are 0.
+TEST_P(PermuteRowsFp8, AGivenScaleIsTheTensorwiseQuantisationOfTheRows) {
+  const DType dtype = GetParam();
+  for (const auto& [k, H] : {std::pair<int64_t, int64_t>{1, 300}, {3, 300}, {3, 5}}) {
+    const int64_t T = 29, slots = T * k, blocks = (H + 127) / 128;
+    std::mt19937 rng(13);
+    const Array x = nodrop_test::random_array(dtype, T * H, rng, -3e3, 3e3);
+    int64_t next = 0;
+    const std::vector<int32_t> row_map = dropping_row_map(slots, rng, &next);
+    Array want_rows(dtype, slots * H);
+    nodrop::cpu::permute_rows(x.data(), dtype, row_map.data(), nullptr, T, k, H,
+                              want_rows.data());
+    std::vector<float> tokens(T * H);
+    for (int64_t i = 0; i < T * H; ++i) tokens[i] = static_cast<float>(x.at(i));
+    const float tensorwise = want_scale(tokens);
+    for (const float given : {tensorwise, tensorwise * 0.5f, 1e-30f, std::nanf("")}) {
+      SCOPED_TRACE("k " + std::to_string(k) + ", H " + std::to_string(H) + ", given " +
+                   std::to_string(given));
+      const TransposedProblem p{slots, H, {static_cast<int32_t>(next)}};
+      const Transposed want = quantize_transposed(p, want_rows, nullptr, false, nullptr, &given);
+      Array rows(dtype, slots * H);
+      Guarded<uint8_t> q(slots * H, 0xEE);
+      Guarded<float> scale(slots * blocks, -7.0f);
+      ThreadRunner runner(3);
+      ASSERT_TRUE(nodrop::cpu::permute_rows_fp8(x.data(), dtype, row_map.data(), T, k, H,
+                                                &given, rows.data(), q.data(), scale.data(),
+                                                &runner)
+                      .ok());
+      EXPECT_EQ(rows.raw(), want_rows.raw());
+      EXPECT_TRUE(rows.canaries_intact() && q.canaries_intact() && scale.canaries_intact());
+      for (int64_t r = 0; r < slots; ++r) {
+        for (int64_t c = 0; c < H; ++c) {
+          const std::string where = "row " + std::to_string(r) + " column " + std::to_string(c);
+          if (r < next) {
+            ASSERT_EQ(q[r * H + c], want.q_t[c * p.P() + r]) << where;
+            ASSERT_NO_FATAL_FAILURE(
+                expect_code(q[r * H + c], static_cast<float>(want_rows.at(r * H + c)), given,
+                            where));
+          } else {
+            ASSERT_EQ(q[r * H + c], 0) << where;
+          }
+        }
+      }
+      for (int64_t i = 0; i < slots * blocks; ++i) {
+        ASSERT_NO_FATAL_FAILURE(expect_scale(scale[i], given, "block " + std::to_string(i)));
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, PermuteRowsFp8, testing::ValuesIn(nodrop_test::kAllDtypes));
+
+TEST(PermuteRowsFp8Args, NamesTheNullBufferAndDoesNothingWhenEmpty) {
+  float x = 1.0f, scale = 0.0f;
+  int32_t row_map = 0;
+  uint8_t q = 0;
+  const auto status = nodrop::cpu::permute_rows_fp8(&x, DType::kFloat32, &row_map, 1, 1, 1,
+                                                    nullptr, nullptr, &q, &scale);
+  EXPECT_TRUE(mentions(status, "permute_rows_fp8: dst is null")) << status.message();
+  EXPECT_TRUE(mentions(nodrop::cpu::permute_rows_fp8(&x, DType::kFloat32, &row_map, 1, -2, 1,
+                                                     nullptr, &x, &q, &scale),
+                       "k = -2 is negative"));
+  EXPECT_TRUE(nodrop::cpu::permute_rows_fp8(nullptr, DType::kFloat32, nullptr, 0, 2, 4, nullptr,
+                                            nullptr, nullptr, nullptr)
+                  .ok());
 }
 
 }  // namespace

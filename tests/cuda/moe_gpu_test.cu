@@ -915,7 +915,8 @@ class PermuteRowsFp8Gpu : public testing::TestWithParam<DType> {};
 // quantize_fp8): k = 1, 2 and 3; H = 4096 and 256 (whole blocks, the vector path), 300 (a short
 // last block, element by element) and 7 (under one lane's 8); ids out of range (dropped slots:
 // their rows are the unmapped ones, zero with scale 1), a NaN, an inf and an all-zero block;
-// tokens aligned and not.
+// tokens aligned and not; each block's own scale, and a given one (0.01: the largest values
+// saturate; NaN).
 TEST_P(PermuteRowsFp8Gpu, MatchesTheCpuBitwise) {
   const DType dtype = GetParam();
   const int64_t E = 5;
@@ -936,30 +937,36 @@ TEST_P(PermuteRowsFp8Gpu, MatchesTheCpuBitwise) {
     ASSERT_TRUE(nodrop::cpu::sort_by_expert(ids.data(), T, k, E, /*checked=*/false,
                                             row_map.data(), sizes.data())
                     .ok());
-    Bytes want_rows(slots * H * bytes_of(dtype)), want_q(slots * H);
-    Floats want_scale(slots * blocks);
-    ASSERT_TRUE(nodrop::cpu::permute_rows_fp8(x.data(), dtype, row_map.data(), T, k, H,
-                                              want_rows.data(), want_q.data(),
-                                              want_scale.data())
-                    .ok());
     const DeviceBuffer d_map = to_device(row_map);
-    for (const size_t shift : {size_t{0}, 2 * bytes_of(dtype)}) {
-      const DeviceBuffer d_x = to_device(x, shift);
-      const DeviceBuffer rows(want_rows.size()), q(slots * H),
-          scale(slots * blocks * sizeof(float));
-      run_twice(
-          [&] {
-            return nodrop::cuda::permute_rows_fp8(d_x.get(), dtype, d_map.as<int32_t>(), T, k, H,
-                                                  rows.get(), q.as<uint8_t>(), scale.as<float>(),
-                                                  stream());
-          },
-          {&rows, &q, &scale});
-      EXPECT_EQ(mismatch(download<uint8_t>(rows), want_rows), "")
-          << "k " << k << ", H " << H << ", shift " << shift;
-      EXPECT_EQ(mismatch(download<uint8_t>(q), want_q), "")
-          << "k " << k << ", H " << H << ", shift " << shift;
-      EXPECT_EQ(mismatch(download<uint32_t>(scale), as_bits(want_scale)), "")
-          << "k " << k << ", H " << H << ", shift " << shift;
+    const float given_scales[] = {0.01f, std::nanf("")};
+    const DeviceBuffer d_given(sizeof(given_scales), 0, given_scales);
+    for (const int given : {-1, 0, 1}) {  // -1: each block's own scale
+      const float* host_given = given < 0 ? nullptr : &given_scales[given];
+      const float* device_given = given < 0 ? nullptr : d_given.as<float>() + given;
+      Bytes want_rows(slots * H * bytes_of(dtype)), want_q(slots * H);
+      Floats want_scale(slots * blocks);
+      ASSERT_TRUE(nodrop::cpu::permute_rows_fp8(x.data(), dtype, row_map.data(), T, k, H,
+                                                host_given, want_rows.data(), want_q.data(),
+                                                want_scale.data())
+                      .ok());
+      for (const size_t shift : {size_t{0}, 2 * bytes_of(dtype)}) {
+        const DeviceBuffer d_x = to_device(x, shift);
+        const DeviceBuffer rows(want_rows.size()), q(slots * H),
+            scale(slots * blocks * sizeof(float));
+        run_twice(
+            [&] {
+              return nodrop::cuda::permute_rows_fp8(d_x.get(), dtype, d_map.as<int32_t>(), T, k,
+                                                    H, device_given, rows.get(), q.as<uint8_t>(),
+                                                    scale.as<float>(), stream());
+            },
+            {&rows, &q, &scale});
+        const std::string where = "k " + std::to_string(k) + ", H " + std::to_string(H) +
+                                  ", shift " + std::to_string(shift) + ", given " +
+                                  std::to_string(given);
+        EXPECT_EQ(mismatch(download<uint8_t>(rows), want_rows), "") << where;
+        EXPECT_EQ(mismatch(download<uint8_t>(q), want_q), "") << where;
+        EXPECT_EQ(mismatch(download<uint32_t>(scale), as_bits(want_scale)), "") << where;
+      }
     }
   }
 }
@@ -971,19 +978,19 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, PermuteRowsFp8Gpu,
 TEST(PermuteRowsFp8GpuArgs, RejectsBadShapesAndDoesNothingWhenEmpty) {
   const DeviceBuffer buffer(1 << 12);
   EXPECT_NE(nodrop::cuda::permute_rows_fp8(buffer.get(), DType::kBFloat16, buffer.as<int32_t>(),
-                                           4, -1, 8, buffer.get(), buffer.as<uint8_t>(),
+                                           4, -1, 8, nullptr, buffer.get(), buffer.as<uint8_t>(),
                                            buffer.as<float>(), stream())
                 .message()
                 .find("k = -1"),
             std::string::npos);
   EXPECT_NE(nodrop::cuda::permute_rows_fp8(buffer.get(), DType::kBFloat16, nullptr, 4, 2, 8,
-                                           buffer.get(), buffer.as<uint8_t>(), buffer.as<float>(),
-                                           stream())
+                                           nullptr, buffer.get(), buffer.as<uint8_t>(),
+                                           buffer.as<float>(), stream())
                 .message()
                 .find("a buffer is null"),
             std::string::npos);
   EXPECT_TRUE(nodrop::cuda::permute_rows_fp8(nullptr, DType::kBFloat16, nullptr, 0, 2, 8, nullptr,
-                                             nullptr, nullptr, stream())
+                                             nullptr, nullptr, nullptr, stream())
                   .ok());
   CUDA_CHECK(cudaStreamSynchronize(stream()));
 }

@@ -176,12 +176,18 @@ def check_permute_fp8():
     # H = 130: two blocks of a row, the second of 2 columns.
     x = random_normal(np.random.default_rng(8), (3, 130))
     ids = np.asarray([[1, 0], [-1, 1], [0, 0]])
-    rows, sizes, row_map, q, scale = ffi(
-        "nodrop_permute_fp8",
-        (jax.ShapeDtypeStruct((6, 130), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.int32),
-         jax.ShapeDtypeStruct((6,), jnp.int32), jax.ShapeDtypeStruct((6, 130), jnp.float8_e4m3fn),
-         jax.ShapeDtypeStruct((6, 2), jnp.float32)),
-        x, int32(ids), num_experts=np.int64(2), checked=np.bool_(False))
+
+    def permute_fp8(given_scale):
+        return ffi(
+            "nodrop_permute_fp8",
+            (jax.ShapeDtypeStruct((6, 130), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.int32),
+             jax.ShapeDtypeStruct((6,), jnp.int32),
+             jax.ShapeDtypeStruct((6, 130), jnp.float8_e4m3fn),
+             jax.ShapeDtypeStruct((6, 2), jnp.float32)),
+            x, int32(ids), jnp.asarray(given_scale, jnp.float32), num_experts=np.int64(2),
+            checked=np.bool_(False))
+
+    rows, sizes, row_map, q, scale = permute_fp8(np.zeros((0,)))
     expected_map = row_map_of(ids, 2)
     np.testing.assert_array_equal(np.asarray(row_map), expected_map)
     np.testing.assert_array_equal(np.asarray(sizes), [3, 2])
@@ -196,6 +202,15 @@ def check_permute_fp8():
     np.testing.assert_array_equal(np.asarray(scale), want_scale)  # row 5 (dropped slot): 1
     back = np.asarray(q, np.float32) * np.repeat(want_scale, [128, 2], axis=1)
     np.testing.assert_allclose(back, expected_rows, rtol=2 ** -4, atol=2 ** -9 * want_scale.max())
+    # A given scale (one element) for every block, the dropped slot's row's included: the codes
+    # are the rows' over it, saturated at 448.
+    given = np.float32(np.abs(expected_rows).max() / 448 / 2)
+    rows, _, _, q, scale = permute_fp8([given])
+    np.testing.assert_array_equal(np.asarray(rows), expected_rows)
+    np.testing.assert_array_equal(np.asarray(scale), np.full((6, 2), given, np.float32))
+    want_q = np.clip(expected_rows * (1 / given), -448, 448).astype(jnp.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(q, np.float32), np.asarray(want_q, np.float32))
+    assert np.abs(np.asarray(q, np.float32)).max() == 448
 
 
 def check_grouped_matmul_fp8_blockwise():

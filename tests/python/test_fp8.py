@@ -385,13 +385,16 @@ def test_moe_block_with_fp8_is_close_to_without(capacity_factor):
             assert err < 0.15, (recipe, name, err)
 
 
-def test_the_blockwise_moe_block_permutes_and_quantises_in_one_call(monkeypatch):
-    """With the blockwise recipe the dropless block permutes with permute_fp8 and its first
-    expert matmul reads those codes: outputs and gradients bitwise those of permute followed by
-    the matmul's own quantisation of the rows."""
+@pytest.mark.parametrize("recipe, quantisers", [("blockwise", ((1, 1), (0, 2))),
+                                                ("tensorwise", ((1, 0), (0, 0)))])
+def test_the_fp8_moe_block_permutes_and_quantises_in_one_call(monkeypatch, recipe, quantisers):
+    """With either recipe the dropless block permutes with permute_fp8 (the tensorwise one with
+    the tokens' scale given) and its first expert matmul reads those codes: outputs and
+    gradients bitwise those of permute followed by the matmul's own quantisation of the rows
+    (the tensorwise one's in XLA, over the rows)."""
     from nodrop.moe import block as block_module
     x = random_normal(np.random.default_rng(3), (2, 48, BLOCK.hidden))
-    model = MoEBlock(dataclasses.replace(BLOCK, fp8="blockwise"), rngs=nnx.Rngs(0))
+    model = MoEBlock(dataclasses.replace(BLOCK, fp8=recipe), rngs=nnx.Rngs(0))
 
     def run():
         forward = nnx.jit(lambda b: b(x)[0])
@@ -404,7 +407,8 @@ def test_the_blockwise_moe_block_permutes_and_quantises_in_one_call(monkeypatch)
     monkeypatch.setattr(block_module, "_permute", lambda cfg, tokens, ids, experts: (
         *nodrop.permute(tokens, ids, experts), None))
     unfused = run()
-    assert fused[2:] == (1, 1) and unfused[2:] == (0, 2)  # the hidden rows quantised alone
+    # (permute_fp8, quantize_fp8) calls: the blockwise hidden rows are quantised alone
+    assert (fused[2:], unfused[2:]) == quantisers
     np.testing.assert_array_equal(fused[0], unfused[0])
     for name in ("gate_up", "down", "router"):
         np.testing.assert_array_equal(fused[1][name][...], unfused[1][name][...], err_msg=name)
@@ -635,6 +639,81 @@ def test_checked_mode_refuses_an_out_of_range_id_in_permute_fp8():
                                               int32([[0], [7]]), 4))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("case", list(PERMUTE_CASES))
+def test_permute_fp8_with_a_given_scale_is_the_tensorwise_quantisation_of_its_rows(case, dtype):
+    """The tensorwise recipe's call: permute's rows, and codes bitwise `quantize`'s of the rows
+    under the given scale, which every scale is; the tokens' own scale (no code saturates), a
+    quarter of it (the largest do) and NaN (every code). Rows no slot maps to: codes 0."""
+    x, ids, experts = permute_inputs(case, dtype)
+    rows, sizes, row_map = nodrop.permute(x, ids, experts)
+    mapped = int(np.sum(sizes))
+    own = fp8.tensor_scale(jnp.nan_to_num(x))
+    for given_scale in (own, own / 4, jnp.float32(jnp.nan)):
+        got = jax.jit(fp8.permute_fp8, static_argnums=2)(x, ids, experts, scale=given_scale)
+        for name, a, b in zip(("rows", "group_sizes", "row_map"), got, (rows, sizes, row_map)):
+            np.testing.assert_array_equal(bits(a), bits(b), err_msg=name)
+        if rows.shape[0]:  # (quantize's "tensor" of no rows has no scale to give)
+            want_q, _ = fp8.quantize(rows, "tensor", scale=given_scale.reshape(1, 1))
+            np.testing.assert_array_equal(bits(got[3][:mapped]), bits(want_q[:mapped]))
+        assert not np.any(bits(got[3][mapped:]))
+        assert got[4].shape == (ids.size, -(-x.shape[1] // fp8.BLOCK))
+        np.testing.assert_array_equal(
+            bits(got[4]), bits(jnp.broadcast_to(jnp.reshape(given_scale, ()), got[4].shape)))
+        eager = fp8.permute_fp8(x, ids, experts, scale=given_scale)
+        for a, b in zip(eager, got):
+            np.testing.assert_array_equal(bits(a), bits(b))
+        for name, a, b in zip(("rows", "group_sizes", "row_map", "rows_q", "rows_scale"), got,
+                              reference.permute_fp8(x, ids, experts, scale=given_scale)):
+            np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"{name} against the reference")
+
+
+@pytest.mark.parametrize("scale, message", [
+    (jnp.ones((2,), jnp.float32), "scale must be one float32 value (any shape of one element), "
+     "got float32[2]"),
+    (jnp.ones((), jnp.bfloat16), "got bfloat16[]"),
+    (jnp.ones((1, 0), jnp.float32), "got float32[1, 0]"),
+])
+def test_permute_fp8_refuses_a_bad_given_scale(scale, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fp8.permute_fp8(jnp.ones((4, 8), jnp.float32), int32(np.zeros((4, 2))), 2, scale=scale)
+
+
+@pytest.mark.parametrize("forward", ["kernel", "emulated"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_tensorwise_recipe_on_permute_fp8_with_the_tokens_scale_changes_nothing(dtype,
+                                                                                    forward):
+    """permute_fp8 with the tokens' tensor scale given (every id in range: each token has a row)
+    as the tensorwise recipe's lhs_quantized: the output and the gradients of the tokens and the
+    weights bitwise those of the recipe quantising the permuted rows itself."""
+    tokens, hidden, k, experts, ffn = 40, 160, 2, 4, 24
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((tokens, hidden)) * np.exp2(rng.integers(-4, 4, (tokens, 1)))
+    x = jnp.asarray(x, dtype)
+    ids = int32(rng.integers(0, experts, (tokens, k)))
+    rhs = jax.random.normal(jax.random.key(6), (experts, hidden, ffn), dtype)
+
+    def loss(x, rhs, given):
+        scale = fp8.tensor_scale(x)
+        rows, sizes, _, rows_q, _ = fp8.permute_fp8(x, ids, experts, scale=scale)
+        out = fp8.fp8_grouped_matmul(rows, rhs, sizes, recipe="tensorwise", forward=forward,
+                                     lhs_quantized=(rows_q, scale) if given else None)
+        return jnp.sum(jnp.sin(out.astype(jnp.float32)))
+
+    step = jax.jit(jax.value_and_grad(loss, (0, 1)), static_argnums=2)
+    for got, want in zip(jax.tree.leaves(step(x, rhs, True)),
+                         jax.tree.leaves(step(x, rhs, False))):
+        np.testing.assert_array_equal(as_f64(got), as_f64(want))
+    rows, sizes, _, rows_q, _ = fp8.permute_fp8(x, ids, experts, scale=fp8.tensor_scale(x))
+    np.testing.assert_array_equal(bits(fp8.tensor_scale(x)),
+                                  bits(fp8.quantize(rows, "tensor")[1].reshape(1)))
+    # The forward reads the scale given: twice it, twice the output (exactly: a power of two).
+    forward_with = jax.jit(lambda scale: fp8.fp8_grouped_matmul(
+        rows, rhs, sizes, recipe="tensorwise", forward=forward, lhs_quantized=(rows_q, scale)))
+    once, twice = forward_with(fp8.tensor_scale(x)), forward_with(2 * fp8.tensor_scale(x))
+    np.testing.assert_array_equal(as_f64(twice), 2 * as_f64(once))
+
+
 @pytest.mark.parametrize("forward", ["kernel", "emulated"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_given_lhs_quantisation_changes_nothing(case, forward):
@@ -667,8 +746,10 @@ def test_a_given_lhs_quantisation_replaces_the_forwards_quantiser():
 
 
 @pytest.mark.parametrize("recipe, given, message", [
-    ("tensorwise", "quantised", "lhs_quantized needs the blockwise recipe"),
-    ("blockwise", "one", "lhs_quantized must be (q, scale)"),
+    ("tensorwise", "quantised", "lhs_quantized's scale must be float32 of shape (1,) (the "
+     "tensorwise recipe's quantisation of lhs (8, 256)), got float32 of shape (8, 2)"),
+    ("tensorwise", "one", 'lhs_quantized must be (q, scale) as quantize(lhs, "tensor")'),
+    ("blockwise", "one", "lhs_quantized must be (q, scale) as quantize_rows(lhs)"),
     ("blockwise", "bf16_codes", "lhs_quantized's q must be float8_e4m3fn of shape (8, 256)"),
     ("blockwise", "short_scale", "lhs_quantized's scale must be float32 of shape (8, 2)"),
 ])

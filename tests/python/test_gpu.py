@@ -285,17 +285,21 @@ def test_fp8_quantize_rows_is_bitwise_the_emulation_on_the_gpu(dtype):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("ids_kind", ["uniform", "all_to_one", "dropped"])
 @pytest.mark.parametrize("hidden", [4096, 300])  # 300: a short last block, element accesses
-def test_fp8_permute_is_permute_then_quantize_rows_on_the_gpu(dtype, ids_kind, hidden):
+@pytest.mark.parametrize("given_scale", [None, 0.01, float("nan")])
+def test_fp8_permute_is_permute_then_quantize_rows_on_the_gpu(dtype, ids_kind, hidden,
+                                                              given_scale):
     """The CUDA permute_fp8 (one kernel: each token quantised once, written to its k rows)
-    bitwise the CPU engine's permute and the emulation's quantisation of the rows; jitted and
-    replayed with new ids."""
+    bitwise the CPU engine's permute and the emulation's quantisation of the rows, in 1 x 128
+    blocks or under a given scale (the tensorwise recipe's; 0.01: the largest values saturate);
+    jitted and replayed with new ids."""
     from nodrop.ops import fp8
 
     tokens, experts, k = 513, 16, 2
     rng = np.random.default_rng(13)
     x = rng.standard_normal((tokens, hidden)) * np.exp2(rng.integers(-12, 12, (tokens, 1)))
     x = jnp.asarray(x, dtype).at[3, :128].set(0).at[5, 200].set(jnp.nan)
-    run = jax.jit(fp8.permute_fp8, static_argnums=2)
+    scale = None if given_scale is None else jnp.float32(given_scale)
+    run = jax.jit(functools.partial(fp8.permute_fp8, scale=scale), static_argnums=2)
     cpu = jax.devices("cpu")[0]
     for seed in (0, 1):
         ids = {"uniform": rng.integers(0, experts, (tokens, k)),
@@ -303,7 +307,7 @@ def test_fp8_permute_is_permute_then_quantize_rows_on_the_gpu(dtype, ids_kind, h
                "dropped": rng.integers(-2, experts + 2, (tokens, k))}[ids_kind]
         ids = jnp.asarray(ids, jnp.int32)
         got = run(x, ids, experts)
-        want = jax.jit(reference.permute_fp8, static_argnums=2)(
+        want = jax.jit(functools.partial(reference.permute_fp8, scale=scale), static_argnums=2)(
             *jax.device_put((x, ids), cpu), experts)
         for name, a, b in zip(("rows", "group_sizes", "row_map", "rows_q", "rows_scale"), got,
                               want):
@@ -312,17 +316,18 @@ def test_fp8_permute_is_permute_then_quantize_rows_on_the_gpu(dtype, ids_kind, h
                                           err_msg=f"{name}, seed {seed}")
 
 
-def test_fp8_moe_block_reads_the_permutes_codes_on_the_gpu(monkeypatch):
-    """The blockwise MoE block on the GPU permutes with permute_fp8 and its first expert matmul
-    reads those codes: output and gradients bitwise those of permute followed by the matmul's
-    own quantisation of the rows (the path before the fusion)."""
+@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
+def test_fp8_moe_block_reads_the_permutes_codes_on_the_gpu(monkeypatch, recipe):
+    """The FP8 MoE block on the GPU permutes with permute_fp8 (the tensorwise one with the
+    tokens' scale given) and its first expert matmul reads those codes: output and gradients
+    bitwise those of permute followed by the matmul's own quantisation of the rows (the path
+    before the fusion)."""
     from flax import nnx
 
     from nodrop.moe import MoEBlock, MoEConfig
     from nodrop.moe import block as block_module
 
-    config = MoEConfig(num_experts=8, k=2, hidden=512, ffn=384, fp8="blockwise",
-                       dtype=jnp.bfloat16)
+    config = MoEConfig(num_experts=8, k=2, hidden=512, ffn=384, fp8=recipe, dtype=jnp.bfloat16)
     x = jax.random.normal(jax.random.key(3), (4, 256, config.hidden), jnp.bfloat16)
     model = MoEBlock(config, rngs=nnx.Rngs(0))
 

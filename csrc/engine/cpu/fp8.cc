@@ -32,10 +32,12 @@ uint8_t quantize_value(float x, float inverse) {
   return float_to_e4m3(std::isnan(v) ? v : std::clamp(v, -kE4M3Max, kE4M3Max));
 }
 
-}  // namespace
-
-Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t block, uint8_t* q,
-                    float* scale, ParallelRunner* runner) {
+// quantize_fp8, or with given_scale (not null) every block at that scale, no amax taken: the
+// codes x * (1 / *given_scale) rounded and saturated alike (quantize_fp8_transposed's given
+// scale).
+Status quantize_blocks(const void* x, DType dtype, int64_t M, int64_t C, int64_t block,
+                       const float* given_scale, uint8_t* q, float* scale,
+                       ParallelRunner* runner) {
   if (M < 0 || C < 0) return Status::Error("quantize_fp8: negative shape");
   if (block < 1) return Status::Error("quantize_fp8: block must be at least 1, got " +
                                       std::to_string(block));
@@ -48,11 +50,11 @@ Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t bl
       const int64_t begin = b * block, end = std::min(C, begin + block);
       float amax = 0.0f;
       bool finite = true;
-      for (int64_t i = begin; i < end; ++i) {
+      for (int64_t i = begin; i < end && !given_scale; ++i) {
         finite = finite && std::isfinite(values[i]);
         amax = std::max(amax, std::fabs(values[i]));
       }
-      const float s = block_scale(amax, finite);
+      const float s = given_scale ? *given_scale : block_scale(amax, finite);
       scale[row * blocks + b] = s;
       const float inverse = 1.0f / s;
       for (int64_t i = begin; i < end; ++i) q[row * C + i] = quantize_value(values[i], inverse);
@@ -62,9 +64,16 @@ Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t bl
   return Status::Ok();
 }
 
+}  // namespace
+
+Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t block, uint8_t* q,
+                    float* scale, ParallelRunner* runner) {
+  return quantize_blocks(x, dtype, M, C, block, nullptr, q, scale, runner);
+}
+
 Status permute_rows_fp8(const void* src, DType dtype, const int32_t* row_map, int64_t T,
-                        int64_t k, int64_t H, void* dst, uint8_t* q, float* scale,
-                        ParallelRunner* runner) {
+                        int64_t k, int64_t H, const float* given_scale, void* dst,
+                        uint8_t* q, float* scale, ParallelRunner* runner) {
   const int64_t slots = T * k, blocks = (H + kFp8Block - 1) / kFp8Block;
   Status status = check_arguments(
       "permute_rows_fp8", {{"T", T}, {"k", k}, {"H", H}},
@@ -75,11 +84,13 @@ Status permute_rows_fp8(const void* src, DType dtype, const int32_t* row_map, in
   // is a copy of its token, so its blocks are the token's.
   std::vector<uint8_t> token_q(T * H);
   std::vector<float> token_scale(T * blocks);
-  status = quantize_fp8(src, dtype, T, H, kFp8Block, token_q.data(), token_scale.data(), runner);
+  status = quantize_blocks(src, dtype, T, H, kFp8Block, given_scale, token_q.data(),
+                           token_scale.data(), runner);
   if (!status.ok()) return status;
   permute_rows(src, dtype, row_map, nullptr, T, k, H, dst, runner);
   std::fill(q, q + slots * H, 0);
-  std::fill(scale, scale + slots * blocks, 1.0f);  // a row no slot maps to: zero, scale 1
+  // A row no slot maps to: zero, codes 0, scale 1 (or the given one).
+  std::fill(scale, scale + slots * blocks, given_scale ? *given_scale : 1.0f);
   for (int64_t i = 0; i < slots; ++i) {
     const int32_t row = row_map[i];
     if (row < 0 || row >= slots) continue;

@@ -7,7 +7,8 @@
 //   blocks per half warp in flight; other blocks: one warp per block, lanes striding.
 // - permute_rows_fp8: quantize_fp8's half warp per block, on a token's block, written to each of
 //   the token's rows (bfloat16 row, codes and scale): the tokens are read once, not k times, and
-//   the permuted rows are not read again to be quantised.
+//   the permuted rows are not read again to be quantised (skipping the amax where one scale is
+//   given for all).
 // - quantize_fp8_transposed: one thread block per 128-column tile of two consecutive 128-row
 //   blocks. Each thread holds 8 rows x 8 columns of a row block's tile; column amaxes are
 //   reduced across the thread block (skipped where one scale is given for all), and the
@@ -413,7 +414,8 @@ template <typename T, bool kVector>
 __global__ void __launch_bounds__(kThreads)
 permute_rows_fp8_kernel(const T* __restrict__ src, const int32_t* __restrict__ row_map,
                         int64_t tokens, int32_t k, int64_t H, int64_t blocks_per_row,
-                        T* __restrict__ dst, uint8_t* __restrict__ q, float* __restrict__ scale) {
+                        const float* __restrict__ given_scale, T* __restrict__ dst,
+                        uint8_t* __restrict__ q, float* __restrict__ scale) {
   const int lane = threadIdx.x % 32;
   const int64_t half_warp = (int64_t(blockIdx.x) * kThreads + threadIdx.x) / kLanesPerBlock;
   const int64_t t = half_warp / blocks_per_row, b = half_warp % blocks_per_row;
@@ -425,7 +427,9 @@ permute_rows_fp8_kernel(const T* __restrict__ src, const int32_t* __restrict__ r
   else chunk.load_partial(src + t * H + column, count);
   ColumnKeys<T> keys;
   keys.add(chunk);
-  const float s = key_scale(half_warp_max(keys.all()));
+  // A given scale replaces the block's own: the same for every lane, so whole warps skip the
+  // reduction (whose shuffles need every lane).
+  const float s = given_scale != nullptr ? *given_scale : key_scale(half_warp_max(keys.all()));
   if (t >= tokens) return;
   const float inverse = __frcp_rn(s);
   const uint2 codes = pack_pairs(
@@ -493,8 +497,8 @@ Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t bl
 }
 
 Status permute_rows_fp8(const void* src, DType dtype, const int32_t* row_map, int64_t T,
-                        int64_t k, int64_t H, void* dst, uint8_t* q, float* scale,
-                        cudaStream_t stream) {
+                        int64_t k, int64_t H, const float* given_scale, void* dst,
+                        uint8_t* q, float* scale, cudaStream_t stream) {
   auto fail = [](const std::string& what) { return Status::Error("permute_rows_fp8: " + what); };
   if (T < 0 || k < 0 || H < 0) {
     return fail("T, k and H must not be negative, got T = " + std::to_string(T) + ", k = " +
@@ -520,18 +524,19 @@ Status permute_rows_fp8(const void* src, DType dtype, const int32_t* row_map, in
   with_element_type(src, dtype, [&](auto typed_src) {
     using T_ = std::remove_const_t<std::remove_pointer_t<decltype(typed_src)>>;
     T_* typed_dst = static_cast<T_*>(dst);
-    // Rows no slot maps to read as a zero row's quantisation; filled first, as permute_rows.
+    // Rows no slot maps to read as a zero row's quantisation (scale 1, or the given one); filled
+    // first, as permute_rows.
     detail::fill_unmapped_rows<<<sm_count, detail::kFillThreads, 0, stream>>>(
         row_map, slots, H, T_{}, typed_dst);
     detail::fill_unmapped_rows<<<sm_count, detail::kFillThreads, 0, stream>>>(
         row_map, slots, H, uint8_t{0}, q);
     detail::fill_unmapped_rows<<<sm_count, detail::kFillThreads, 0, stream>>>(
-        row_map, slots, blocks_per_row, 1.0f, scale);
+        row_map, slots, blocks_per_row, 1.0f, scale, given_scale);
     const int64_t threads = T * blocks_per_row * kLanesPerBlock;
     const unsigned grid = unsigned((threads + kThreads - 1) / kThreads);
     auto kernel = vector ? permute_rows_fp8_kernel<T_, true> : permute_rows_fp8_kernel<T_, false>;
     kernel<<<grid, kThreads, 0, stream>>>(typed_src, row_map, T, static_cast<int32_t>(k), H,
-                                          blocks_per_row, typed_dst, q, scale);
+                                          blocks_per_row, given_scale, typed_dst, q, scale);
   });
   return launch_status("permute_rows_fp8");
 }

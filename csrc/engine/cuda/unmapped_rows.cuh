@@ -21,12 +21,13 @@ inline cudaError_t sm_count(int* count) {
   return cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device);
 }
 
-// Sets rows [n, slots) of dst (rows of `per_row` elements) to `value`. Every thread block counts
-// n on its own, so no workspace is needed; row_map is small next to the rows.
+// Sets rows [n, slots) of dst (rows of `per_row` elements) to `value`, or to *given where given
+// is not null (a value in device memory). Every thread block counts n on its own, so no
+// workspace is needed; row_map is small next to the rows.
 template <typename C>
 __global__ void __launch_bounds__(kFillThreads)
     fill_unmapped_rows(const int32_t* __restrict__ row_map, int64_t slots, int64_t per_row,
-                       C value, C* __restrict__ dst) {
+                       C value, C* __restrict__ dst, const C* __restrict__ given = nullptr) {
   using Reduce = cub::BlockReduce<int32_t, kFillThreads>;
   __shared__ typename Reduce::TempStorage storage;
   __shared__ int32_t mapped;
@@ -39,6 +40,7 @@ __global__ void __launch_bounds__(kFillThreads)
   if (threadIdx.x == 0) mapped = count;
   __syncthreads();
   const int64_t end = slots * per_row;
+  if (given != nullptr) value = *given;
   for (int64_t c = mapped * per_row + int64_t(blockIdx.x) * kFillThreads + threadIdx.x; c < end;
        c += int64_t(gridDim.x) * kFillThreads) {
     dst[c] = value;

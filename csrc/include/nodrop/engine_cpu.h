@@ -79,10 +79,13 @@ Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t bl
 // quantised once: dst [T*k, H] in dtype, q [T*k, H] E4M3 bytes, scale [T*k, ceil(H / 128)]
 // float32, bitwise quantize_fp8(permute_rows(src)). Rows that no slot maps to are zero, with
 // zero codes and scale 1 (a zero row's quantisation). Row-map entries outside [0, T*k) are
-// skipped.
+// skipped. given_scale: null, or one float32 that every block takes instead of its own (the
+// tensorwise recipe's scale, from an amax taken elsewhere), as quantize_fp8_transposed's: q =
+// x * (1 / *given_scale) rounded alike, and every scale, unmapped rows' included, is
+// *given_scale.
 Status permute_rows_fp8(const void* src, DType dtype, const int32_t* row_map, int64_t T,
-                        int64_t k, int64_t H, void* dst, uint8_t* q, float* scale,
-                        ParallelRunner* runner = nullptr);
+                        int64_t k, int64_t H, const float* given_scale, void* dst, uint8_t* q,
+                        float* scale, ParallelRunner* runner = nullptr);
 
 // The weight gradient's operand of the blockwise recipe: x [M, C] (float32, float16 or bfloat16)
 // with group_sizes [G] (clamped as clamp_group_offsets; with `checked`, invalid sizes are an

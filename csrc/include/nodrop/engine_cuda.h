@@ -306,10 +306,17 @@ Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t bl
 
 // engine_cpu.h's permute_rows_fp8 (bitwise the same dst, q and scale): half a warp per 128-block
 // of a token, read once and written to each of its k rows. 16-byte accesses where H % 8 == 0
-// and src and dst are 16-byte and q 8-byte aligned, element accesses otherwise.
+// and src and dst are 16-byte and q 8-byte aligned, element accesses otherwise. given_scale is
+// null or in device memory.
 Status permute_rows_fp8(const void* src, DType dtype, const int32_t* row_map, int64_t T,
-                        int64_t k, int64_t H, void* dst, uint8_t* q, float* scale,
-                        cudaStream_t stream);
+                        int64_t k, int64_t H, const float* given_scale, void* dst, uint8_t* q,
+                        float* scale, cudaStream_t stream);
+// Without a given scale, as callers from before it (bench/cuda/permute_bench.cu) call it.
+inline Status permute_rows_fp8(const void* src, DType dtype, const int32_t* row_map, int64_t T,
+                               int64_t k, int64_t H, void* dst, uint8_t* q, float* scale,
+                               cudaStream_t stream) {
+  return permute_rows_fp8(src, dtype, row_map, T, k, H, nullptr, dst, q, scale, stream);
+}
 
 // engine_cpu.h's quantize_fp8_transposed (bitwise the same q_t and scale): one thread block per
 // 128-row block and 128-column tiles, read row by row and written transposed through shared

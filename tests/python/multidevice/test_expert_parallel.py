@@ -191,6 +191,30 @@ def test_expert_parallel_under_remat_and_on_the_other_implementations(variant):
     assert_same_block(config[variant], "zipf", mesh, remat=variant == "remat")
 
 
+def test_expert_parallel_tensorwise_fp8_takes_its_scale_over_the_received_rows(monkeypatch):
+    """With the tensorwise FP8 recipe each rank regroups its received rows with permute_fp8, the
+    scale given from the whole receive buffer: its padding rows are zeros, which leave the amax
+    of the rows in the experts' groups as it is, so output and gradients are bitwise those of
+    the recipe quantising the regrouped rows itself."""
+    from nodrop.moe import block as block_module
+    config = dataclasses.replace(SOFTMAX_TOP2, fp8="tensorwise")
+    x = tokens(5)
+    cotangent = random_normal(np.random.default_rng(6), x.shape)
+    mesh = mesh_of("data2_ep4")
+    graphdef, state = nnx.split(make_block(config, "zipf"))
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x)).lower(state, x).as_text()
+    assert "nodrop_permute_fp8" in hlo
+    fused_y, _, fused = loss_and_grads(make_block(config, "zipf"), x, cotangent, mesh)
+    monkeypatch.setattr(block_module, "_permute", lambda cfg, tokens, ids, experts: (
+        *nodrop.permute(tokens, ids, experts), None))
+    y, _, grads = loss_and_grads(make_block(config, "zipf"), x, cotangent, mesh)
+    np.testing.assert_array_equal(np.asarray(fused_y), np.asarray(y))
+    assert sorted(fused) == sorted(grads)
+    for name, grad in grads.items():
+        np.testing.assert_array_equal(np.asarray(fused[name]), np.asarray(grad), err_msg=name)
+
+
 def test_expert_parallel_with_the_split_router_matmul():
     """In bfloat16 with router_matmul="split", each rank's router (a custom VJP) routes its
     tokens as one device does, and the router's gradient sums over the ranks."""

@@ -187,8 +187,8 @@ TEST(Fp8TensorwiseTileRule, PicksTheMeasuredScheduleByShape) {
 }
 
 // Every tensorwise rule, both forms and accumulations, picks a tile of the accumulation asked
-// for, in a resolved order: promoted, the one promoted tile along N with swizzle 4 (measured as
-// the input gradient, and the blockwise weight gradient's order).
+// for, in a resolved order: promoted, along N with swizzle 4, the 128x128 tile on a 1x2 cluster
+// for the input gradient and the 128x192 on a 2x1 cluster for the weight gradient (measured).
 TEST(Fp8TensorwiseTileRule, PicksATileOfTheAccumulationAskedFor) {
   using nodrop::cuda::Fp8TensorwiseTile;
   struct Shape {
@@ -216,10 +216,15 @@ TEST(Fp8TensorwiseTileRule, PicksATileOfTheAccumulationAskedFor) {
     EXPECT_EQ(schedule.raster, GemmRaster::kAlongN);
     EXPECT_EQ(schedule.swizzle, 4);
   }
-  EXPECT_EQ(
-      nodrop::cuda::grouped_matmul_fp8_tensorwise_contract_schedule(16384, 4096, 14336, 8, false)
-          .tile,
-      Fp8TensorwiseTile::kCooperative128x128x128Cluster1x2Promoted);
+  for (const auto& schedule :
+       {nodrop::cuda::grouped_matmul_fp8_tensorwise_contract_schedule(16384, 4096, 14336, 8,
+                                                                      false),
+        nodrop::cuda::grouped_matmul_fp8_tensorwise_contract_schedule(131072, 2048, 768, 128,
+                                                                      false)}) {
+    EXPECT_EQ(schedule.tile, Fp8TensorwiseTile::kCooperative128x192x128Cluster2x1Promoted);
+    EXPECT_EQ(schedule.raster, GemmRaster::kAlongN);
+    EXPECT_EQ(schedule.swizzle, 4);
+  }
   EXPECT_EQ(
       nodrop::cuda::grouped_matmul_fp8_tensorwise_contract_schedule(131072, 2048, 768, 128, true)
           .tile,

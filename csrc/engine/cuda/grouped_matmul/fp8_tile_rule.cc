@@ -113,8 +113,9 @@ Fp8GemmSchedule grouped_matmul_fp8_contract_schedule(int64_t /*M*/, int64_t /*K*
 //     projection), and 8% slower on Mixtral's 14336-wide forward;
 //   - along M with swizzle 1: swizzle 4 was slower for the cooperative kernel on 7 of 8 shapes
 //     and level for pingpong; along N lost on all but DeepGEMM's N 4096 (1.6% faster).
-// With promoted accumulation, the one promoted tile, cooperative 128x128 on a 1x2 cluster, along
-// N with swizzle 4: measured on an H100 as the input gradient (nodrop_cuda_fp8_bench
+// With promoted accumulation, cooperative 128x128 on a 1x2 cluster, along N with swizzle 4: no
+// other promoted tile was faster on most shapes (128x192 on either cluster: 0.84-1.25x of it,
+// bench/results/2026-12-07-fp8-promoted-wide-tile/); measured on an H100 as the input gradient (nodrop_cuda_fp8_bench
 // --mode=training --configs=all, bench/results/2026-12-07-fp8-tensorwise-gradients/), along N
 // with swizzle 4 was faster than along M with swizzle 1 on 7 of 12 shapes (by up to 12%), level
 // on 2 and slower on 3 (by up to 11%, Mixtral's down projection).
@@ -134,15 +135,18 @@ Fp8TensorwiseSchedule grouped_matmul_fp8_tensorwise_schedule(int64_t M, int64_t 
 }
 
 // The tensorwise weight gradient's, each group's output [K, N] tiled as the ragged rows' [M_g, N]:
-// promoted, the blockwise weight gradient's tile and order (above; in the same H100 run along N
-// with swizzle 4 beat along M with swizzle 1 on 7 of 12 shapes); fast, the cooperative 128x256
-// where its column tiles pair up, else pingpong 128x128, both along N with swizzle 4 as the
-// blockwise weight gradient.
+// promoted, cooperative 128x192 on a 2x1 cluster along N with swizzle 4, 1.05-1.13x the
+// blockwise weight gradient's tile and order (128x128 on a 1x2 cluster, along N, swizzle 4) on
+// all 12 shapes of one H100 run (nodrop_cuda_fp8_bench --mode=training --configs=all,
+// bench/results/2026-12-07-fp8-promoted-wide-tile/), the fastest promoted kernel on 8 of them
+// and within 12% of it on the others (Mixtral's down projection, where the same tile along M
+// was fastest); fast, the cooperative 128x256 where its column tiles pair up, else pingpong
+// 128x128, both along N with swizzle 4 as the blockwise weight gradient.
 Fp8TensorwiseSchedule grouped_matmul_fp8_tensorwise_contract_schedule(int64_t /*M*/,
                                                                       int64_t /*K*/, int64_t N,
                                                                       int64_t /*G*/,
                                                                       bool fast_accumulation) {
-  Fp8TensorwiseTile tile = Fp8TensorwiseTile::kCooperative128x128x128Cluster1x2Promoted;
+  Fp8TensorwiseTile tile = Fp8TensorwiseTile::kCooperative128x192x128Cluster2x1Promoted;
   if (fast_accumulation) {
     tile = (N + 255) / 256 % 2 == 0 ? Fp8TensorwiseTile::kCooperative128x256x128Cluster1x2
                                     : Fp8TensorwiseTile::kPingpong128x128x128Cluster1x2;

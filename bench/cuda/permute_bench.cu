@@ -1,8 +1,8 @@
 // Benchmark of the CUDA routing and permutation kernels: GB/s of permute (permute_rows) and
 // un-permute (unpermute with the router weights, and its backward gather_row_dots) at
 // T*k = 65536 rows of H = 4096 bfloat16, each next to cudaMemcpyAsync device-to-device of the
-// same bytes; permute_rows_fp8 against permute_rows and quantize_fp8 apart; then the times of
-// sort_by_expert and of the router kernels.
+// same bytes; permute_rows_fp8 against permute_rows and quantize_fp8 apart, and with a given
+// scale; then the times of sort_by_expert and of the router kernels.
 //
 //   nodrop_cuda_permute_bench [--iters=100] [--warmup=10]
 //
@@ -192,13 +192,14 @@ void bench_row_movers() {
 
 // The blockwise FP8 recipe's permute: permute_rows then quantize_fp8 of the rows (two passes over
 // the rows) against permute_rows_fp8 (each token read once, quantised once, its bfloat16 row,
-// codes and scales written to its k rows). Bandwidth counts the fused kernel's bytes: tokens
+// codes and scales written to its k rows); and permute_rows_fp8 with a given scale (the
+// tensorwise recipe's: no amax per block). Bandwidth counts the fused kernel's bytes: tokens
 // read once, rows, codes and scales written.
 void bench_permute_fp8() {
   std::printf("\nPermute with the rows' FP8 quantisation: T*k = %lld rows, H = %lld, bfloat16\n",
               (long long)kSlots, (long long)kHidden);
-  std::printf("%3s %6s %14s %10s %10s %10s %10s\n", "k", "T", "unfused us", "fused us",
-              "speedup", "fused GB/s", "of memcpy");
+  std::printf("%3s %6s %14s %10s %10s %10s %10s %15s %12s\n", "k", "T", "unfused us",
+              "fused us", "speedup", "fused GB/s", "of memcpy", "given scale us", "of memcpy");
   const int64_t E = 128, blocks = kHidden / nodrop::kFp8Block;
   for (int64_t k : {1, 2, 8}) {
     const int64_t T = kSlots / k;
@@ -222,16 +223,23 @@ void bench_permute_fp8() {
                                        reinterpret_cast<float*>(at(scale, scale_bytes, i)),
                                        g_stream));
     });
-    const double fused = median_us([&](int i) {
-      CHECK(nodrop::cuda::permute_rows_fp8(
-          at(tokens, token_bytes, i), DType::kBFloat16, row_map.as<int32_t>(), T, k, kHidden,
-          at(rows, row_bytes, i), reinterpret_cast<uint8_t*>(at(q, q_bytes, i)),
-          reinterpret_cast<float*>(at(scale, scale_bytes, i)), g_stream));
-    });
+    Device given_scale(sizeof(float));
+    const float one_scale = 0.01f;
+    CHECK(cudaMemcpy(given_scale.ptr, &one_scale, sizeof(float), cudaMemcpyHostToDevice));
+    auto fused_us = [&](const float* given) {
+      return median_us([&](int i) {
+        CHECK(nodrop::cuda::permute_rows_fp8(
+            at(tokens, token_bytes, i), DType::kBFloat16, row_map.as<int32_t>(), T, k, kHidden,
+            given, at(rows, row_bytes, i), reinterpret_cast<uint8_t*>(at(q, q_bytes, i)),
+            reinterpret_cast<float*>(at(scale, scale_bytes, i)), g_stream));
+      });
+    };
+    const double fused = fused_us(nullptr), given = fused_us(given_scale.as<float>());
     const int64_t bytes = token_bytes + row_bytes + q_bytes + scale_bytes;
     const double copy_us = memcpy_us(bytes / 2);
-    std::printf("%3lld %6lld %14.1f %10.1f %9.2fx %10.0f %9.1f%%\n", (long long)k, (long long)T,
-                unfused, fused, unfused / fused, bytes / fused * 1e-3, 100.0 * copy_us / fused);
+    std::printf("%3lld %6lld %14.1f %10.1f %9.2fx %10.0f %9.1f%% %15.1f %11.1f%%\n",
+                (long long)k, (long long)T, unfused, fused, unfused / fused,
+                bytes / fused * 1e-3, 100.0 * copy_us / fused, given, 100.0 * copy_us / given);
   }
 }
 

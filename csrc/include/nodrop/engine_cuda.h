@@ -311,12 +311,6 @@ Status quantize_fp8(const void* x, DType dtype, int64_t M, int64_t C, int64_t bl
 Status permute_rows_fp8(const void* src, DType dtype, const int32_t* row_map, int64_t T,
                         int64_t k, int64_t H, const float* given_scale, void* dst, uint8_t* q,
                         float* scale, cudaStream_t stream);
-// Without a given scale, as callers from before it (bench/cuda/permute_bench.cu) call it.
-inline Status permute_rows_fp8(const void* src, DType dtype, const int32_t* row_map, int64_t T,
-                               int64_t k, int64_t H, void* dst, uint8_t* q, float* scale,
-                               cudaStream_t stream) {
-  return permute_rows_fp8(src, dtype, row_map, T, k, H, nullptr, dst, q, scale, stream);
-}
 
 // engine_cpu.h's quantize_fp8_transposed (bitwise the same q_t and scale): one thread block per
 // 128-row block and 128-column tiles, read row by row and written transposed through shared

@@ -14,9 +14,11 @@ Everything runs in this one process: bf16 inputs, float32 accumulation, jitted.
 2. An MoE expert layer, nodrop.moe.MoEBlock (top-k softmax router, SwiGLU experts, combine),
    forward+backward: dropless on nodrop's ops against the same block with its expert matmuls on
    tokamax.ragged_dot (the same routing) and against the block dropping tokens
-   (MoEConfig(capacity_factor=1.0) and 1.25). With each variant's activation memory: the
-   compiled step's temporary buffers (XLA's memory_analysis) per token. Every variant's router
-   multiplies its logits as --router-matmul says (MoEConfig.router_matmul, split by default).
+   (MoEConfig(capacity_factor=1.0) and 1.25), and the dropless block with its experts in each
+   FP8 recipe (MoEConfig(fp8=...), the trainer's --fp8; its speed-up over bf16 reported, no
+   target). With each variant's activation memory: the compiled step's temporary buffers
+   (XLA's memory_analysis) per token. Every variant's router multiplies its logits as
+   --router-matmul says (MoEConfig.router_matmul, split by default).
 
 Shapes and group sizes: bench/shapes.py. Timing: bench/timing.py (side_by_side). A case that
 fails (tokamax missing, a kernel that does not compile, out of memory) is recorded as failed.
@@ -66,11 +68,13 @@ MIN_VS_RAGGED_DOT = {"Mixtral-8x7B": 5.0, "Qwen3-30B-A3B": 50.0}
 MIN_LAYER_SPEEDUP = 1.10  # capacity-1.0 layer ms / nodrop layer ms
 MIN_LAYER_VS_TOKAMAX = 1.0  # tokamax layer ms / nodrop layer ms (the same routing)
 MIN_MEMORY_SAVING = 1.0  # capacity-1.25 temporary bytes / nodrop temporary bytes, layer step
+FP8_RECIPES = ("tensorwise", "blockwise")  # the layer's FP8 variants, "fp8_<recipe>"
 
 IMPL_LABELS = {
     "nodrop": "nodrop", "torch": "torch._grouped_mm", "tokamax": "tokamax.ragged_dot",
     "ragged_dot": "jax.lax.ragged_dot",
     **{f"capacity_{cf}": f"capacity {cf}" for cf in CAPACITY_FACTORS}, "dense": "dense jnp.dot",
+    **{f"fp8_{recipe}": f"nodrop FP8 {recipe}" for recipe in FP8_RECIPES},
 }
 PLOTTED_IMPLS = ("nodrop", "torch", "tokamax", "ragged_dot", BASELINE_CAPACITY, "dense")
 PASS_LABELS = {"forward": "fwd", "forward+backward": "fwd+bwd"}
@@ -272,15 +276,18 @@ def padded_gemm_cases(common: dict, lhs, rhs, grad_out, iters: int) -> list[dict
 
 def layer_cases(name: str, iters: int, tokamax, router_matmul: str = MoEConfig.router_matmul) -> list[dict]:
     """nodrop.demo's loss and gradients of nodrop.moe.MoEBlock at LAYER_SHAPES[name]: dropless,
-    dropless with the expert matmuls on `tokamax` (tokamax_peer.load_tokamax), and at each
-    capacity factor, on the same weights and data, every router by `router_matmul`, timed side
-    by side; with the memory of each compiled step."""
+    dropless in each FP8 recipe, dropless with the expert matmuls on `tokamax`
+    (tokamax_peer.load_tokamax), and at each capacity factor, on the same weights and data,
+    every router by `router_matmul`, timed side by side; with the memory of each compiled
+    step."""
     tokens, hidden, ffn, experts, k = dims = LAYER_SHAPES[name]
     flops = 3 * 6 * tokens * k * hidden * ffn  # 3 GEMMs of 2*T*k*H*F forward, twice that backward
     results, runs, extra = {}, {}, {}
     with tokamax_ops(tokamax):
         config = functools.partial(layer_config, name, router_matmul=router_matmul)
-        configs = {"nodrop": config(), "tokamax": config(ops=MOE_OPS)}
+        configs = {"nodrop": config(), **{f"fp8_{recipe}": config(fp8=recipe)
+                                          for recipe in FP8_RECIPES},
+                   "tokamax": config(ops=MOE_OPS)}
         configs |= {f"capacity_{cf}": config(capacity_factor=cf) for cf in CAPACITY_FACTORS}
         params = nnx.state(MoEBlock(configs["nodrop"], rngs=nnx.Rngs(LAYER_SEED)), nnx.Param)
         x, target = demo.inputs(jax.random.key(LAYER_SEED), configs["nodrop"], tokens)
@@ -371,7 +378,8 @@ def gemm_summary(cases: list[dict]) -> list[dict]:
 def layer_summary(cases: list[dict]) -> list[dict]:
     """One row per shape: ms, TFLOP/s, dropped fraction and memory of each variant; nodrop's
     speed-ups (peer ms / nodrop ms) and memory saving (peer temporary bytes / nodrop's); the
-    speed-up and memory targets."""
+    speed-up and memory targets; each FP8 recipe's speed-up over nodrop in bf16 (nodrop ms /
+    its ms)."""
     rows = {}
     for case in cases:
         row = rows.setdefault(case["shape"], dict(shape=case["shape"], dims=case["dims"],
@@ -384,6 +392,9 @@ def layer_summary(cases: list[dict]) -> list[dict]:
         row["speedups"] = {peer: results[peer]["ms"] / nodrop_case["ms"]
                            for peer in ("tokamax", BASELINE_CAPACITY)
                            if nodrop_case["status"] == "ok" and results[peer]["status"] == "ok"}
+        row["fp8_speedups"] = {recipe: nodrop_case["ms"] / results[f"fp8_{recipe}"]["ms"]
+                               for recipe in FP8_RECIPES if nodrop_case["status"] == "ok"
+                               and results[f"fp8_{recipe}"]["status"] == "ok"}
         row["memory_saving"] = None
         if nodrop_case["memory"] and results[MEMORY_BASELINE]["memory"]:
             row["memory_saving"] = (results[MEMORY_BASELINE]["memory"]["temp_bytes"]
@@ -469,7 +480,8 @@ def gemm_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-LAYER_VARIANTS = ("nodrop", "tokamax", *(f"capacity_{cf}" for cf in CAPACITY_FACTORS))
+LAYER_VARIANTS = ("nodrop", *(f"fp8_{recipe}" for recipe in FP8_RECIPES), "tokamax",
+                  *(f"capacity_{cf}" for cf in CAPACITY_FACTORS))
 
 
 def layer_table(rows: list[dict]) -> list[str]:
@@ -482,14 +494,18 @@ def layer_table(rows: list[dict]) -> list[str]:
         return f"{result['ms']:.2f} ms ({result['tflops']:.0f} TFLOP/s{dropped})"
 
     lines = ["| shape (T, H, F, E, k) | " + " | ".join(IMPL_LABELS[v] for v in LAYER_VARIANTS)
-             + " | " + " | ".join(f"{IMPL_LABELS[p]} ms / nodrop ms" for p in peers) + " |",
-             "|" + " --- |" * (1 + len(LAYER_VARIANTS) + len(peers))]
+             + " | " + " | ".join(f"{IMPL_LABELS[p]} ms / nodrop ms" for p in peers)
+             + " | " + " | ".join(f"nodrop ms / FP8 {recipe} ms" for recipe in FP8_RECIPES)
+             + " |",
+             "|" + " --- |" * (1 + len(LAYER_VARIANTS) + len(peers) + len(FP8_RECIPES))]
     for row in rows:
         speedups = " | ".join(ratio_text(row["speedups"].get(p), row["targets"].get(p))
                               for p in peers)
+        fp8 = " | ".join(ratio_text(row["fp8_speedups"].get(recipe), None)
+                         for recipe in FP8_RECIPES)
         lines.append(f"| {row['shape']} {tuple(row['dims'])} | "
                      + " | ".join(cell(row["results"][v]) for v in LAYER_VARIANTS)
-                     + f" | {speedups} |")
+                     + f" | {speedups} | {fp8} |")
     return lines
 
 
@@ -525,7 +541,7 @@ def markdown(meta: dict, gemm_rows: list[dict], layer_rows: list[dict]) -> str:
         f"the mean of {timing['iters']} back-to-back calls (fewer where those would take over "
         f"{CASE_BUDGET_S:g} s), after {timing['warmup']} warm-up calls and {timing['heat_s']:g} s "
         "of untimed calls that bring the card to its power limit, where training runs. nodrop, "
-        "torch._grouped_mm and tokamax.ragged_dot, and the layer's four variants, take turns "
+        "torch._grouped_mm and tokamax.ragged_dot, and the layer's variants, take turns "
         "repeat by repeat, in an order reversed every other repeat, so that each meets the card "
         "in the same state; a case whose first call fails is left out of the turns and shown "
         "as its status (error, OOM; the json has the message).",
@@ -554,7 +570,9 @@ def markdown(meta: dict, gemm_rows: list[dict], layer_rows: list[dict]) -> str:
             "slot positions by a cumsum over a one-hot mask, scatter into [E, C, H] buffers, "
             "batched einsums, gather back. tokamax.ragged_dot: the dropless block with its two "
             "grouped matmuls on tokamax.ragged_dot (forward and backward), the rest nodrop's "
-            "(the same routing). Every variant's router logits: MoEConfig(router_matmul="
+            "(the same routing). nodrop FP8: the dropless block with its expert matmuls in "
+            "that recipe (MoEConfig(fp8=...), its default weight gradient), TFLOP/s counted as "
+            "for bf16. Every variant's router logits: MoEConfig(router_matmul="
             f"{meta['router_matmul']!r}). TFLOP/s counts the useful 18*T*k*H*F FLOPs.",
             "", *layer_table(layer_rows),
             "", "## MoE expert layer, activation memory", "",

@@ -130,14 +130,17 @@ def test_gpu_moe_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch, tiny_sha
     assert {p.name for p in tmp_path.iterdir()} == {"gpu-moe.json", "gpu-moe.md", "gpu-moe.png"}
     results = json.loads((tmp_path / "gpu-moe.json").read_text())
     layer = {case["impl"]: case for case in results["layer"]["cases"]}
-    assert set(layer) == {"nodrop", "tokamax", "capacity_1.0", "capacity_1.25"}
+    assert set(layer) == {"nodrop", "fp8_tensorwise", "fp8_blockwise", "tokamax", "capacity_1.0",
+                          "capacity_1.25"}
     assert all(case["status"] == "ok" for impl, case in layer.items() if impl != "tokamax")
     assert 0 <= layer["capacity_1.0"]["dropped"] < 1 and "dropped" not in layer["nodrop"]
-    for impl in ("nodrop", "capacity_1.0", "capacity_1.25"):
+    for impl in ("nodrop", "fp8_tensorwise", "fp8_blockwise", "capacity_1.0", "capacity_1.25"):
         memory = layer[impl]["memory"]
         assert memory["temp_bytes_per_token"] == memory["temp_bytes"] / TINY_LAYER[0] > 0
     summary, = results["layer"]["summary"]
     assert summary["memory_saving"] > 0 and summary["speedups"]["capacity_1.0"] > 0
+    assert set(summary["fp8_speedups"]) == {"tensorwise", "blockwise"}
+    assert all(speedup > 0 for speedup in summary["fp8_speedups"].values())
     gemm = results["gemm"]["summary"]
     forward_rows = [row for row in gemm if row["passes"] == "forward"]
     assert {row["targets"]["check"]["verdict"] for row in forward_rows} == {"PASS"}
@@ -150,6 +153,7 @@ def test_gpu_moe_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch, tiny_sha
     assert summary["targets"]["tokamax"]["minimum"] == 1.0
     markdown = (tmp_path / "gpu-moe.md").read_text()
     assert "## MoE expert layer, activation memory" in markdown and " B/token " in markdown
+    assert "| nodrop ms / FP8 tensorwise ms | nodrop ms / FP8 blockwise ms |" in markdown
     targets = markdown.split("## Targets")[1]
     assert "temporary bytes / nodrop temporary bytes" in targets
     assert "layer tiny: tokamax.ragged_dot ms / nodrop ms >= 1x" in targets

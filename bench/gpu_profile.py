@@ -1,7 +1,7 @@
 """Where a GPU step's time goes: device time per region and kernel class (JAX profiler traces).
 
     python bench/gpu_profile.py runs RUN_DIR... --out DIR
-    python bench/gpu_profile.py layer --out DIR [--shapes Qwen3-30B-A3B]
+    python bench/gpu_profile.py layer --out DIR [--shapes Qwen3-30B-A3B] [--fp8 tensorwise]
 
 `runs` reads the traces `nodrop train --profile START:STOP` wrote into each run folder (e.g.
 the same preset dropless and at --capacity-factor 1.0) and puts them side by side: milliseconds
@@ -11,8 +11,9 @@ trace) and of each kernel class (grouped GEMM, cuBLAS GEMM, cuDNN attention, nod
 kernels, XLA fusions, ...). Writes DIR/profile.md and DIR/profile.png.
 
 `layer` traces a few jitted forward+backward steps of bench/gpu_moe.py's MoE layer
-(nodrop.moe.MoEBlock dropless, and at capacity factor 1.0) and writes DIR/layer-profile.md
-(the kernels that take the most time) and the raw traces.
+(nodrop.moe.MoEBlock dropless, in each FP8 recipe --fp8 names, and at capacity factor 1.0) and
+writes DIR/layer-profile.md (the kernels that take the most time, each with the op_name and
+result type of the HLO op behind it) and the raw traces.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import re
 
 import jax
 
+from nodrop.ops.fp8 import RECIPES as FP8_RECIPES
 from shapes import LAYER_SEED, LAYER_SHAPES, layer_config
 
 # Named scopes of the model and the trainer (nodrop/models/lm.py, nodrop/moe/block.py,
@@ -47,7 +49,7 @@ KERNEL_CLASSES = (
     ("XLA reduction/scatter fusions", r"^input_|reduce|scatter"),
     ("XLA elementwise fusions", r"^loop_|^wrapped_|fusion"),
 )
-TOP = 14
+TOP = 20
 
 
 def short_name(kernel: str) -> str:
@@ -80,6 +82,13 @@ def hlo_op_names(hlo_text: str) -> dict[str, str]:
     pattern = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name="((?:[^"\\]|\\.)*)"',
                          re.MULTILINE)
     return {name: op_name for name, op_name in pattern.findall(hlo_text)}
+
+
+def hlo_result_types(hlo_text: str) -> dict[str, str]:
+    """{instruction name: its result type without layouts ("f8e4m3fn[8,28672,4096]", or a tuple
+    of them)} of an optimized HLO module's text: which tensor a fusion kernel writes."""
+    pattern = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\([^)]*\)|\S+)\s", re.MULTILINE)
+    return {name: re.sub(r"\{[^}]*\}", "", type_) for name, type_ in pattern.findall(hlo_text)}
 
 
 def device_kernels(trace_path: pathlib.Path) -> tuple[list[tuple[str, float, dict]], list[str]]:
@@ -232,12 +241,17 @@ def layer_main(args) -> int:
     for name in args.shapes.split(","):
         tokens, hidden, ffn, experts, k = LAYER_SHAPES[name]
         configs = {"nodrop": layer_config(name),
+                   **{f"fp8_{recipe}": layer_config(name, fp8=recipe) for recipe in args.fp8},
                    "capacity_1.0": layer_config(name, capacity_factor=1.0)}
         params = nnx.state(MoEBlock(configs["nodrop"], rngs=nnx.Rngs(LAYER_SEED)), nnx.Param)
         x, target = demo.inputs(jax.random.key(LAYER_SEED), configs["nodrop"], tokens)
         report.append(f"## {name} (T={tokens}, H={hidden}, F={ffn}, E={experts}, k={k})\n")
         for impl, config in configs.items():
-            step = jax.jit(demo.loss_and_grads(MoEBlock(config, rngs=nnx.Rngs(LAYER_SEED))))
+            step = jax.jit(demo.loss_and_grads(MoEBlock(config, rngs=nnx.Rngs(LAYER_SEED)))
+                           ).lower(params, x, target).compile()
+            op_names = hlo_op_names(step.as_text())
+            result_types = hlo_result_types(step.as_text())
+            op_names_by_kernel = {op.replace(".", "_"): op for op in op_names}
             for _ in range(3):
                 jax.block_until_ready(step(params, x, target))
             wall_ms = seconds_per_call(lambda: step(params, x, target),
@@ -249,14 +263,20 @@ def layer_main(args) -> int:
                 jax.block_until_ready(result)
             kernels_us, lines = device_kernels(next(trace_dir.rglob("perfetto_trace.json.gz")))
             kernels = collections.Counter()
-            for kernel, micros, _ in kernels_us:
-                kernels[kernel] += micros / 1e3 / LAYER_STEPS
+            for kernel, micros, event_args in kernels_us:
+                op = event_args.get("hlo_op", "")  # as in run_profile
+                op = op if op in op_names else op_names_by_kernel.get(kernel, kernel)
+                # The op_name's last three scopes: enough to tell the ops apart.
+                where = "/".join(op_names.get(op, "").split("/")[-3:])
+                where += f" {result_types[op]}" if op in result_types else ""
+                kernels[(short_name(kernel), where)] += micros / 1e3 / LAYER_STEPS
             busy = sum(kernels.values())
             report.append(f"### {impl}: {wall_ms:.2f} ms per step, kernels {busy:.2f} ms\n")
             report.append("device lines: " + "; ".join(lines) + "\n")
-            report.append("| kernel | ms per step | share |\n| --- | ---: | ---: |")
-            for kernel, ms in kernels.most_common(TOP):
-                report.append(f"| `{kernel[:90]}` | {ms:.3f} | {ms / busy:.1%} |")
+            report.append("| kernel | HLO op_name (last scopes), result | ms per step | share |\n"
+                          "| --- | --- | ---: | ---: |")
+            for (kernel, where), ms in kernels.most_common(TOP):
+                report.append(f"| `{kernel[:90]}` | `{where[:120]}` | {ms:.3f} | {ms / busy:.1%} |")
             report.append("")
             print("\n".join(report[-TOP - 4:]), flush=True)
     (args.out / "layer-profile.md").write_text("\n".join(report) + "\n")
@@ -272,6 +292,8 @@ def main() -> int:
     layer = commands.add_parser("layer", help="the MoE layer alone, dropless and capacity 1.0")
     layer.add_argument("--out", type=pathlib.Path, required=True)
     layer.add_argument("--shapes", default=",".join(LAYER_SHAPES))
+    layer.add_argument("--fp8", nargs="*", default=[], choices=FP8_RECIPES,
+                       help="also the dropless layer in these FP8 recipes")
     args = parser.parse_args()
     return runs_main(args) if args.command == "runs" else layer_main(args)
 

@@ -98,7 +98,7 @@ def _scale(amax, finite):
     agree.) A block holding
     NaN or +-inf (`finite` false) gets NaN, so
     non-finite values spread over their block instead of being clipped to finite ones (an
-    overflow stays visible in the loss, as it would without FP8). `finite` is counted apart:
+    overflow stays visible in the loss, as it would without FP8). `finite` is the caller's:
     XLA's CPU max reductions do not always carry a NaN to amax."""
     # Times the float32 reciprocal, as in _cast: a division by a constant may be rewritten so
     # under jit and not eagerly.
@@ -164,12 +164,17 @@ def quantize(x: ArrayLike, block: Block, *, scale: ArrayLike | None = None
 
 def _amax_scales(x, rows: int, cols: int, grid: tuple[int, int]):
     """quantize's scales of float32 x [..., R, C] in blocks of rows x cols (a grid of them): each
-    block's amax through `_scale`."""
+    block's amax through `_scale`. One reduction finds amax and finiteness both: a NaN or an inf
+    counts as +inf, which a max always carries (a NaN it may not, on XLA's CPU), so a block is
+    finite where its amax is. (Two reductions, which XLA did not fuse, cost the tensorwise MoE
+    layer 0.46 ms of 28 on Mixtral's weights on an H100.)"""
+    magnitudes = jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.inf)
     # Zero padding up to whole blocks leaves every block's amax as it is.
-    padded = jnp.pad(jnp.abs(x), [(0, 0)] * (x.ndim - 2)
+    padded = jnp.pad(magnitudes, [(0, 0)] * (x.ndim - 2)
                      + [(0, grid[0] * rows - x.shape[-2]), (0, grid[1] * cols - x.shape[-1])])
-    blocks = padded.reshape(*x.shape[:-2], grid[0], rows, grid[1], cols)
-    return _scale(blocks.max(axis=(-3, -1), initial=0.0), jnp.isfinite(blocks).all(axis=(-3, -1)))
+    amax = padded.reshape(*x.shape[:-2], grid[0], rows, grid[1], cols).max(axis=(-3, -1),
+                                                                          initial=0.0)
+    return _scale(amax, amax < jnp.inf)
 
 
 def tensor_scale(x: ArrayLike) -> jax.Array:

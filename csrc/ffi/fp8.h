@@ -162,6 +162,53 @@ auto bind_quantize_fp8_transposed(Binding binding) {
       .template Attr<bool>("checked");
 }
 
+// The engine's view of one quantisation of the experts' weights for the forward.
+struct QuantizeWeightsTransposedCall {
+  DType dtype;
+  int64_t G, K, N;
+  const float* given_scale;  // null: each block's own
+};
+
+// w [G, K, N] (float), given_scale [0] (each block's own scale) or [G] (expert g's for all its
+// blocks) -> q_t [G, N, K] float8_e4m3fn, scale [G, NB, KB] float32, NB = ceil(N / 128),
+// KB = ceil(K / 128).
+inline ffi::ErrorOr<QuantizeWeightsTransposedCall> decode_quantize_fp8_weights_transposed(
+    const ffi::AnyBuffer& w, const ffi::Buffer<ffi::F32>& given_scale, const ffi::AnyBuffer& q_t,
+    const ffi::Buffer<ffi::F32>& scale) {
+  auto dtype = require_float("w", w);
+  if (!dtype) return dtype.error();
+  NODROP_RETURN_IF_ERROR(require_rank("w", w, 3));
+  const int64_t G = w.dimensions()[0], K = w.dimensions()[1], N = w.dimensions()[2];
+  NODROP_RETURN_IF_ERROR(require_rank("given_scale", given_scale, 1));
+  const int64_t given = given_scale.dimensions()[0];
+  if (given != 0 && given != G) {
+    return ffi::Error::InvalidArgument("given_scale must hold 0 or G = " + std::to_string(G) +
+                                       " elements, got " + std::to_string(given));
+  }
+  const int64_t KB = (K + kFp8Block - 1) / kFp8Block, NB = (N + kFp8Block - 1) / kFp8Block;
+  NODROP_RETURN_IF_ERROR(require_e4m3("q_t", q_t));
+  NODROP_RETURN_IF_ERROR(require_rank("q_t", q_t, 3));
+  NODROP_RETURN_IF_ERROR(require_dim("q_t", q_t, 0, G));
+  NODROP_RETURN_IF_ERROR(require_dim("q_t", q_t, 1, N));
+  NODROP_RETURN_IF_ERROR(require_dim("q_t", q_t, 2, K));
+  NODROP_RETURN_IF_ERROR(require_rank("scale", scale, 3));
+  NODROP_RETURN_IF_ERROR(require_dim("scale", scale, 0, G));
+  NODROP_RETURN_IF_ERROR(require_dim("scale", scale, 1, NB));
+  NODROP_RETURN_IF_ERROR(require_dim("scale", scale, 2, KB));
+  return QuantizeWeightsTransposedCall{*dtype, G, K, N,
+                                       given == 0 ? nullptr : given_scale.typed_data()};
+}
+
+// The operands after the platform's context: w, given_scale -> q_t, scale.
+template <typename Binding>
+auto bind_quantize_fp8_weights_transposed(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>();
+}
+
 // The engine's view of one FP8 grouped matmul.
 struct Fp8GemmShape {
   int64_t M, K, N, G;

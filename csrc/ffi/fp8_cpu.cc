@@ -38,6 +38,18 @@ ffi::Error PermuteFp8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S
       &runner));
 }
 
+ffi::Error QuantizeFp8WeightsTransposed(ffi::ThreadPool pool, ffi::AnyBuffer w,
+                                        ffi::Buffer<ffi::F32> given_scale,
+                                        ffi::Result<ffi::AnyBuffer> q_t,
+                                        ffi::Result<ffi::Buffer<ffi::F32>> scale) {
+  auto call = decode_quantize_fp8_weights_transposed(w, given_scale, *q_t, *scale);
+  if (!call) return call.error();
+  XlaThreadPoolRunner runner(pool);
+  return to_ffi_error(cpu::quantize_fp8_weights_transposed(
+      w.untyped_data(), call->dtype, call->G, call->K, call->N, call->given_scale,
+      static_cast<uint8_t*>(q_t->untyped_data()), scale->typed_data(), &runner));
+}
+
 ffi::Error GroupedMatmulFp8Blockwise(ffi::ThreadPool pool, ffi::AnyBuffer lhs,
                                      ffi::Buffer<ffi::F32> lhs_scales, ffi::AnyBuffer rhs,
                                      ffi::Buffer<ffi::F32> rhs_scales,
@@ -145,5 +157,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropPermuteFp8Cpu, PermuteFp8,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     NodropQuantizeFp8TransposedCpu, QuantizeFp8Transposed,
     bind_quantize_fp8_transposed(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NodropQuantizeFp8WeightsTransposedCpu, QuantizeFp8WeightsTransposed,
+    bind_quantize_fp8_weights_transposed(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
 }  // namespace nodrop::handlers

@@ -53,6 +53,17 @@ ffi::Error QuantizeFp8Transposed(cudaStream_t stream, ffi::AnyBuffer x,
       call->given_scale, static_cast<uint8_t*>(q_t->untyped_data()), scale->typed_data(), stream));
 }
 
+ffi::Error QuantizeFp8WeightsTransposed(cudaStream_t stream, ffi::AnyBuffer w,
+                                        ffi::Buffer<ffi::F32> given_scale,
+                                        ffi::Result<ffi::AnyBuffer> q_t,
+                                        ffi::Result<ffi::Buffer<ffi::F32>> scale) {
+  auto call = decode_quantize_fp8_weights_transposed(w, given_scale, *q_t, *scale);
+  if (!call) return call.error();
+  return to_ffi_error(cuda::quantize_fp8_weights_transposed(
+      w.untyped_data(), call->dtype, call->G, call->K, call->N, call->given_scale,
+      static_cast<uint8_t*>(q_t->untyped_data()), scale->typed_data(), stream));
+}
+
 ffi::Error GroupedMatmulFp8Blockwise(cudaStream_t stream, ffi::AnyBuffer lhs,
                                      ffi::Buffer<ffi::F32> lhs_scales, ffi::AnyBuffer rhs,
                                      ffi::Buffer<ffi::F32> rhs_scales,
@@ -147,6 +158,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropQuantizeFp8TransposedCuda, QuantizeFp8Transposed,
                               bind_quantize_fp8_transposed(ffi::Ffi::Bind().Ctx<Stream>()),
                               {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NodropQuantizeFp8WeightsTransposedCuda, QuantizeFp8WeightsTransposed,
+    bind_quantize_fp8_weights_transposed(ffi::Ffi::Bind().Ctx<Stream>()),
+    {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     NodropGroupedMatmulFp8BlockwiseContractCuda, GroupedMatmulFp8BlockwiseContract,

@@ -383,10 +383,24 @@ def _tensor_rows(x, group_sizes):
     return q, scale.reshape(1)
 
 
+def _expert_scales(w):
+    """Each expert's tensorwise scale, [G]: the forward's and the input gradient's (the same
+    reduction, which XLA computes once)."""
+    w = w.astype(jnp.float32)
+    return _amax_scales(w, *_block_shape("tensor", w), (1, 1)).reshape(w.shape[0])
+
+
 def _expert_weights(w):
     """Each expert's codes and its one scale, [G]."""
-    q, scale = quantize(w, "tensor")
-    return q, scale.reshape(w.shape[0])
+    scale = _expert_scales(w)
+    return quantize(w, "tensor", scale=scale[:, None, None])[0], scale
+
+
+def _expert_weights_transposed(w):
+    """`_expert_weights` of each expert's weight transposed, the forward's: the codes in one
+    engine pass (`quantize_weights_transposed` at the experts' scales)."""
+    scale = _expert_scales(w)
+    return quantize_weights_transposed(w, scale=scale)[0], scale
 
 
 def _tensor_transposed(x, group_sizes):
@@ -397,16 +411,15 @@ def _tensor_transposed(x, group_sizes):
 
 
 def _kernel_forward(lhs, rhs, group_sizes, lhs_quantized, recipe):
-    """The forward on the recipe's FP8 kernel: each expert's weight transposed (a block of
-    rhs[g] is a block of rhs[g].T, and its tensor scale is rhs[g]'s); lhs's quantisation as
-    given, if it is."""
-    rhs_t = jnp.swapaxes(rhs, 1, 2)
+    """The forward on the recipe's FP8 kernel: each expert's weight transposed and quantised in
+    one engine pass (XLA's fusion of the transpose and the conversion wrote the codes at about
+    1.3 TB/s on an H100); lhs's quantisation as given, if it is."""
     if recipe == "tensorwise":
         lhs_q = _tensor_rows(lhs, group_sizes) if lhs_quantized is None else lhs_quantized
-        return grouped_matmul_fp8_tensorwise(*lhs_q, *_expert_weights(rhs_t), group_sizes,
-                                             fast_accumulation=True),
+        return grouped_matmul_fp8_tensorwise(*lhs_q, *_expert_weights_transposed(rhs),
+                                             group_sizes, fast_accumulation=True),
     lhs_q = _blockwise_rows(lhs, group_sizes) if lhs_quantized is None else lhs_quantized
-    return grouped_matmul_fp8_blockwise(*lhs_q, *_blockwise_weights(rhs_t), group_sizes),
+    return grouped_matmul_fp8_blockwise(*lhs_q, *quantize_weights_transposed(rhs), group_sizes),
 
 
 def _emulated_forward(lhs, rhs, group_sizes, lhs_quantized, recipe, matmul):
@@ -642,6 +655,77 @@ def _permute_fp8_lowering(x, ids, given_scale, *, num_experts, checked, partitio
 # Differentiated through `_moved_rows` (its operands are stop_gradient'ed), not by JAX.
 _permute_fp8_p = _primitives.define("nodrop_permute_fp8", abstract_eval=_permute_fp8_abstract_eval,
                                     lower=_permute_fp8_lowering, multiple_results=True)
+
+
+# --- the experts' weights, transposed for the forward --------------------------------------------
+
+
+def _given_scales(scale, num_experts: int):
+    """The engine's operand given_scale of `quantize_weights_transposed`'s `scale`: [0] float32
+    for None (each block's own scale), else the experts' scales [G]."""
+    if scale is None:
+        return jnp.zeros((0,), jnp.float32)
+    given = jnp.asarray(scale)
+    if given.dtype != jnp.float32 or given.shape != (num_experts,):
+        raise ValueError(f"scale must be float32 of shape ({num_experts},) (one per expert of w), "
+                         f"got {jnp.dtype(given.dtype).name}{list(given.shape)}")
+    return given
+
+
+def quantize_weights_transposed(w: ArrayLike, *, scale: ArrayLike | None = None
+                                ) -> tuple[jax.Array, jax.Array]:
+    """The FP8 forward's weight operand in one engine call: w [G, K, N] (float32, float16 or
+    bfloat16) -> (q_t float8_e4m3fn [G, N, K], scale float32 [G, ceil(N / 128), ceil(K / 128)]),
+    bitwise `quantize(jnp.swapaxes(w, 1, 2), WEIGHT_BLOCK)`: each expert's weight transposed
+    (Hopper's FP8 wgmma reads both operands K-major) in 128 x 128 blocks, read once and written
+    once. `grouped_matmul_fp8_blockwise` reads it as rhs. Experts partition locally under
+    sharding; K and N are gathered. Not differentiable (the recipes' custom_vjp never
+    differentiates a quantisation).
+
+    scale: None, or float32 [G], one scale per expert that all of its blocks take instead of
+    their own (the tensorwise recipe's, from an amax taken beforehand). Then q_t is bitwise
+    `quantize(jnp.swapaxes(w, 1, 2), "tensor", scale=scale[:, None, None])`'s codes (values past
+    448 * scale saturate), every scale of expert g is scale[g], and
+    `grouped_matmul_fp8_tensorwise` reads the codes with `scale`.
+    """
+    w = jnp.asarray(w)
+    _checks.require_rank("w", w, 3, "[G, K, N]")
+    _checks.require_float("w", w)
+    return tuple(_quantize_weights_transposed_p.bind(
+        *_ffi.match_vma(w, _given_scales(scale, w.shape[0]))))
+
+
+def _weights_transposed_shapes(w):
+    num_experts, k, n = w.shape
+    return (num_experts, n, k), (num_experts, -(-n // BLOCK), -(-k // BLOCK))
+
+
+def _quantize_weights_transposed_lowering(w, given_scale, *, partition):
+    def run(w, given_scale):
+        codes, scales = _weights_transposed_shapes(w)
+        return _ffi.call(
+            "nodrop_quantize_fp8_weights_transposed",
+            (jax.ShapeDtypeStruct(codes, E4M3), jax.ShapeDtypeStruct(scales, jnp.float32)),
+            w, given_scale)
+
+    if not partition:
+        return run(w, given_scale)
+    # Each expert on its own: split experts stay local (their given scales with them); a
+    # weight's blocks span its rows and columns, which are gathered.
+    given = "g" if given_scale.shape[0] else "s"
+    return _partition.partitioned(
+        run, f"g k n, {given} -> g n k, g b c", (("g", "k", "n"), (given,)),
+        (("g", "n", "k"), ("g", "b", "c")), lambda axes_of, *args: run(*args), ("g",),
+        need_replication_factors=("k", "n") + (("s",) if given == "s" else ()) + ("b", "c"))(
+            w, given_scale)
+
+
+_quantize_weights_transposed_p = _primitives.define(
+    "nodrop_quantize_fp8_weights_transposed",
+    abstract_eval=lambda w, given_scale: tuple(
+        _primitives.result_aval((w, given_scale), shape, dtype)
+        for shape, dtype in zip(_weights_transposed_shapes(w), (E4M3, jnp.float32))),
+    lower=_quantize_weights_transposed_lowering, multiple_results=True)
 
 
 # --- the engine's FP8 grouped matmuls on ragged rows (the forwards) -----------------------------

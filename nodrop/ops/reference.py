@@ -127,6 +127,18 @@ def permute_fp8(x, ids, num_experts, *, scale=None):
             rows_scale)
 
 
+def quantize_weights_transposed(w, *, scale=None):
+    """Each expert's weight transposed and quantised in 128 x 128 blocks (fp8.quantize, the
+    blockwise recipe's), or with scale [G] given, expert g's every block under scale[g] (the
+    tensorwise recipe's): (q_t [G, N, K], scale [G, ceil(N / 128), ceil(K / 128)])."""
+    w_t = jnp.swapaxes(w, 1, 2)
+    if scale is None:
+        return fp8.quantize(w_t, fp8.WEIGHT_BLOCK)
+    blocks = (w_t.shape[0], -(-w_t.shape[1] // fp8.BLOCK), -(-w_t.shape[2] // fp8.BLOCK))
+    scales = jnp.broadcast_to(jnp.asarray(scale, jnp.float32)[:, None, None], blocks)
+    return fp8.quantize(w_t, fp8.WEIGHT_BLOCK, scale=scales)[0], scales
+
+
 def unpermute(rows, row_map, weights):
     """rows [T*k, H], row_map [T*k], weights [T, k] -> [T, H] = sum_s weight * row, in float32."""
     num_tokens, k = weights.shape

@@ -1,5 +1,6 @@
-// FP8 quantisation on the CPU: the reference numerics of nodrop.ops.fp8, row by row, and the
-// weight gradient's transposed operands block by block.
+// FP8 quantisation on the CPU: the reference numerics of nodrop.ops.fp8, row by row, the
+// weight gradient's transposed operands block by block, and the experts' weights transposed for
+// the forward.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -148,6 +149,48 @@ Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_
         uint8_t* column = q_t + c * P + b * kFp8Block;  // the block's 128 columns of row c
         for (int64_t j = 0; j < rows; ++j) column[j] = quantize_value(values[j * C + c], inverse[c]);
         std::fill(column + rows, column + kFp8Block, 0);
+      }
+    }
+  });
+  return Status::Ok();
+}
+
+Status quantize_fp8_weights_transposed(const void* w, DType dtype, int64_t G, int64_t K,
+                                       int64_t N, const float* given_scale, uint8_t* q_t,
+                                       float* scale, ParallelRunner* runner) {
+  const int64_t KB = (K + kFp8Block - 1) / kFp8Block, NB = (N + kFp8Block - 1) / kFp8Block;
+  Status status = check_arguments(
+      "quantize_fp8_weights_transposed", {{"G", G}, {"K", K}, {"N", N}},
+      {{"w", w, G * K * N}, {"q_t", q_t, G * N * K}, {"scale", scale, G * NB * KB}});
+  if (!status.ok()) return status;
+  // One task per 128-row block of an expert: its rows read once, each of its 128 x 128 blocks
+  // scaled on its own (or at the expert's given scale) and written transposed.
+  parallel_blocks(runner, G * KB, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> values(kFp8Block * N);
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t g = task / KB, kb = task % KB, k0 = kb * kFp8Block;
+      const int64_t rows = std::min(kFp8Block, K - k0);
+      to_float(static_cast<const char*>(w) + (g * K + k0) * N * dtype_size(dtype), dtype,
+               rows * N, values.data());
+      for (int64_t nb = 0; nb < NB; ++nb) {
+        const int64_t n0 = nb * kFp8Block, columns = std::min(kFp8Block, N - n0);
+        float amax = 0.0f;
+        bool finite = true;
+        for (int64_t r = 0; r < rows && !given_scale; ++r) {
+          for (int64_t c = n0; c < n0 + columns; ++c) {
+            finite = finite && std::isfinite(values[r * N + c]);
+            amax = std::max(amax, std::fabs(values[r * N + c]));
+          }
+        }
+        const float s = given_scale ? given_scale[g] : block_scale(amax, finite);
+        scale[(g * NB + nb) * KB + kb] = s;
+        const float inverse = 1.0f / s;
+        for (int64_t c = n0; c < n0 + columns; ++c) {
+          uint8_t* column = q_t + (g * N + c) * K + k0;  // row c of expert g's transpose
+          for (int64_t r = 0; r < rows; ++r) {
+            column[r] = quantize_value(values[r * N + c], inverse);
+          }
+        }
       }
     }
   });

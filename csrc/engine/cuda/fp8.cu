@@ -13,6 +13,9 @@
 //   blocks. Each thread holds 8 rows x 8 columns of a row block's tile; column amaxes are
 //   reduced across the thread block (skipped where one scale is given for all), and the
 //   transposed codes pass through shared memory so that q_t is written in 256-byte runs.
+// - quantize_fp8_weights_transposed: one thread block per 128 x 128 block of an expert's weight,
+//   read and staged as quantize_fp8_transposed's tiles, one amax over the block (skipped where
+//   each expert's scale is given), written as 128-byte runs of the transposed codes.
 // All scale and round every element alike (block_scale, to_e4m3), by the hardware's float32 ->
 // E4M3 conversion (nearest even, saturating), so they are bitwise the CPU engine.
 #include <cuda_bf16.h>
@@ -265,6 +268,62 @@ static_assert(kThreads % (kRowBlocks * kPairs) == 0, "whole columns per store st
 template <typename T>
 constexpr int kTransposedBlocksPerSm = sizeof(T) == 2 ? 3 : 2;
 
+// The thread's 8 rows (8 rg + i) of its 8 columns (c0 onwards, `columns` of them inside x) of a
+// tile whose `rows` rows start at x's row `begin` (C columns); rows past the tile and columns
+// past x read as zeros. kVector: C % 8 == 0 and x 16-byte aligned.
+template <typename T, bool kVector>
+__device__ void load_tile_rows(Chunk<T> (&chunk)[kRowsPerThread], const T* __restrict__ x,
+                               int64_t begin, int rows, int64_t C, int64_t c0, int columns,
+                               int rg) {
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    const int row = kRowsPerThread * rg + i;
+    const T* p = x + (begin + row) * C + c0;
+    if (row >= rows || columns == 0) {
+      chunk[i].clear();
+    } else if (kVector) {
+      chunk[i].load(p);  // C % 8 == 0: all 8 columns
+    } else {
+      chunk[i].load_partial(p, columns);
+    }
+  }
+}
+
+// The bytes of a thread's 8-row run that lie inside a tile of `rows` rows.
+__device__ uint2 rows_kept(int rg, int rows) {
+  uint2 keep = make_uint2(0, 0);
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    if (kRowsPerThread * rg + i < rows) (i < 4 ? keep.x : keep.y) |= 0xffu << (8 * (i % 4));
+  }
+  return keep;
+}
+
+// Stages the thread's codes transposed: column 8 cg + j's 8 rows as one run of tile[column]
+// (bytes outside `keep` zero), at inverse(j), its reciprocal scale. Run rg of column c is stored
+// at run rg ^ (c / 8), so that both these writes (a half warp: 16 columns 8 apart, one run) and
+// staged_rows' reads (8 lanes: one column's 8 16-byte pairs of runs) touch every bank once.
+template <typename T, typename Inverse>
+__device__ void stage_transposed(uint8_t (*tile)[kBlock], const Chunk<T> (&chunk)[kRowsPerThread],
+                                 int cg, int rg, uint2 keep, Inverse inverse) {
+#pragma unroll
+  for (int j = 0; j < kChunk; ++j) {
+    const float inverse_j = inverse(j);
+    const uint2 run = pack_pairs([&](int p) {
+      return to_e4m3_pair(chunk[2 * p][j], chunk[2 * p + 1][j], inverse_j);
+    });
+    *reinterpret_cast<uint2*>(&tile[kChunk * cg + j][kRowsPerThread * (rg ^ cg)]) =
+        make_uint2(run.x & keep.x, run.y & keep.y);
+  }
+}
+
+// Codes of rows 16 pair to 16 pair + 15 of column c of a staged tile, in order.
+__device__ uint4 staged_rows(const uint8_t (*tile)[kBlock], int c, int pair) {
+  const int column_group = c / kChunk;
+  const uint4 v = *reinterpret_cast<const uint4*>(&tile[c][16 * (pair ^ (column_group >> 1))]);
+  return column_group & 1 ? make_uint4(v.z, v.w, v.x, v.y) : v;  // runs 2 pair + 1, 2 pair
+}
+
 template <typename T, bool kVector>
 __global__ void __launch_bounds__(kThreads, kTransposedBlocksPerSm<T>)
 quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restrict__ group_sizes,
@@ -278,9 +337,7 @@ quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restric
   // Column 8 g + j's reciprocal scale at j * 16 + g: the 16 column groups' reads of one j fall
   // in 16 banks (at 8 g + j, every fourth group shared a bank).
   __shared__ float column_inverse[kTileColumns];
-  // Row block r's codes: column c's 128 rows in 16 runs of 8 bytes, run q stored at q ^ (c / 8)
-  // so that both the writes (a half warp: 16 columns 8 apart, one run) and the reads (8 lanes:
-  // one column's 8 16-byte pairs of runs) touch every bank once.
+  // Row block r's codes, staged transposed (stage_transposed).
   __shared__ alignas(16) uint8_t codes_t[kRowBlocks][kTileColumns][kBlock];
   const int64_t b0 = int64_t(blockIdx.x) * kRowBlocks;
   const int row_blocks = int(min(int64_t(kRowBlocks), P / kBlock - b0));
@@ -322,18 +379,7 @@ quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restric
         continue;
       }
       Chunk<T> chunk[kRowsPerThread];
-#pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) {
-        const int row = kRowsPerThread * rg + i;
-        const T* p = x + (begin + row) * C + c0;
-        if (row >= rows || columns == 0) {
-          chunk[i].clear();
-        } else if (kVector) {
-          chunk[i].load(p);  // C % 8 == 0: all 8 columns
-        } else {
-          chunk[i].load_partial(p, columns);
-        }
-      }
+      load_tile_rows<T, kVector>(chunk, x, begin, rows, C, c0, columns, rg);
 
       if (given) {
         const int64_t c = tile * kTileColumns + t;
@@ -364,24 +410,11 @@ quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restric
         __syncthreads();
       }
 
-      // The thread's 8 rows of each of its columns as one run; rows past the block are 0 (even
-      // where the scale is NaN). The next row block's first barrier orders these reads of
-      // column_inverse before its writes.
-      uint2 keep = make_uint2(0, 0);  // bytes of a run inside the block
-#pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) {
-        if (kRowsPerThread * rg + i < rows) (i < 4 ? keep.x : keep.y) |= 0xffu << (8 * (i % 4));
-      }
-#pragma unroll
-      for (int j = 0; j < kChunk; ++j) {
-        const int c = kChunk * cg + j;
-        const float inverse = given ? fixed_inverse : column_inverse[j * kLanesPerBlock + cg];
-        const uint2 run = pack_pairs([&](int p) {
-          return to_e4m3_pair(chunk[2 * p][j], chunk[2 * p + 1][j], inverse);
-        });
-        *reinterpret_cast<uint2*>(&codes_t[r][c][kRowsPerThread * (rg ^ cg)]) =
-            make_uint2(run.x & keep.x, run.y & keep.y);
-      }
+      // Rows past the block are 0 (even where the scale is NaN). The next row block's first
+      // barrier orders these reads of column_inverse before its writes.
+      stage_transposed(codes_t[r], chunk, cg, rg, rows_kept(rg, rows), [&](int j) {
+        return given ? fixed_inverse : column_inverse[j * kLanesPerBlock + cg];
+      });
     }
     __syncthreads();
 
@@ -393,16 +426,76 @@ quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restric
       const int r = t % kLanesPerColumn / kPairs, pair = t % kPairs;
       const int64_t column = tile * kTileColumns + c;
       if (column < C && r < row_blocks) {
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (block_rows[r] > 0) {
-          const int column_group = c / kChunk;
-          v = *reinterpret_cast<const uint4*>(&codes_t[r][c][16 * (pair ^ (column_group >> 1))]);
-          if (column_group & 1) v = make_uint4(v.z, v.w, v.x, v.y);  // runs 2 pair + 1, 2 pair
-        }
+        const uint4 v =
+            block_rows[r] > 0 ? staged_rows(codes_t[r], c, pair) : make_uint4(0, 0, 0, 0);
         *reinterpret_cast<uint4*>(q_t + column * P + (b0 + r) * kBlock + 16 * pair) = v;
       }
     }
     __syncthreads();  // the shared arrays are the next tile's
+  }
+}
+
+// quantize_fp8_weights_transposed: thread block (x, y, z) quantises the 128 x 128 block of
+// expert z's weight at rows 128 y and columns 128 x, read as quantize_fp8_transposed reads a tile
+// (thread t holds rows 8 (t / 16) + i and columns 8 (t % 16) + j), scaled by one amax over the
+// whole block (or the expert's given scale), staged transposed and written as 128-byte runs, one
+// per column: row n of expert z's [N, K] codes holds the block's codes at k = 128 y onwards.
+// kVector: N % 8 == 0 and w 16-byte aligned; vector_store: K % 16 == 0 and q_t 16-byte aligned.
+template <typename T, bool kVector>
+__global__ void __launch_bounds__(kThreads, kTransposedBlocksPerSm<T>)
+quantize_fp8_weights_transposed_kernel(const T* __restrict__ w, int64_t K, int64_t N,
+                                       const float* __restrict__ given_scale, bool vector_store,
+                                       uint8_t* __restrict__ q_t, float* __restrict__ scale) {
+  __shared__ uint32_t warp_key[kWarpsPerBlock];
+  __shared__ alignas(16) uint8_t codes_t[kTileColumns][kBlock];
+  const int64_t g = blockIdx.z, k0 = int64_t(blockIdx.y) * kBlock;
+  const int64_t n0 = int64_t(blockIdx.x) * kTileColumns;
+  const int t = threadIdx.x, warp = t / 32;
+  const int cg = t % kLanesPerBlock, rg = t / kLanesPerBlock;  // column and row group
+  const int rows = int(min(int64_t(kBlock), K - k0));
+  const int64_t c0 = n0 + kChunk * cg;  // this thread's first column
+  const int columns = int(max(int64_t(0), min(int64_t(kChunk), N - c0)));
+  Chunk<T> chunk[kRowsPerThread];
+  load_tile_rows<T, kVector>(chunk, w + g * K * N, k0, rows, N, c0, columns, rg);
+
+  float s;
+  if (given_scale != nullptr) {
+    s = given_scale[g];
+  } else {  // the block's amax: the thread's 64 elements, its warp's, then all eight warps'
+    ColumnKeys<T> keys;
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) keys.add(chunk[i]);
+    uint32_t key = keys.all();
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      key = max(key, __shfl_xor_sync(kFullMask, key, offset));
+    }
+    if (t % 32 == 0) warp_key[warp] = key;
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kWarpsPerBlock; ++i) key = max(key, warp_key[i]);
+    s = key_scale(key);
+  }
+  if (t == 0) scale[(g * gridDim.x + blockIdx.x) * gridDim.y + blockIdx.y] = s;
+  const float inverse = __frcp_rn(s);
+  stage_transposed(codes_t, chunk, cg, rg, rows_kept(rg, rows), [&](int) { return inverse; });
+  __syncthreads();
+
+  // 8 lanes write one column's codes, 16 bytes each.
+  uint8_t* out = q_t + g * N * K + k0;
+#pragma unroll
+  for (int u = 0; u < kTileColumns * kPairs / kThreads; ++u) {
+    const int c = u * (kThreads / kPairs) + t / kPairs, pair = t % kPairs;
+    const int first = 16 * pair;
+    if (n0 + c >= N || first >= rows) continue;
+    const uint4 v = staged_rows(codes_t, c, pair);
+    uint8_t* p = out + (n0 + c) * K + first;
+    if (vector_store) {  // K % 16 == 0: whole pieces
+      *reinterpret_cast<uint4*>(p) = v;
+    } else {
+      const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&v);
+      for (int b = 0; b < min(16, rows - first); ++b) p[b] = bytes[b];
+    }
   }
 }
 
@@ -570,6 +663,36 @@ Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_
                                           scale);
   });
   return launch_status("quantize_fp8_transposed");
+}
+
+Status quantize_fp8_weights_transposed(const void* w, DType dtype, int64_t G, int64_t K,
+                                       int64_t N, const float* given_scale, uint8_t* q_t,
+                                       float* scale, cudaStream_t stream) {
+  auto fail = [](const std::string& what) {
+    return Status::Error("quantize_fp8_weights_transposed: " + what);
+  };
+  if (G < 0 || K < 0 || N < 0) {
+    return fail("G, K and N must not be negative, got G = " + std::to_string(G) + ", K = " +
+                std::to_string(K) + ", N = " + std::to_string(N));
+  }
+  if (G == 0 || K == 0 || N == 0) return Status::Ok();
+  if (w == nullptr || q_t == nullptr || scale == nullptr) return fail("a buffer is null");
+  const int64_t KB = (K + kBlock - 1) / kBlock, NB = (N + kBlock - 1) / kBlock;
+  if (G > 65535 || KB > 65535 || NB > INT32_MAX) {
+    return fail("too large: G = " + std::to_string(G) + " and ceil(K / 128) = " +
+                std::to_string(KB) + " must be at most 65535");
+  }
+  const dim3 grid{static_cast<unsigned>(NB), static_cast<unsigned>(KB),
+                  static_cast<unsigned>(G)};
+  const bool vector_load = N % kChunk == 0 && aligned(w, 16);
+  const bool vector_store = K % 16 == 0 && aligned(q_t, 16);
+  with_element_type(w, dtype, [&](auto typed_w) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed_w)>>;
+    auto kernel = vector_load ? quantize_fp8_weights_transposed_kernel<T, true>
+                              : quantize_fp8_weights_transposed_kernel<T, false>;
+    kernel<<<grid, kThreads, 0, stream>>>(typed_w, K, N, given_scale, vector_store, q_t, scale);
+  });
+  return launch_status("quantize_fp8_weights_transposed");
 }
 
 }  // namespace nodrop::cuda

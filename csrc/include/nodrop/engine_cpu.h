@@ -101,6 +101,20 @@ Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_
                                int64_t C, int64_t G, const float* given_scale, uint8_t* q_t,
                                float* scale, bool checked, ParallelRunner* runner = nullptr);
 
+// The FP8 forward's weight operand: each expert's weight transposed and quantised in one pass,
+// w [G, K, N] (float32, float16 or bfloat16) -> q_t [G, N, K] E4M3 bytes and scale [G, NB, KB]
+// float32, NB = ceil(N / 128), KB = ceil(K / 128): the layouts grouped_matmul_fp8_blockwise and
+// grouped_matmul_fp8_tensorwise read as rhs (Hopper's FP8 wgmma reads both operands K-major).
+// Without given_scale (the blockwise recipe), the 128 x 128 block w[g, 128 kb.., 128 nb..] gets
+// scale[g, nb, kb] = its amax * float32(1 / 448) (1 where 0, NaN for a NaN or an inf) and
+// q_t[g, n, k] = w[g, k, n] * (1 / scale[g, nb, kb]) saturated and rounded as quantize_fp8.
+// given_scale: null, or G float32, expert g's every block at given_scale[g] (the tensorwise
+// recipe's per-expert scale, from an amax taken elsewhere), no amax taken: every scale of expert
+// g is given_scale[g].
+Status quantize_fp8_weights_transposed(const void* w, DType dtype, int64_t G, int64_t K,
+                                       int64_t N, const float* given_scale, uint8_t* q_t,
+                                       float* scale, ParallelRunner* runner = nullptr);
+
 // FP8 blockwise-scaled grouped matmul (the DeepSeek-V3 recipe's forward), the CUDA engine's
 // grouped_matmul_fp8_blockwise on the CPU: the same layouts, rules and errors. KB = ceil(K/128),
 // NB = ceil(N/128):

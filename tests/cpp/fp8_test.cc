@@ -1,7 +1,8 @@
 // Tests of quantize_fp8 (1 x block FP8 scaling), quantize_fp8_transposed (the weight gradient's
-// blocks of 128 rows within each group, transposed) and permute_rows_fp8 (permute with the rows'
-// quantisation) against a brute-force E4M3 encoder: the nearest of the 127 finite magnitudes,
-// ties to the even code.
+// blocks of 128 rows within each group, transposed), quantize_fp8_weights_transposed (the
+// experts' weights in 128 x 128 blocks, transposed for the forward) and permute_rows_fp8 (permute
+// with the rows' quantisation) against a brute-force E4M3 encoder: the nearest of the 127 finite
+// magnitudes, ties to the even code.
 
 #include <gtest/gtest.h>
 
@@ -363,6 +364,281 @@ TEST(QuantizeFp8TransposedArgs, RejectsNegativeShapesAndNullBuffers) {
   status = call(4, 2, 3, x.data(), nullptr);
   EXPECT_TRUE(mentions(status, "q_t is null")) << status.message();
   EXPECT_TRUE(call(0, 0, 0, nullptr, nullptr).ok());  // nothing to write: PB = 0
+}
+
+// ---- quantize_fp8_weights_transposed --------------------------------------------------------
+
+// The experts' weights w [G, K, N] -> q_t [G, N, K] and scale [G, NB, KB].
+struct WeightsProblem {
+  int64_t G, K, N;
+  int64_t KB() const { return (K + kBlock - 1) / kBlock; }
+  int64_t NB() const { return (N + kBlock - 1) / kBlock; }
+};
+
+void PrintTo(const WeightsProblem& p, std::ostream* os) {
+  *os << "G " << p.G << ", K " << p.K << ", N " << p.N;
+}
+
+// Poisoned outputs between canaries (every byte must be written, none past the ends), inputs
+// fenced (no read past them); given: null, or G scales.
+Transposed quantize_weights(const WeightsProblem& p, const Array& w,
+                            nodrop::ParallelRunner* runner,
+                            const std::vector<float>* given = nullptr) {
+  Guarded<uint8_t> q_t(p.G * p.N * p.K, 0xab);
+  Guarded<float> scale(p.G * p.NB() * p.KB(), std::nanf(""));
+  const Fenced w_in(w);
+  const Fenced given_in(given ? *given : std::vector<float>());
+  const auto s = nodrop::cpu::quantize_fp8_weights_transposed(
+      w_in.data(), w.dtype(), p.G, p.K, p.N, given ? given_in.as<float>() : nullptr, q_t.data(),
+      scale.data(), runner);
+  EXPECT_TRUE(s.ok()) << s.message();
+  EXPECT_TRUE(q_t.canaries_intact() && scale.canaries_intact());
+  return {q_t.vec(), scale.vec()};
+}
+
+// The layout re-derived: block (kb, nb) of expert g is w[g, 128 kb.., 128 nb..] (shorter at the
+// edges), its scale at scale[g, nb, kb] (given[g] where given), its codes at q_t[g, n, k].
+void expect_weights(const WeightsProblem& p, const Array& w, const Transposed& got,
+                    const std::vector<float>* given = nullptr) {
+  ASSERT_EQ(static_cast<int64_t>(got.q_t.size()), p.G * p.N * p.K);
+  ASSERT_EQ(static_cast<int64_t>(got.scale.size()), p.G * p.NB() * p.KB());
+  for (int64_t g = 0; g < p.G; ++g) {
+    for (int64_t nb = 0; nb < p.NB(); ++nb) {
+      for (int64_t kb = 0; kb < p.KB(); ++kb) {
+        const int64_t k0 = kb * kBlock, k1 = std::min(p.K, k0 + kBlock);
+        const int64_t n0 = nb * kBlock, n1 = std::min(p.N, n0 + kBlock);
+        std::vector<float> values;
+        for (int64_t k = k0; k < k1; ++k) {
+          for (int64_t n = n0; n < n1; ++n) {
+            values.push_back(static_cast<float>(w.at((g * p.K + k) * p.N + n)));
+          }
+        }
+        const float s = given ? (*given)[g] : want_scale(values);
+        const std::string where = "expert " + std::to_string(g) + " block (k " +
+                                  std::to_string(kb) + ", n " + std::to_string(nb) + ")";
+        ASSERT_NO_FATAL_FAILURE(expect_scale(got.scale[(g * p.NB() + nb) * p.KB() + kb], s, where));
+        for (int64_t k = k0; k < k1; ++k) {
+          for (int64_t n = n0; n < n1; ++n) {
+            ASSERT_NO_FATAL_FAILURE(expect_code(
+                got.q_t[(g * p.N + n) * p.K + k], values[(k - k0) * (n1 - n0) + (n - n0)], s,
+                where + " w[" + std::to_string(k) + ", " + std::to_string(n) + "]"));
+          }
+        }
+      }
+    }
+  }
+}
+
+// Bitwise equal, NaN scales included.
+void expect_same(const Transposed& a, const Transposed& b) {
+  EXPECT_EQ(a.q_t, b.q_t);
+  ASSERT_EQ(a.scale.size(), b.scale.size());
+  EXPECT_EQ(0, std::memcmp(a.scale.data(), b.scale.data(), a.scale.size() * sizeof(float)));
+}
+
+// Random weights whose magnitudes differ by block (2^-20 to 2^6, a different binade for each
+// block and expert) and by up to 2^6 within a block: subnormal codes inside blocks; float16
+// stays finite (at most 3 * 2^12).
+Array random_weights(DType dtype, const WeightsProblem& p, uint32_t seed) {
+  std::mt19937 rng(seed);
+  Array w = nodrop_test::random_array(dtype, p.G * p.K * p.N, rng, -3.0, 3.0);
+  for (int64_t g = 0; g < p.G; ++g) {
+    for (int64_t k = 0; k < p.K; ++k) {
+      for (int64_t n = 0; n < p.N; ++n) {
+        const int64_t i = (g * p.K + k) * p.N + n;
+        const int block = int((7 * g + 3 * (k / kBlock) + n / kBlock) % 27) - 20;
+        w.set(i, w.at(i) * std::ldexp(1.0, block + int((k + 2 * n) % 7)));
+      }
+    }
+  }
+  return w;
+}
+
+class QuantizeFp8WeightsTransposed
+    : public testing::TestWithParam<std::tuple<DType, WeightsProblem>> {};
+
+TEST_P(QuantizeFp8WeightsTransposed, MatchesTheLayoutAndTheBruteForceEncoder) {
+  const auto& [dtype, p] = GetParam();
+  const Array w = random_weights(dtype, p, 21);
+  const Transposed serial = quantize_weights(p, w, nullptr);
+  ASSERT_NO_FATAL_FAILURE(expect_weights(p, w, serial));
+  ThreadRunner runner(3);
+  const Transposed threaded = quantize_weights(p, w, &runner);
+  expect_same(threaded, serial);  // threads change nothing
+  if (p.N > 0 && p.G * p.KB() > 1) {
+    EXPECT_GT(runner.calls(), 0);  // the threaded path did run
+  }
+}
+
+// A tensorwise recipe's scales given, one per expert and differing by expert: each expert's own
+// amax (no saturation), then a mix of half of it (its largest values saturate), 0.01 (most
+// values saturate), NaN (every code of that expert NaN, the others' unaffected) and a tiny one.
+TEST_P(QuantizeFp8WeightsTransposed, GivenScalesReplaceEveryBlocksOwnPerExpert) {
+  const auto& [dtype, p] = GetParam();
+  const Array w = random_weights(dtype, p, 22);
+  std::vector<float> per_expert(p.G);
+  for (int64_t g = 0; g < p.G; ++g) {
+    std::vector<float> expert(p.K * p.N);
+    for (int64_t i = 0; i < p.K * p.N; ++i) {
+      expert[i] = static_cast<float>(w.at(g * p.K * p.N + i));
+    }
+    per_expert[g] = want_scale(expert);
+  }
+  const float mix_of[] = {0.5f, 0.01f, std::nanf(""), 1e-30f};
+  std::vector<float> mixed(p.G);
+  for (int64_t g = 0; g < p.G; ++g) {
+    mixed[g] = g % 4 == 0 ? per_expert[g] * mix_of[0] : mix_of[g % 4];
+  }
+  for (const std::vector<float>* given : {&per_expert, &mixed}) {
+    SCOPED_TRACE(given == &per_expert ? "each expert's amax" : "a mix");
+    const Transposed serial = quantize_weights(p, w, nullptr, given);
+    ASSERT_NO_FATAL_FAILURE(expect_weights(p, w, serial, given));
+    ThreadRunner runner(3);
+    expect_same(quantize_weights(p, w, &runner, given), serial);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, QuantizeFp8WeightsTransposed,
+    testing::Combine(testing::ValuesIn(nodrop_test::kAllDtypes),
+                     testing::Values(WeightsProblem{3, 300, 260},  // short edge blocks both ways
+                                     WeightsProblem{2, 128, 128},  // whole blocks
+                                     WeightsProblem{2, 136, 264},  // edges of 8 both ways
+                                     WeightsProblem{1, 7, 5},      // less than a block
+                                     WeightsProblem{5, 3, 129},    // five experts, mixed given
+                                     WeightsProblem{0, 5, 4},      // no experts
+                                     WeightsProblem{2, 0, 4},      // no rows
+                                     WeightsProblem{2, 4, 0})));   // no columns
+
+class QuantizeFp8WeightsTransposedValues : public testing::TestWithParam<DType> {};
+
+// G = 2, K = 300, N = 260 (blocks of 128, 128 and 44 rows by 128, 128 and 4 columns): an all-zero
+// block and a block of tiny values (amax / 448 below float32's smallest normal: scale 1 either
+// way), a NaN in a short block and an inf in a narrow one (scale NaN, that block's codes NaN
+// and no other's), and a block whose amax is 7 (7 -> 448).
+TEST_P(QuantizeFp8WeightsTransposedValues, ZeroTinyNonFiniteAndAmaxBlocks) {
+  const DType dtype = GetParam();
+  const WeightsProblem p{2, 300, 260};
+  const int64_t K = p.K, N = p.N, KB = p.KB(), NB = p.NB();
+  std::mt19937 rng(23);
+  Array w = nodrop_test::random_array(dtype, p.G * K * N, rng, -3.0, 3.0);
+  auto at = [&](int64_t g, int64_t k, int64_t n) { return (g * K + k) * N + n; };
+  for (int64_t k = 0; k < 128; ++k) {
+    for (int64_t n = 0; n < 128; ++n) {
+      w.set(at(0, k, n), 0.0);                                   // expert 0, block (0, 0)
+      w.set(at(0, 128 + k, n), 1e-37 * double((k + n) % 5 - 2));  // expert 0, block (1, 0)
+      w.set(at(1, 128 + k, 128 + n), k == 3 && n == 9 ? -7.0 : 1.0);  // expert 1, block (1, 1)
+    }
+  }
+  w.set(at(0, 260, 130), std::numeric_limits<double>::quiet_NaN());  // expert 0, block (2, 1)
+  w.set(at(1, 5, 258), std::numeric_limits<double>::infinity());    // expert 1, block (0, 2)
+  const Transposed got = quantize_weights(p, w, nullptr);
+  ASSERT_NO_FATAL_FAILURE(expect_weights(p, w, got));
+  auto scale_of = [&](int64_t g, int64_t kb, int64_t nb) {
+    return got.scale[(g * NB + nb) * KB + kb];
+  };
+  auto code_of = [&](int64_t g, int64_t k, int64_t n) { return got.q_t[(g * N + n) * K + k]; };
+  EXPECT_EQ(scale_of(0, 0, 0), 1.0f);
+  EXPECT_EQ(scale_of(0, 1, 0), 1.0f);
+  EXPECT_EQ(code_of(0, 0, 0), 0);
+  EXPECT_TRUE(std::isnan(scale_of(0, 2, 1)));
+  EXPECT_TRUE(std::isnan(scale_of(1, 0, 2)));
+  EXPECT_EQ(scale_of(1, 1, 1), 7.0f * (1.0f / kE4M3Max));
+  EXPECT_EQ(code_of(1, 128 + 3, 128 + 9), 0xfe);  // -7: the block's amax -> -448
+  // The NaN and the inf stay in their blocks: every code of those blocks is NaN, no other is.
+  int64_t nan_codes = 0;
+  for (int64_t g = 0; g < p.G; ++g) {
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t k = 0; k < K; ++k) {
+        const bool in_nan_block = (g == 0 && k >= 256 && n >= 128 && n < 256) ||
+                                  (g == 1 && k < 128 && n >= 256);
+        ASSERT_EQ((code_of(g, k, n) & 0x7f) == 0x7f, in_nan_block)
+            << "expert " << g << " w[" << k << ", " << n << "]";
+        nan_codes += in_nan_block;
+      }
+    }
+  }
+  EXPECT_EQ(nan_codes, 44 * 128 + 128 * 4);
+  for (int64_t g = 0; g < p.G; ++g) {
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      for (int64_t nb = 0; nb < NB; ++nb) {
+        const bool nan_block = (g == 0 && kb == 2 && nb == 1) || (g == 1 && kb == 0 && nb == 2);
+        EXPECT_EQ(std::isnan(scale_of(g, kb, nb)), nan_block) << g << " " << kb << " " << nb;
+      }
+    }
+  }
+  ThreadRunner runner(3);
+  expect_same(quantize_weights(p, w, &runner), got);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, QuantizeFp8WeightsTransposedValues,
+                         testing::ValuesIn(nodrop_test::kAllDtypes));
+
+// Given scales 0.01 and 2 for two experts of 7 x 5: expert 0's +-100 saturate to +-448 and
+// expert 1's 3 is 1.5 (code 0x3c); every scale of an expert is its given one, and a NaN given
+// makes that expert's codes NaN only.
+TEST(QuantizeFp8WeightsTransposedValues, GivenScalesSaturateAndDifferByExpert) {
+  const WeightsProblem p{2, 7, 5};
+  Array w(DType::kFloat32, p.G * p.K * p.N);
+  for (int64_t i = 0; i < p.K * p.N; ++i) {
+    w.set(i, i % 2 ? -100.0 : 100.0);
+    w.set(p.K * p.N + i, 3.0);
+  }
+  const std::vector<float> given = {0.01f, 2.0f};
+  const Transposed got = quantize_weights(p, w, nullptr, &given);
+  ASSERT_NO_FATAL_FAILURE(expect_weights(p, w, got, &given));
+  EXPECT_EQ(got.scale, given);  // KB = NB = 1
+  for (int64_t n = 0; n < p.N; ++n) {
+    for (int64_t k = 0; k < p.K; ++k) {
+      EXPECT_EQ(got.q_t[n * p.K + k], (k * p.N + n) % 2 ? 0xfe : 0x7e) << k << ", " << n;
+      EXPECT_EQ(got.q_t[(p.N + n) * p.K + k], 0x3c) << k << ", " << n;
+    }
+  }
+  const std::vector<float> nan_first = {std::nanf(""), 2.0f};
+  const Transposed nan = quantize_weights(p, w, nullptr, &nan_first);
+  ASSERT_NO_FATAL_FAILURE(expect_weights(p, w, nan, &nan_first));
+  for (int64_t i = 0; i < p.N * p.K; ++i) {
+    EXPECT_EQ(nan.q_t[i] & 0x7f, 0x7f) << i;
+    EXPECT_EQ(nan.q_t[p.N * p.K + i], 0x3c) << i;
+  }
+}
+
+TEST(QuantizeFp8WeightsTransposedArgs, RejectsNegativeShapesAndNullBuffers) {
+  std::vector<float> w(2 * 3 * 4, 1.0f), scale(2);
+  std::vector<uint8_t> q_t(2 * 4 * 3);
+  auto call = [&](int64_t G, int64_t K, int64_t N, const float* w_data, uint8_t* q_data,
+                  float* scale_data) {
+    return nodrop::cpu::quantize_fp8_weights_transposed(w_data, DType::kFloat32, G, K, N, nullptr,
+                                                        q_data, scale_data);
+  };
+  EXPECT_TRUE(call(2, 3, 4, w.data(), q_t.data(), scale.data()).ok());
+  auto status = call(2, -1, 4, w.data(), q_t.data(), scale.data());
+  EXPECT_TRUE(mentions(status, "quantize_fp8_weights_transposed: K = -1 is negative"))
+      << status.message();
+  status = call(-2, 3, 4, w.data(), q_t.data(), scale.data());
+  EXPECT_TRUE(mentions(status, "G = -2 is negative")) << status.message();
+  status = call(2, 3, -4, w.data(), q_t.data(), scale.data());
+  EXPECT_TRUE(mentions(status, "N = -4 is negative")) << status.message();
+  status = call(2, 3, 4, nullptr, q_t.data(), scale.data());
+  EXPECT_TRUE(mentions(status, "quantize_fp8_weights_transposed: w is null")) << status.message();
+  status = call(2, 3, 4, w.data(), nullptr, scale.data());
+  EXPECT_TRUE(mentions(status, "q_t is null")) << status.message();
+  status = call(2, 3, 4, w.data(), q_t.data(), nullptr);
+  EXPECT_TRUE(mentions(status, "scale is null")) << status.message();
+  // Nothing to read or write: every buffer may be null, and nothing is written.
+  EXPECT_TRUE(call(0, 3, 4, nullptr, nullptr, nullptr).ok());
+  EXPECT_TRUE(call(2, 0, 4, nullptr, nullptr, nullptr).ok());
+  EXPECT_TRUE(call(2, 3, 0, nullptr, nullptr, nullptr).ok());
+  Guarded<uint8_t> untouched_q(4, 0xcd);
+  Guarded<float> untouched_scale(4, -7.0f);
+  const float given[2] = {1.0f, 1.0f};
+  EXPECT_TRUE(nodrop::cpu::quantize_fp8_weights_transposed(w.data(), DType::kBFloat16, 2, 0, 4,
+                                                           given, untouched_q.data(),
+                                                           untouched_scale.data())
+                  .ok());
+  EXPECT_EQ(untouched_q.vec(), std::vector<uint8_t>(4, 0xcd));
+  EXPECT_EQ(untouched_scale.vec(), std::vector<float>(4, -7.0f));
+  EXPECT_TRUE(untouched_q.canaries_intact() && untouched_scale.canaries_intact());
 }
 
 // ---- permute_rows_fp8 -----------------------------------------------------------------------

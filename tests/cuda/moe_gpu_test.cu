@@ -1020,6 +1020,117 @@ TEST(QuantizeFp8GpuArgs, RejectsBadBlocksAndDoesNothingWhenEmpty) {
   CUDA_CHECK(cudaStreamSynchronize(stream()));
 }
 
+class QuantizeFp8WeightsTransposedGpu : public testing::TestWithParam<DType> {};
+
+// The forward's weight operand (w [G, K, N] -> q_t [G, N, K], scale [G, NB, KB]), bitwise the CPU
+// engine's: a training-like expert pair (K = 512, N = 768: whole blocks, 16-byte loads and
+// stores), short edge blocks both ways (K = 300, N = 260: element loads and stores), edges of 8
+// (K = 136, N = 264: 16-byte loads, element stores) and less than a block (K = 7, N = 5); with a
+// zero block, a block of subnormals (a scale whose reciprocal is inf), a NaN in a short block, an
+// inf in a narrow one, and columns of large and small magnitudes. w aligned and not (element
+// loads), q_t aligned and not (element stores); each block's own scale, and given per-expert ones
+// (0.01, which saturates the large values; NaN for one expert; 0.125).
+TEST_P(QuantizeFp8WeightsTransposedGpu, MatchesTheCpuBitwise) {
+  const DType dtype = GetParam();
+  const std::tuple<int64_t, int64_t, int64_t> cases[] = {
+      {2, 512, 768}, {3, 300, 260}, {2, 136, 264}, {1, 7, 5}};
+  for (const auto& [case_experts, case_rows, case_columns] : cases) {
+    const int64_t G = case_experts, K = case_rows, N = case_columns;  // named copies: lambdas
+    const int64_t KB = (K + nodrop::kFp8Block - 1) / nodrop::kFp8Block;
+    const int64_t NB = (N + nodrop::kFp8Block - 1) / nodrop::kFp8Block;
+    Bytes w = random_values(dtype, G * K * N, 61);
+    auto at = [&](int64_t g, int64_t k, int64_t n) { return (g * K + k) * N + n; };
+    if (K >= 136 && N >= 136) {
+      const int64_t last = G - 1;
+      for (int64_t k = 0; k < 128; ++k) {
+        for (int64_t n = 0; n < 128; ++n) set_value(w, dtype, at(last, k, n), 0.0f);
+      }
+      for (int64_t k = 128; k < std::min<int64_t>(K, 256); ++k) {
+        for (int64_t n = 0; n < 128; ++n) {
+          set_value(w, dtype, at(last, k, n), 1e-39f * float((k + n) % 7 - 3));
+        }
+      }
+      set_value(w, dtype, at(0, K - 1, N - 1), std::nanf(""));  // the last, short block
+      set_value(w, dtype, at(0, 3, N - 2), -INFINITY);
+      const Floats large = random_floats(K, 63, -3e4f, 3e4f);
+      const Floats small = random_floats(K, 64, -1e-4f, 1e-4f);
+      for (int64_t k = 0; k < K; ++k) {
+        set_value(w, dtype, at(0, k, 130), large[k]);
+        set_value(w, dtype, at(last, k, 131), small[k]);
+      }
+    }
+    const float per_expert[] = {0.01f, std::nanf(""), 0.125f};
+    Floats given_scales(G);
+    for (int64_t g = 0; g < G; ++g) given_scales[g] = per_expert[g % 3];
+    const DeviceBuffer d_given = to_device(given_scales);
+    for (const bool given : {false, true}) {
+      Bytes want_q(G * N * K);
+      Floats want_scale(G * NB * KB);
+      ASSERT_TRUE(nodrop::cpu::quantize_fp8_weights_transposed(
+                      w.data(), dtype, G, K, N, given ? given_scales.data() : nullptr,
+                      want_q.data(), want_scale.data())
+                      .ok());
+      // Aligned (the vector paths where the shape allows) and not: w shifted by two elements,
+      // q_t by 8 bytes.
+      for (const auto& [w_shift, q_shift] :
+           {std::pair<size_t, size_t>{0, 0}, {2 * bytes_of(dtype), 0}, {0, 8}}) {
+        const DeviceBuffer d_w = to_device(w, w_shift);
+        const DeviceBuffer q(G * N * K, q_shift), scale(G * NB * KB * sizeof(float));
+        run_twice(
+            [&] {
+              return nodrop::cuda::quantize_fp8_weights_transposed(
+                  d_w.get(), dtype, G, K, N, given ? d_given.as<float>() : nullptr,
+                  q.as<uint8_t>(), scale.as<float>(), stream());
+            },
+            {&q, &scale});
+        const std::string where = "G " + std::to_string(G) + ", K " + std::to_string(K) +
+                                  ", N " + std::to_string(N) + ", w shift " +
+                                  std::to_string(w_shift) + ", q_t shift " +
+                                  std::to_string(q_shift) + (given ? ", given" : "");
+        EXPECT_EQ(mismatch(download<uint8_t>(q), want_q), "") << where;
+        EXPECT_EQ(mismatch(download<uint32_t>(scale), as_bits(want_scale)), "") << where;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, QuantizeFp8WeightsTransposedGpu,
+                         testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
+                         [](const auto& info) { return std::string(dtype_short(info.param)); });
+
+TEST(QuantizeFp8WeightsTransposedGpuArgs, RejectsBadShapesAndDoesNothingWhenEmpty) {
+  const DeviceBuffer buffer(1 << 12), q(64), scale(64);
+  const std::string negative =
+      nodrop::cuda::quantize_fp8_weights_transposed(buffer.get(), DType::kBFloat16, 2, -1, 8,
+                                                    nullptr, q.as<uint8_t>(), scale.as<float>(),
+                                                    stream())
+          .message();
+  EXPECT_NE(negative.find("quantize_fp8_weights_transposed"), std::string::npos) << negative;
+  EXPECT_NE(negative.find("must not be negative"), std::string::npos) << negative;
+  EXPECT_NE(negative.find("-1"), std::string::npos) << negative;
+  const std::string null_buffer =
+      nodrop::cuda::quantize_fp8_weights_transposed(nullptr, DType::kBFloat16, 2, 8, 8, nullptr,
+                                                    q.as<uint8_t>(), scale.as<float>(), stream())
+          .message();
+  EXPECT_NE(null_buffer.find("a buffer is null"), std::string::npos) << null_buffer;
+  // Nothing to do: no buffer needed, and none written.
+  EXPECT_TRUE(nodrop::cuda::quantize_fp8_weights_transposed(nullptr, DType::kBFloat16, 0, 8, 8,
+                                                            nullptr, nullptr, nullptr, stream())
+                  .ok());
+  for (const auto& [G, K, N] : {std::tuple<int64_t, int64_t, int64_t>{0, 8, 8}, {2, 0, 8},
+                                {2, 8, 0}}) {
+    EXPECT_TRUE(nodrop::cuda::quantize_fp8_weights_transposed(
+                    buffer.get(), DType::kBFloat16, G, K, N, buffer.as<float>(), q.as<uint8_t>(),
+                    scale.as<float>(), stream())
+                    .ok())
+        << G << " " << K << " " << N;
+  }
+  CUDA_CHECK(cudaStreamSynchronize(stream()));
+  CUDA_CHECK(cudaGetLastError());
+  EXPECT_EQ(q.download(), Bytes(64, 0xFF));
+  EXPECT_EQ(scale.download(), Bytes(64, 0xFF));
+}
+
 // ---- the AdamW step ----------------------------------------------------------------------------
 // Parameters and moments bit for bit the CPU's (the same float32 operations, no FMA on either),
 // NaN for NaN (the GPU's NaN has other bits than x86's); each chunk's sums to float32 rounding

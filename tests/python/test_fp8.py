@@ -882,8 +882,8 @@ def kernel_calls(text, recipe, rows, contractions):
 def test_both_gradients_run_on_the_fp8_kernels(recipe, engine_row_quantisers):
     """With forward="kernel": the recipe's FP8 kernel for the forward and the input gradient,
     its FP8 contraction once on two transposed quantisations on the engine (the weight
-    gradient), and none of nodrop's bf16 grouped matmuls: no float32 contraction of dequantised
-    operands. The blockwise recipe quantises the rows on the engine; the tensorwise one in XLA
+    gradient), the forward's weights quantised transposed on the engine, and none of nodrop's
+    bf16 grouped matmuls: no float32 contraction of dequantised operands. The blockwise recipe quantises the rows on the engine; the tensorwise one in XLA
     (one amax per tensor), which also gives the transposed quantisations their scale."""
     lhs, rhs = jnp.ones((8, 128), jnp.bfloat16), jnp.ones((2, 128, 8), jnp.bfloat16)
     loss = lambda a, b: jnp.sum(jnp.sin(fp8.fp8_grouped_matmul(  # noqa: E731
@@ -892,10 +892,12 @@ def test_both_gradients_run_on_the_fp8_kernels(recipe, engine_row_quantisers):
     got, want = kernel_calls(text, recipe, rows=2, contractions=1)
     assert got == want
     calls = {target: text.count(f"custom_call @{target}(") for target in (
-        "nodrop_quantize_fp8", "nodrop_quantize_fp8_transposed", "nodrop_grouped_matmul",
+        "nodrop_quantize_fp8", "nodrop_quantize_fp8_transposed",
+        "nodrop_quantize_fp8_weights_transposed", "nodrop_grouped_matmul",
         "nodrop_grouped_matmul_contract")}
     assert calls == {"nodrop_quantize_fp8": engine_row_quantisers,
                      "nodrop_quantize_fp8_transposed": 2,
+                     "nodrop_quantize_fp8_weights_transposed": 1,
                      "nodrop_grouped_matmul": 0, "nodrop_grouped_matmul_contract": 0}
     # and the emulation's segment reductions of the weight gradient's blocks are gone
     assert "scatter" not in text
@@ -1122,6 +1124,88 @@ def test_bad_forward_is_refused():
                                                    "'emulated'), got 'fast'")):
         fp8.fp8_grouped_matmul(jnp.ones((4, 8), jnp.float32), jnp.ones((1, 8, 8), jnp.float32),
                                int32([4]), forward="fast")
+
+
+# --- the engine's quantisation of the experts' weights for the forward --------------------------
+
+# name -> (G, K, N)
+WEIGHT_CASES = {
+    "unaligned": (3, 300, 260),
+    "aligned": (2, 256, 384),
+    "under_one_chunk": (2, 7, 5),
+    "one_expert_one_block": (1, 128, 128),
+    "no_experts": (0, 128, 128),
+}
+
+
+def expert_weights(case, dtype, seed):
+    """[G, K, N] with magnitudes over 24 binades across the columns (subnormal codes), a zero
+    128 x 128 block, and a NaN and an inf in blocks of their own where there are enough."""
+    g, k, n = WEIGHT_CASES[case]
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((g, k, n)) * np.exp2(rng.integers(-12, 12, (1, 1, n)))
+    w = jnp.asarray(w, dtype)
+    if g > 1 and k > 128 and n > 128:
+        w = w.at[0, :128, :128].set(0).at[1, 5, 200].set(jnp.nan).at[1, 140, 3].set(-jnp.inf)
+    return w
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("case", WEIGHT_CASES)
+def test_quantize_weights_transposed_is_bitwise_quantize_of_the_transpose(case, dtype):
+    w = expert_weights(case, dtype, seed=len(case))
+    q_t, scale = fp8.quantize_weights_transposed(w)
+    want_q, want_scale = reference.quantize_weights_transposed(w)
+    g, k, n = w.shape
+    assert q_t.dtype == fp8.E4M3 and q_t.shape == (g, n, k)
+    assert scale.dtype == jnp.float32 and scale.shape == (g, -(-n // 128), -(-k // 128))
+    np.testing.assert_array_equal(bits(q_t), bits(want_q))
+    np.testing.assert_array_equal(np.asarray(scale), np.asarray(want_scale))  # NaN == NaN here
+    jitted = jax.jit(fp8.quantize_weights_transposed)(w)
+    np.testing.assert_array_equal(bits(jitted[0]), bits(q_t))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", [c for c in WEIGHT_CASES if c != "no_experts"])
+def test_quantize_weights_transposed_with_given_scales_is_the_tensorwise_quantisation(case,
+                                                                                      dtype):
+    """The tensorwise recipe's call: expert g's scale for all of its blocks; each expert's own
+    (no code saturates), a quarter of it (the largest do), and NaN for the first expert (every
+    one of its codes, and none of the others')."""
+    w = expert_weights(case, dtype, seed=len(case) + 1)
+    own = fp8._expert_scales(w)
+    for given in (own, own / 4, own.at[0].set(jnp.nan)):
+        q_t, scale = jax.jit(fp8.quantize_weights_transposed)(w, scale=given)
+        want_q, want_scale = reference.quantize_weights_transposed(w, scale=given)
+        np.testing.assert_array_equal(bits(q_t), bits(want_q))
+        np.testing.assert_array_equal(np.asarray(scale), np.asarray(want_scale))
+        # the tensorwise codes of each expert's transpose, bit for bit
+        tensor_q, _ = fp8.quantize(jnp.swapaxes(w, 1, 2), "tensor", scale=given[:, None, None])
+        np.testing.assert_array_equal(bits(q_t), bits(tensor_q))
+
+
+def test_quantize_weights_transposed_batches():
+    w = jax.random.normal(jax.random.key(6), (3, 2, 130, 20), jnp.bfloat16)
+    q_t, scale = jax.vmap(fp8.quantize_weights_transposed)(w)
+    for i in range(3):
+        want_q, want_scale = fp8.quantize(jnp.swapaxes(w[i], 1, 2), fp8.WEIGHT_BLOCK)
+        np.testing.assert_array_equal(bits(q_t[i]), bits(want_q))
+        np.testing.assert_array_equal(np.asarray(scale[i]), np.asarray(want_scale))
+
+
+@pytest.mark.parametrize("args, kwargs, error, message", [
+    ((jnp.ones((4, 4), jnp.float32),), {}, ValueError, "w must have rank 3 ([G, K, N])"),
+    ((jnp.ones((2, 4, 4), jnp.int32),), {}, TypeError, "w must be"),
+    ((jnp.ones((2, 4, 4), jnp.float32),), {"scale": jnp.ones((1,), jnp.float32)}, ValueError,
+     "scale must be float32 of shape (2,) (one per expert of w), got float32[1]"),
+    ((jnp.ones((2, 4, 4), jnp.float32),), {"scale": jnp.ones((2,), jnp.bfloat16)}, ValueError,
+     "got bfloat16[2]"),
+    ((jnp.ones((2, 4, 4), jnp.float32),), {"scale": jnp.float32(1)}, ValueError,
+     "got float32[]"),
+])
+def test_quantize_weights_transposed_refuses_bad_input(args, kwargs, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        fp8.quantize_weights_transposed(*args, **kwargs)
 
 
 # --- the engine's FP8 weight gradient ----------------------------------------------------------

@@ -17,7 +17,9 @@
 //   read and staged as quantize_fp8_transposed's tiles, one amax over the block (skipped where
 //   each expert's scale is given), written as 128-byte runs of the transposed codes.
 // All scale and round every element alike (block_scale, to_e4m3), by the hardware's float32 ->
-// E4M3 conversion (nearest even, saturating), so they are bitwise the CPU engine.
+// E4M3 conversion (nearest even, saturating), so they are bitwise the CPU engine, save one bit:
+// the GPU's float32 arithmetic returns its canonical NaN, coded 0x7f, where the CPU keeps the
+// sign of a negative NaN in the input (0xff; seen on an H100, 2026-12-07). Both decode to NaN.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -680,7 +682,8 @@ Status quantize_fp8_weights_transposed(const void* w, DType dtype, int64_t G, in
   const int64_t KB = (K + kBlock - 1) / kBlock, NB = (N + kBlock - 1) / kBlock;
   if (G > 65535 || KB > 65535 || NB > INT32_MAX) {
     return fail("too large: G = " + std::to_string(G) + " and ceil(K / 128) = " +
-                std::to_string(KB) + " must be at most 65535");
+                std::to_string(KB) + " must be at most 65535, ceil(N / 128) = " +
+                std::to_string(NB) + " below 2^31");
   }
   const dim3 grid{static_cast<unsigned>(NB), static_cast<unsigned>(KB),
                   static_cast<unsigned>(G)};

@@ -11,7 +11,7 @@ start=$(date +%s); el() { echo "[$(( $(date +%s) - start ))s] $*"; }
 left() { echo $(( BUDGET - ($(date +%s) - start) - ${1:-10} )); }
 mkdir -p $OUT/r
 exec > >(tee -a $OUT/r/round.log) 2>&1
-pack() { tar czf $OUT/r.tgz -C $OUT r --exclude='trace-*'; }
+pack() { tar czf $OUT/r.tgz --exclude='trace-*' -C $OUT r; }
 nvidia-smi -L; nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv
 tar xJf build/gpulib/deps.tar.xz -C / --skip-old-files
 mkdir -p build/gpu && tar xJf build/gpulib/bin.tar.xz -C build/gpu

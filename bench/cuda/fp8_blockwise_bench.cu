@@ -13,12 +13,13 @@
 // bandwidth against a device-to-device copy of the same input (the transposed quantiser's also
 // from float32 inputs); the last two columns are the same layer with the weight gradient on the
 // bf16 kernel instead (`--fp8-weight-gradient unquantised`: no transposed quantisation).
-// A table of the weights' quantiser follows (quantize_fp8_weights_transposed: each shape's bf16
-// experts w [G, K, N] into the forward's operand q_t [G, N, K] and its scales, blockwise and
-// with a given scale per expert, the tensorwise recipe's), in ms and in GB/s against a copy of
-// the same weights. A last table times the tensorwise recipe on the same operands: the forward
-// with fast accumulation, both gradients promoted (its default) or fast, or the weight gradient
-// in bf16.
+// A table of the weights' quantisers follows: each shape's bf16 experts w [G, K, N] into the
+// forward's operand (quantize_fp8_weights_transposed: q_t [G, N, K]) and the input gradient's
+// (quantize_fp8_weights: q [G, K, N], in place), with their 128 x 128 scales, blockwise and with
+// a given scale per expert (the tensorwise recipe's), in ms and as GB/s read + written over a
+// copy's of the same weights. A last table times the tensorwise recipe on the same operands: the
+// forward with fast accumulation, both gradients promoted (its default) or fast, or the weight
+// gradient in bf16.
 // --configs=all there times every weight-gradient kernel (NODROP_FP8_CONTRACT_TILE) in two
 // orders, and every tensorwise kernel on both gradients in two orders.
 //
@@ -315,14 +316,20 @@ struct Problem {
         dout8_t, dout_t_scales, lhs8_t, lhs_t_scales, sizes, s.M, s.N, s.K, s.G, grad, ws8,
         ws8_bytes, stream, schedule));
   }
-  // The weights' quantiser: rhs16's values read as w [G, K, N] (the timing does not depend on
-  // them) into the forward's operand rhs8 [G, N, K] and rhs_scales [G, NB, KB]; given_scale null
-  // (blockwise: each block's amax) or G per-expert scales in device memory (tensorwise). It
-  // overwrites the forward's operands: run it after the GEMMs that read them.
-  void quantize_weights(const float* given_scale, cudaStream_t stream) const {
-    CHECK(nodrop::cuda::quantize_fp8_weights_transposed(rhs16, nodrop::DType::kBFloat16, s.G,
-                                                        s.K, s.N, given_scale, rhs8, rhs_scales,
-                                                        stream));
+  // The weights' quantisers: rhs16's values read as w [G, K, N] (the timing does not depend on
+  // them) into the forward's operand rhs8 [G, N, K] (transposed) or the input gradient's rhs8_t
+  // [G, K, N] (in place, --mode=training only), and rhs_scales ([G, NB, KB] or [G, KB, NB]);
+  // given_scale null (blockwise: each block's amax) or G per-expert scales in device memory
+  // (tensorwise). They overwrite the GEMMs' operands: run them after the GEMMs that read them.
+  void quantize_weights(bool transposed, const float* given_scale, cudaStream_t stream) const {
+    if (transposed) {
+      CHECK(nodrop::cuda::quantize_fp8_weights_transposed(rhs16, nodrop::DType::kBFloat16, s.G,
+                                                          s.K, s.N, given_scale, rhs8,
+                                                          rhs_scales, stream));
+    } else {
+      CHECK(nodrop::cuda::quantize_fp8_weights(rhs16, nodrop::DType::kBFloat16, s.G, s.K, s.N,
+                                               given_scale, rhs8_t, rhs_scales, stream));
+    }
   }
   // The tensorwise recipe's gradients on the same operands (its scales: the first of each).
   void run_fp8_dgrad(const nodrop::cuda::Fp8TensorwiseSchedule& schedule, bool fast,
@@ -400,9 +407,9 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
     const Shape* shape;
     double rows_gbs, transposed_gbs, copy_gbs, transposed32_gbs, copy32_gbs;
   };
-  struct WeightsBandwidth {
+  struct WeightsBandwidth {  // [0] transposed, [1] in place; [.][0] blockwise, [.][1] tensorwise
     const Shape* shape;
-    double blockwise_ms, tensorwise_ms, blockwise_gbs, tensorwise_gbs, copy_gbs;
+    double ms[2][2], gbs[2][2], copy_gbs;
   };
   std::vector<WeightsBandwidth> weights_bandwidths;
   std::vector<Bandwidth> bandwidths;
@@ -534,17 +541,25 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
                           2 * in_bytes / (copy16_ms * 1e6),
                           (2 * in_bytes + written_t) / (transposed32_ms * 1e6),
                           4 * in_bytes / (copy32_ms * 1e6)});
-    // The weights' quantiser, last: it overwrites the forward's FP8 operand. Bytes: 2 read and
-    // 1 written per weight, 4 per scale written (and per given scale read), against a copy of
-    // the same bf16 weights (2 read and 2 written per weight).
+    // The weights' quantisers, last: they overwrite the forward's and the input gradient's FP8
+    // operands. Bytes: 2 read and 1 written per weight, 4 per scale written (and per given scale
+    // read), against a copy of the same bf16 weights (2 read and 2 written per weight).
     const double weights = double(s.G) * s.K * s.N;
     const double weight_scales = double(s.G) * ((s.N + 127) / 128) * ((s.K + 127) / 128);
     auto* expert_scales = static_cast<float*>(device_alloc(s.G * sizeof(float)));
     fill_ones<<<1, 256, 0, stream>>>(expert_scales, s.G);
     CHECK(cudaGetLastError());
-    const double weights_blockwise_ms = time([&] { problem.quantize_weights(nullptr, stream); });
-    const double weights_tensorwise_ms =
-        time([&] { problem.quantize_weights(expert_scales, stream); });
+    WeightsBandwidth weights_bandwidth{&s, {}, {}, 0};
+    for (const int layout : {0, 1}) {
+      for (const int tensorwise : {0, 1}) {
+        const double ms = time([&] {
+          problem.quantize_weights(layout == 0, tensorwise ? expert_scales : nullptr, stream);
+        });
+        weights_bandwidth.ms[layout][tensorwise] = ms;
+        weights_bandwidth.gbs[layout][tensorwise] =
+            (3 * weights + 4 * weight_scales + 4.0 * s.G * tensorwise) / (ms * 1e6);
+      }
+    }
     void* weights_copy = device_alloc(static_cast<size_t>(2 * weights));
     const double weights_copy_ms = time([&] {
       CHECK(cudaMemcpyAsync(weights_copy, problem.rhs16, static_cast<size_t>(2 * weights),
@@ -552,11 +567,8 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
     });
     CHECK(cudaFree(weights_copy));
     CHECK(cudaFree(expert_scales));
-    const double weights_bytes = 3 * weights + 4 * weight_scales;
-    weights_bandwidths.push_back({&s, weights_blockwise_ms, weights_tensorwise_ms,
-                                  weights_bytes / (weights_blockwise_ms * 1e6),
-                                  (weights_bytes + 4.0 * s.G) / (weights_tensorwise_ms * 1e6),
-                                  4 * weights / (weights_copy_ms * 1e6)});
+    weights_bandwidth.copy_gbs = 4 * weights / (weights_copy_ms * 1e6);
+    weights_bandwidths.push_back(weights_bandwidth);
   }
   std::printf("\nQuantisers of the activations and output gradients (GB/s read + written; copy: "
               "cudaMemcpyAsync of the same inputs, bf16 or float32):\n\n");
@@ -570,18 +582,24 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
                 b.transposed_gbs / b.copy_gbs, b.transposed32_gbs, b.copy32_gbs,
                 b.transposed32_gbs / b.copy32_gbs);
   }
-  std::printf("\nQuantiser of the weights (the forward's transposed operand: bf16 w [G, K, N] -> "
-              "q_t [G, N, K] E4M3 and 128 x 128 scales; ms, and GB/s read + written; copy: "
-              "cudaMemcpyAsync of the same bf16 weights):\n\n");
-  std::printf("| shape | G | K | N | blockwise ms | tensorwise ms | blockwise | tensorwise | "
-              "copy | blockwise / copy | tensorwise / copy |\n");
-  std::printf("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+  std::printf("\nQuantisers of the weights (bf16 w [G, K, N] -> E4M3 and 128 x 128 scales, "
+              "blockwise or at a given scale per expert; transposed: the forward's q_t [G, N, K], "
+              "in place: the input gradient's q [G, K, N]; ms, and GB/s read + written over the "
+              "copy's; copy: cudaMemcpyAsync of the same bf16 weights):\n\n");
+  std::printf("| shape | G | K | N | copy GB/s | transposed: blockwise ms | tensorwise ms | "
+              "blockwise / copy | tensorwise / copy | in place: blockwise ms | tensorwise ms | "
+              "blockwise / copy | tensorwise / copy |\n");
+  std::printf("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+              "| ---: |\n");
   for (const WeightsBandwidth& b : weights_bandwidths) {
-    std::printf("| %s | %lld | %lld | %lld | %.3f | %.3f | %.0f | %.0f | %.0f | %.2f | %.2f |\n",
-                b.shape->id, static_cast<long long>(b.shape->G),
-                static_cast<long long>(b.shape->K), static_cast<long long>(b.shape->N),
-                b.blockwise_ms, b.tensorwise_ms, b.blockwise_gbs, b.tensorwise_gbs, b.copy_gbs,
-                b.blockwise_gbs / b.copy_gbs, b.tensorwise_gbs / b.copy_gbs);
+    std::printf("| %s | %lld | %lld | %lld | %.0f", b.shape->id,
+                static_cast<long long>(b.shape->G), static_cast<long long>(b.shape->K),
+                static_cast<long long>(b.shape->N), b.copy_gbs);
+    for (int layout : {0, 1}) {
+      std::printf(" | %.3f | %.3f | %.2f | %.2f", b.ms[layout][0], b.ms[layout][1],
+                  b.gbs[layout][0] / b.copy_gbs, b.gbs[layout][1] / b.copy_gbs);
+    }
+    std::printf(" |\n");
   }
   std::printf("\nThe tensorwise recipe's three GEMMs (ms; the same quantiser passes as above, "
               "forward with fast accumulation; automatic tiles):\n\n");

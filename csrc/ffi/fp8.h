@@ -162,19 +162,19 @@ auto bind_quantize_fp8_transposed(Binding binding) {
       .template Attr<bool>("checked");
 }
 
-// The engine's view of one quantisation of the experts' weights for the forward.
-struct QuantizeWeightsTransposedCall {
+// The engine's view of one quantisation of the experts' weights.
+struct QuantizeWeightsCall {
   DType dtype;
   int64_t G, K, N;
   const float* given_scale;  // null: each block's own
 };
 
 // w [G, K, N] (float), given_scale [0] (each block's own scale) or [G] (expert g's for all its
-// blocks) -> q_t [G, N, K] float8_e4m3fn, scale [G, NB, KB] float32, NB = ceil(N / 128),
-// KB = ceil(K / 128).
-inline ffi::ErrorOr<QuantizeWeightsTransposedCall> decode_quantize_fp8_weights_transposed(
-    const ffi::AnyBuffer& w, const ffi::Buffer<ffi::F32>& given_scale, const ffi::AnyBuffer& q_t,
-    const ffi::Buffer<ffi::F32>& scale) {
+// blocks) -> q [G, K, N] and scale [G, KB, NB], or with `transposed` q [G, N, K] and scale
+// [G, NB, KB] (q float8_e4m3fn, scale float32; KB = ceil(K / 128), NB = ceil(N / 128)).
+inline ffi::ErrorOr<QuantizeWeightsCall> decode_quantize_fp8_weights(
+    const ffi::AnyBuffer& w, const ffi::Buffer<ffi::F32>& given_scale, const ffi::AnyBuffer& q,
+    const ffi::Buffer<ffi::F32>& scale, bool transposed) {
   auto dtype = require_float("w", w);
   if (!dtype) return dtype.error();
   NODROP_RETURN_IF_ERROR(require_rank("w", w, 3));
@@ -186,22 +186,22 @@ inline ffi::ErrorOr<QuantizeWeightsTransposedCall> decode_quantize_fp8_weights_t
                                        " elements, got " + std::to_string(given));
   }
   const int64_t KB = (K + kFp8Block - 1) / kFp8Block, NB = (N + kFp8Block - 1) / kFp8Block;
-  NODROP_RETURN_IF_ERROR(require_e4m3("q_t", q_t));
-  NODROP_RETURN_IF_ERROR(require_rank("q_t", q_t, 3));
-  NODROP_RETURN_IF_ERROR(require_dim("q_t", q_t, 0, G));
-  NODROP_RETURN_IF_ERROR(require_dim("q_t", q_t, 1, N));
-  NODROP_RETURN_IF_ERROR(require_dim("q_t", q_t, 2, K));
+  const char* q_name = transposed ? "q_t" : "q";
+  NODROP_RETURN_IF_ERROR(require_e4m3(q_name, q));
+  NODROP_RETURN_IF_ERROR(require_rank(q_name, q, 3));
+  NODROP_RETURN_IF_ERROR(require_dim(q_name, q, 0, G));
+  NODROP_RETURN_IF_ERROR(require_dim(q_name, q, 1, transposed ? N : K));
+  NODROP_RETURN_IF_ERROR(require_dim(q_name, q, 2, transposed ? K : N));
   NODROP_RETURN_IF_ERROR(require_rank("scale", scale, 3));
   NODROP_RETURN_IF_ERROR(require_dim("scale", scale, 0, G));
-  NODROP_RETURN_IF_ERROR(require_dim("scale", scale, 1, NB));
-  NODROP_RETURN_IF_ERROR(require_dim("scale", scale, 2, KB));
-  return QuantizeWeightsTransposedCall{*dtype, G, K, N,
-                                       given == 0 ? nullptr : given_scale.typed_data()};
+  NODROP_RETURN_IF_ERROR(require_dim("scale", scale, 1, transposed ? NB : KB));
+  NODROP_RETURN_IF_ERROR(require_dim("scale", scale, 2, transposed ? KB : NB));
+  return QuantizeWeightsCall{*dtype, G, K, N, given == 0 ? nullptr : given_scale.typed_data()};
 }
 
-// The operands after the platform's context: w, given_scale -> q_t, scale.
+// The operands after the platform's context: w, given_scale -> q (or q_t), scale.
 template <typename Binding>
-auto bind_quantize_fp8_weights_transposed(Binding binding) {
+auto bind_quantize_fp8_weights(Binding binding) {
   return std::move(binding)
       .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::F32>>()

@@ -38,16 +38,18 @@ ffi::Error PermuteFp8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S
       &runner));
 }
 
-ffi::Error QuantizeFp8WeightsTransposed(ffi::ThreadPool pool, ffi::AnyBuffer w,
-                                        ffi::Buffer<ffi::F32> given_scale,
-                                        ffi::Result<ffi::AnyBuffer> q_t,
-                                        ffi::Result<ffi::Buffer<ffi::F32>> scale) {
-  auto call = decode_quantize_fp8_weights_transposed(w, given_scale, *q_t, *scale);
+// quantize_fp8_weights, or with `transposed` quantize_fp8_weights_transposed.
+template <bool transposed>
+ffi::Error QuantizeFp8Weights(ffi::ThreadPool pool, ffi::AnyBuffer w,
+                              ffi::Buffer<ffi::F32> given_scale, ffi::Result<ffi::AnyBuffer> q,
+                              ffi::Result<ffi::Buffer<ffi::F32>> scale) {
+  auto call = decode_quantize_fp8_weights(w, given_scale, *q, *scale, transposed);
   if (!call) return call.error();
   XlaThreadPoolRunner runner(pool);
-  return to_ffi_error(cpu::quantize_fp8_weights_transposed(
-      w.untyped_data(), call->dtype, call->G, call->K, call->N, call->given_scale,
-      static_cast<uint8_t*>(q_t->untyped_data()), scale->typed_data(), &runner));
+  auto quantize = transposed ? cpu::quantize_fp8_weights_transposed : cpu::quantize_fp8_weights;
+  return to_ffi_error(quantize(w.untyped_data(), call->dtype, call->G, call->K, call->N,
+                               call->given_scale, static_cast<uint8_t*>(q->untyped_data()),
+                               scale->typed_data(), &runner));
 }
 
 ffi::Error GroupedMatmulFp8Blockwise(ffi::ThreadPool pool, ffi::AnyBuffer lhs,
@@ -159,7 +161,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     bind_quantize_fp8_transposed(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    NodropQuantizeFp8WeightsTransposedCpu, QuantizeFp8WeightsTransposed,
-    bind_quantize_fp8_weights_transposed(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+    NodropQuantizeFp8WeightsCpu, QuantizeFp8Weights<false>,
+    bind_quantize_fp8_weights(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NodropQuantizeFp8WeightsTransposedCpu, QuantizeFp8Weights<true>,
+    bind_quantize_fp8_weights(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
 }  // namespace nodrop::handlers

@@ -53,15 +53,17 @@ ffi::Error QuantizeFp8Transposed(cudaStream_t stream, ffi::AnyBuffer x,
       call->given_scale, static_cast<uint8_t*>(q_t->untyped_data()), scale->typed_data(), stream));
 }
 
-ffi::Error QuantizeFp8WeightsTransposed(cudaStream_t stream, ffi::AnyBuffer w,
-                                        ffi::Buffer<ffi::F32> given_scale,
-                                        ffi::Result<ffi::AnyBuffer> q_t,
-                                        ffi::Result<ffi::Buffer<ffi::F32>> scale) {
-  auto call = decode_quantize_fp8_weights_transposed(w, given_scale, *q_t, *scale);
+// quantize_fp8_weights, or with `transposed` quantize_fp8_weights_transposed.
+template <bool transposed>
+ffi::Error QuantizeFp8Weights(cudaStream_t stream, ffi::AnyBuffer w,
+                              ffi::Buffer<ffi::F32> given_scale, ffi::Result<ffi::AnyBuffer> q,
+                              ffi::Result<ffi::Buffer<ffi::F32>> scale) {
+  auto call = decode_quantize_fp8_weights(w, given_scale, *q, *scale, transposed);
   if (!call) return call.error();
-  return to_ffi_error(cuda::quantize_fp8_weights_transposed(
-      w.untyped_data(), call->dtype, call->G, call->K, call->N, call->given_scale,
-      static_cast<uint8_t*>(q_t->untyped_data()), scale->typed_data(), stream));
+  auto quantize = transposed ? cuda::quantize_fp8_weights_transposed : cuda::quantize_fp8_weights;
+  return to_ffi_error(quantize(w.untyped_data(), call->dtype, call->G, call->K, call->N,
+                               call->given_scale, static_cast<uint8_t*>(q->untyped_data()),
+                               scale->typed_data(), stream));
 }
 
 ffi::Error GroupedMatmulFp8Blockwise(cudaStream_t stream, ffi::AnyBuffer lhs,
@@ -159,10 +161,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropQuantizeFp8TransposedCuda, QuantizeFp8Transp
                               bind_quantize_fp8_transposed(ffi::Ffi::Bind().Ctx<Stream>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    NodropQuantizeFp8WeightsTransposedCuda, QuantizeFp8WeightsTransposed,
-    bind_quantize_fp8_weights_transposed(ffi::Ffi::Bind().Ctx<Stream>()),
-    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropQuantizeFp8WeightsCuda, QuantizeFp8Weights<false>,
+                              bind_quantize_fp8_weights(ffi::Ffi::Bind().Ctx<Stream>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropQuantizeFp8WeightsTransposedCuda, QuantizeFp8Weights<true>,
+                              bind_quantize_fp8_weights(ffi::Ffi::Bind().Ctx<Stream>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     NodropGroupedMatmulFp8BlockwiseContractCuda, GroupedMatmulFp8BlockwiseContract,

@@ -358,7 +358,10 @@ def _fp8_grouped_matmul(lhs, rhs, group_sizes, lhs_quantized, recipe, matmul, fo
 # The engine's FP8 kernels, per recipe. The blockwise recipe runs grouped_matmul_fp8_blockwise
 # (the forward and the input gradient) on rows in 1 x 128 blocks and weights in 128 x 128 blocks,
 # and grouped_matmul_fp8_blockwise_contract (the weight gradient) on quantize_transposed's blocks
-# of 128 rows. The tensorwise recipe runs all three GEMMs on the per-tensor kernels,
+# of 128 rows; the weights come from quantize_weights_transposed (the forward's) and
+# quantize_weights (the input gradient's), one engine pass each, which XLA's transposing and
+# blockwise quantisations ran at 40-80% of the bandwidth (an H100, 2026-12-07). The tensorwise
+# recipe runs all three GEMMs on the per-tensor kernels,
 # grouped_matmul_fp8_tensorwise and grouped_matmul_fp8_tensorwise_contract, on one scale for the
 # rows (`_tensor_rows`) and one per expert (`_expert_weights`): the forward with fast
 # accumulation, both gradients promoted, Transformer Engine's split (its GEMMs' split
@@ -372,8 +375,6 @@ def _blockwise_rows(x, group_sizes):
     return quantize_rows(x)
 
 
-def _blockwise_weights(w):
-    return quantize(w, WEIGHT_BLOCK)
 
 
 def _tensor_rows(x, group_sizes):
@@ -390,17 +391,11 @@ def _expert_scales(w):
     return _amax_scales(w, *_block_shape("tensor", w), (1, 1)).reshape(w.shape[0])
 
 
-def _expert_weights(w):
-    """Each expert's codes and its one scale, [G]."""
+def _expert_weights(w, quantizer):
+    """Each expert's codes from `quantizer` (`quantize_weights` or `quantize_weights_transposed`,
+    the input gradient's or the forward's) at the experts' scales, and those scales, [G]."""
     scale = _expert_scales(w)
-    return quantize(w, "tensor", scale=scale[:, None, None])[0], scale
-
-
-def _expert_weights_transposed(w):
-    """`_expert_weights` of each expert's weight transposed, the forward's: the codes in one
-    engine pass (`quantize_weights_transposed` at the experts' scales)."""
-    scale = _expert_scales(w)
-    return quantize_weights_transposed(w, scale=scale)[0], scale
+    return quantizer(w, scale=scale)[0], scale
 
 
 def _tensor_transposed(x, group_sizes):
@@ -416,8 +411,9 @@ def _kernel_forward(lhs, rhs, group_sizes, lhs_quantized, recipe):
     1.3 TB/s on an H100); lhs's quantisation as given, if it is."""
     if recipe == "tensorwise":
         lhs_q = _tensor_rows(lhs, group_sizes) if lhs_quantized is None else lhs_quantized
-        return grouped_matmul_fp8_tensorwise(*lhs_q, *_expert_weights_transposed(rhs),
-                                             group_sizes, fast_accumulation=True),
+        return grouped_matmul_fp8_tensorwise(
+            *lhs_q, *_expert_weights(rhs, quantize_weights_transposed), group_sizes,
+            fast_accumulation=True),
     lhs_q = _blockwise_rows(lhs, group_sizes) if lhs_quantized is None else lhs_quantized
     return grouped_matmul_fp8_blockwise(*lhs_q, *quantize_weights_transposed(rhs), group_sizes),
 
@@ -453,11 +449,11 @@ def _kernel_backward(lhs, rhs, dout, group_sizes, recipe, weight_gradient):
     quantisers apart on the H200, 2026-12-03.)"""
     if recipe == "tensorwise":
         dlhs = grouped_matmul_fp8_tensorwise(*_tensor_rows(dout, group_sizes),
-                                             *_expert_weights(rhs), group_sizes,
-                                             fast_accumulation=False)
+                                             *_expert_weights(rhs, quantize_weights),
+                                             group_sizes, fast_accumulation=False)
     else:
         dlhs = grouped_matmul_fp8_blockwise(*_blockwise_rows(dout, group_sizes),
-                                            *_blockwise_weights(rhs), group_sizes)
+                                            *quantize_weights(rhs), group_sizes)
     if weight_gradient == "unquantised":  # nodrop's contraction reads only the groups' rows
         return dlhs, _unquantised_weight_gradient(lhs, dout, group_sizes, rhs, grouped_matmul,
                                                   lhs.dtype)
@@ -657,12 +653,12 @@ _permute_fp8_p = _primitives.define("nodrop_permute_fp8", abstract_eval=_permute
                                     lower=_permute_fp8_lowering, multiple_results=True)
 
 
-# --- the experts' weights, transposed for the forward --------------------------------------------
+# --- the experts' weights for the forward (transposed) and the input gradient -------------------
 
 
 def _given_scales(scale, num_experts: int):
-    """The engine's operand given_scale of `quantize_weights_transposed`'s `scale`: [0] float32
-    for None (each block's own scale), else the experts' scales [G]."""
+    """The engine's operand given_scale of the weights' quantisations' `scale`: [0] float32 for
+    None (each block's own scale), else the experts' scales [G]."""
     if scale is None:
         return jnp.zeros((0,), jnp.float32)
     given = jnp.asarray(scale)
@@ -672,39 +668,59 @@ def _given_scales(scale, num_experts: int):
     return given
 
 
-def quantize_weights_transposed(w: ArrayLike, *, scale: ArrayLike | None = None
-                                ) -> tuple[jax.Array, jax.Array]:
-    """The FP8 forward's weight operand in one engine call: w [G, K, N] (float32, float16 or
-    bfloat16) -> (q_t float8_e4m3fn [G, N, K], scale float32 [G, ceil(N / 128), ceil(K / 128)]),
-    bitwise `quantize(jnp.swapaxes(w, 1, 2), WEIGHT_BLOCK)`: each expert's weight transposed
-    (Hopper's FP8 wgmma reads both operands K-major) in 128 x 128 blocks, read once and written
-    once. `grouped_matmul_fp8_blockwise` reads it as rhs. Experts partition locally under
-    sharding; K and N are gathered. Not differentiable (the recipes' custom_vjp never
+def quantize_weights(w: ArrayLike, *, scale: ArrayLike | None = None
+                     ) -> tuple[jax.Array, jax.Array]:
+    """The FP8 input gradient's weight operand in one engine call: w [G, K, N] (float32, float16
+    or bfloat16) -> (q float8_e4m3fn [G, K, N], scale float32 [G, ceil(K / 128), ceil(N / 128)]),
+    bitwise `quantize(w, WEIGHT_BLOCK)`: each expert's weight in 128 x 128 blocks, read once and
+    written once. dout @ w[g].T reads w[g] as its "transposed weight", so
+    `grouped_matmul_fp8_blockwise` takes these as rhs and rhs_scales. Experts partition locally
+    under sharding; K and N are gathered. Not differentiable (the recipes' custom_vjp never
     differentiates a quantisation).
 
     scale: None, or float32 [G], one scale per expert that all of its blocks take instead of
-    their own (the tensorwise recipe's, from an amax taken beforehand). Then q_t is bitwise
-    `quantize(jnp.swapaxes(w, 1, 2), "tensor", scale=scale[:, None, None])`'s codes (values past
-    448 * scale saturate), every scale of expert g is scale[g], and
-    `grouped_matmul_fp8_tensorwise` reads the codes with `scale`.
+    their own (the tensorwise recipe's, from an amax taken beforehand). Then q is bitwise
+    `quantize(w, "tensor", scale=scale[:, None, None])`'s codes (values past 448 * scale
+    saturate), every scale of expert g is scale[g], and `grouped_matmul_fp8_tensorwise` reads
+    the codes with `scale`.
     """
+    return _quantize_weights(w, scale, transposed=False)
+
+
+def quantize_weights_transposed(w: ArrayLike, *, scale: ArrayLike | None = None
+                                ) -> tuple[jax.Array, jax.Array]:
+    """The FP8 forward's weight operand in one engine call: `quantize_weights` of each expert's
+    weight transposed, (q_t float8_e4m3fn [G, N, K], scale float32 [G, ceil(N / 128),
+    ceil(K / 128)]), bitwise `quantize(jnp.swapaxes(w, 1, 2), WEIGHT_BLOCK)` (Hopper's FP8 wgmma
+    reads both operands K-major), or with `scale` [G] given, the tensorwise codes of
+    `jnp.swapaxes(w, 1, 2)` at those scales. `grouped_matmul_fp8_blockwise` and
+    `grouped_matmul_fp8_tensorwise` read it as rhs. Sharding as `quantize_weights`."""
+    return _quantize_weights(w, scale, transposed=True)
+
+
+def _quantize_weights(w, scale, *, transposed: bool):
     w = jnp.asarray(w)
     _checks.require_rank("w", w, 3, "[G, K, N]")
     _checks.require_float("w", w)
-    return tuple(_quantize_weights_transposed_p.bind(
-        *_ffi.match_vma(w, _given_scales(scale, w.shape[0]))))
+    return tuple(_quantize_weights_p.bind(*_ffi.match_vma(w, _given_scales(scale, w.shape[0])),
+                                          transposed=transposed))
 
 
-def _weights_transposed_shapes(w):
+def _weights_shapes(w, transposed: bool):
+    """(the codes' shape, the scales') of w [G, K, N]."""
     num_experts, k, n = w.shape
-    return (num_experts, n, k), (num_experts, -(-n // BLOCK), -(-k // BLOCK))
+    if transposed:
+        return (num_experts, n, k), (num_experts, -(-n // BLOCK), -(-k // BLOCK))
+    return (num_experts, k, n), (num_experts, -(-k // BLOCK), -(-n // BLOCK))
 
 
-def _quantize_weights_transposed_lowering(w, given_scale, *, partition):
+def _quantize_weights_lowering(w, given_scale, *, transposed, partition):
+    target = "nodrop_quantize_fp8_weights" + ("_transposed" if transposed else "")
+
     def run(w, given_scale):
-        codes, scales = _weights_transposed_shapes(w)
+        codes, scales = _weights_shapes(w, transposed)
         return _ffi.call(
-            "nodrop_quantize_fp8_weights_transposed",
+            target,
             (jax.ShapeDtypeStruct(codes, E4M3), jax.ShapeDtypeStruct(scales, jnp.float32)),
             w, given_scale)
 
@@ -713,19 +729,20 @@ def _quantize_weights_transposed_lowering(w, given_scale, *, partition):
     # Each expert on its own: split experts stay local (their given scales with them); a
     # weight's blocks span its rows and columns, which are gathered.
     given = "g" if given_scale.shape[0] else "s"
+    codes = ("g", "n", "k") if transposed else ("g", "k", "n")
     return _partition.partitioned(
-        run, f"g k n, {given} -> g n k, g b c", (("g", "k", "n"), (given,)),
-        (("g", "n", "k"), ("g", "b", "c")), lambda axes_of, *args: run(*args), ("g",),
+        run, f"g k n, {given} -> {' '.join(codes)}, g b c", (("g", "k", "n"), (given,)),
+        (codes, ("g", "b", "c")), lambda axes_of, *args: run(*args), ("g",),
         need_replication_factors=("k", "n") + (("s",) if given == "s" else ()) + ("b", "c"))(
             w, given_scale)
 
 
-_quantize_weights_transposed_p = _primitives.define(
-    "nodrop_quantize_fp8_weights_transposed",
-    abstract_eval=lambda w, given_scale: tuple(
+_quantize_weights_p = _primitives.define(
+    "nodrop_quantize_fp8_weights",
+    abstract_eval=lambda w, given_scale, *, transposed: tuple(
         _primitives.result_aval((w, given_scale), shape, dtype)
-        for shape, dtype in zip(_weights_transposed_shapes(w), (E4M3, jnp.float32))),
-    lower=_quantize_weights_transposed_lowering, multiple_results=True)
+        for shape, dtype in zip(_weights_shapes(w, transposed), (E4M3, jnp.float32))),
+    lower=_quantize_weights_lowering, multiple_results=True)
 
 
 # --- the engine's FP8 grouped matmuls on ragged rows (the forwards) -----------------------------

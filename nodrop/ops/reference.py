@@ -127,16 +127,21 @@ def permute_fp8(x, ids, num_experts, *, scale=None):
             rows_scale)
 
 
-def quantize_weights_transposed(w, *, scale=None):
-    """Each expert's weight transposed and quantised in 128 x 128 blocks (fp8.quantize, the
-    blockwise recipe's), or with scale [G] given, expert g's every block under scale[g] (the
-    tensorwise recipe's): (q_t [G, N, K], scale [G, ceil(N / 128), ceil(K / 128)])."""
-    w_t = jnp.swapaxes(w, 1, 2)
+def quantize_weights(w, *, scale=None):
+    """Each expert's weight [K, N] quantised in 128 x 128 blocks (fp8.quantize, the blockwise
+    recipe's), or with scale [G] given, expert g's every block under scale[g] (the tensorwise
+    recipe's): (q [G, K, N], scale [G, ceil(K / 128), ceil(N / 128)])."""
     if scale is None:
-        return fp8.quantize(w_t, fp8.WEIGHT_BLOCK)
-    blocks = (w_t.shape[0], -(-w_t.shape[1] // fp8.BLOCK), -(-w_t.shape[2] // fp8.BLOCK))
+        return fp8.quantize(w, fp8.WEIGHT_BLOCK)
+    blocks = (w.shape[0], -(-w.shape[1] // fp8.BLOCK), -(-w.shape[2] // fp8.BLOCK))
     scales = jnp.broadcast_to(jnp.asarray(scale, jnp.float32)[:, None, None], blocks)
-    return fp8.quantize(w_t, fp8.WEIGHT_BLOCK, scale=scales)[0], scales
+    return fp8.quantize(w, fp8.WEIGHT_BLOCK, scale=scales)[0], scales
+
+
+def quantize_weights_transposed(w, *, scale=None):
+    """quantize_weights of each expert's weight transposed: (q_t [G, N, K], scale
+    [G, ceil(N / 128), ceil(K / 128)])."""
+    return quantize_weights(jnp.swapaxes(w, 1, 2), scale=scale)
 
 
 def unpermute(rows, row_map, weights):

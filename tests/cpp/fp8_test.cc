@@ -1,8 +1,9 @@
 // Tests of quantize_fp8 (1 x block FP8 scaling), quantize_fp8_transposed (the weight gradient's
-// blocks of 128 rows within each group, transposed), quantize_fp8_weights_transposed (the
-// experts' weights in 128 x 128 blocks, transposed for the forward) and permute_rows_fp8 (permute
-// with the rows' quantisation) against a brute-force E4M3 encoder: the nearest of the 127 finite
-// magnitudes, ties to the even code.
+// blocks of 128 rows within each group, transposed), quantize_fp8_weights and
+// quantize_fp8_weights_transposed (the experts' weights in 128 x 128 blocks, in place for the
+// input gradient and transposed for the forward) and permute_rows_fp8 (permute with the rows'
+// quantisation) against a brute-force E4M3 encoder: the nearest of the 127 finite magnitudes,
+// ties to the even code.
 
 #include <gtest/gtest.h>
 
@@ -366,9 +367,12 @@ TEST(QuantizeFp8TransposedArgs, RejectsNegativeShapesAndNullBuffers) {
   EXPECT_TRUE(call(0, 0, 0, nullptr, nullptr).ok());  // nothing to write: PB = 0
 }
 
-// ---- quantize_fp8_weights_transposed --------------------------------------------------------
+// ---- quantize_fp8_weights and quantize_fp8_weights_transposed ----------------------------------
 
-// The experts' weights w [G, K, N] -> q_t [G, N, K] and scale [G, NB, KB].
+// The experts' weights w [G, K, N] -> q [G, K, N] and scale [G, KB, NB] (quantize_fp8_weights,
+// the input gradient's operand) or q_t [G, N, K] and scale [G, NB, KB]
+// (quantize_fp8_weights_transposed, the forward's): the same blocks and codes in either layout.
+// The tests run on both, `transposed` picking the function.
 struct WeightsProblem {
   int64_t G, K, N;
   int64_t KB() const { return (K + kBlock - 1) / kBlock; }
@@ -379,32 +383,72 @@ void PrintTo(const WeightsProblem& p, std::ostream* os) {
   *os << "G " << p.G << ", K " << p.K << ", N " << p.N;
 }
 
+const char* weights_function(bool transposed) {
+  return transposed ? "quantize_fp8_weights_transposed" : "quantize_fp8_weights";
+}
+
+// A layout parameter's test name.
+std::string layout_name(const testing::TestParamInfo<bool>& info) {
+  return info.param ? "Transposed" : "InPlace";
+}
+
+// quantize_fp8_weights, or with `transposed` quantize_fp8_weights_transposed.
+nodrop::Status quantize_weights_call(bool transposed, const void* w, DType dtype, int64_t G,
+                                     int64_t K, int64_t N, const float* given_scale, uint8_t* q,
+                                     float* scale, nodrop::ParallelRunner* runner = nullptr) {
+  return transposed ? nodrop::cpu::quantize_fp8_weights_transposed(w, dtype, G, K, N, given_scale,
+                                                                    q, scale, runner)
+                    : nodrop::cpu::quantize_fp8_weights(w, dtype, G, K, N, given_scale, q, scale,
+                                                        runner);
+}
+
+// One call's codes and scales, read by w's indices whichever the layout.
+struct Weights {
+  WeightsProblem p;
+  bool transposed;
+  std::vector<uint8_t> q;    // [G, K, N], or transposed [G, N, K]
+  std::vector<float> scale;  // [G, KB, NB], or transposed [G, NB, KB]
+
+  int64_t q_at(int64_t g, int64_t k, int64_t n) const {
+    return transposed ? (g * p.N + n) * p.K + k : (g * p.K + k) * p.N + n;
+  }
+  int64_t scale_at(int64_t g, int64_t kb, int64_t nb) const {
+    return transposed ? (g * p.NB() + nb) * p.KB() + kb : (g * p.KB() + kb) * p.NB() + nb;
+  }
+  uint8_t code(int64_t g, int64_t k, int64_t n) const { return q[q_at(g, k, n)]; }
+  float block_scale(int64_t g, int64_t kb, int64_t nb) const {
+    return scale[scale_at(g, kb, nb)];
+  }
+};
+
 // Poisoned outputs between canaries (every byte must be written, none past the ends), inputs
 // fenced (no read past them); given: null, or G scales.
-Transposed quantize_weights(const WeightsProblem& p, const Array& w,
-                            nodrop::ParallelRunner* runner,
-                            const std::vector<float>* given = nullptr) {
-  Guarded<uint8_t> q_t(p.G * p.N * p.K, 0xab);
-  Guarded<float> scale(p.G * p.NB() * p.KB(), std::nanf(""));
+Weights quantize_weights(bool transposed, const WeightsProblem& p, const Array& w,
+                         nodrop::ParallelRunner* runner,
+                         const std::vector<float>* given = nullptr) {
+  Guarded<uint8_t> q(p.G * p.K * p.N, 0xab);
+  Guarded<float> scale(p.G * p.KB() * p.NB(), std::nanf(""));
   const Fenced w_in(w);
   const Fenced given_in(given ? *given : std::vector<float>());
-  const auto s = nodrop::cpu::quantize_fp8_weights_transposed(
-      w_in.data(), w.dtype(), p.G, p.K, p.N, given ? given_in.as<float>() : nullptr, q_t.data(),
-      scale.data(), runner);
+  const auto s = quantize_weights_call(transposed, w_in.data(), w.dtype(), p.G, p.K, p.N,
+                                       given ? given_in.as<float>() : nullptr, q.data(),
+                                       scale.data(), runner);
   EXPECT_TRUE(s.ok()) << s.message();
-  EXPECT_TRUE(q_t.canaries_intact() && scale.canaries_intact());
-  return {q_t.vec(), scale.vec()};
+  EXPECT_TRUE(q.canaries_intact() && scale.canaries_intact());
+  return {p, transposed, q.vec(), scale.vec()};
 }
 
 // The layout re-derived: block (kb, nb) of expert g is w[g, 128 kb.., 128 nb..] (shorter at the
-// edges), its scale at scale[g, nb, kb] (given[g] where given), its codes at q_t[g, n, k].
-void expect_weights(const WeightsProblem& p, const Array& w, const Transposed& got,
+// edges), its scale at scale[g, kb, nb] (transposed: scale[g, nb, kb]; given[g] where given), the
+// code of w[g, k, n] at q[g, k, n] (transposed: q_t[g, n, k]).
+void expect_weights(const Array& w, const Weights& got,
                     const std::vector<float>* given = nullptr) {
-  ASSERT_EQ(static_cast<int64_t>(got.q_t.size()), p.G * p.N * p.K);
-  ASSERT_EQ(static_cast<int64_t>(got.scale.size()), p.G * p.NB() * p.KB());
+  const WeightsProblem& p = got.p;
+  ASSERT_EQ(static_cast<int64_t>(got.q.size()), p.G * p.K * p.N);
+  ASSERT_EQ(static_cast<int64_t>(got.scale.size()), p.G * p.KB() * p.NB());
   for (int64_t g = 0; g < p.G; ++g) {
-    for (int64_t nb = 0; nb < p.NB(); ++nb) {
-      for (int64_t kb = 0; kb < p.KB(); ++kb) {
+    for (int64_t kb = 0; kb < p.KB(); ++kb) {
+      for (int64_t nb = 0; nb < p.NB(); ++nb) {
         const int64_t k0 = kb * kBlock, k1 = std::min(p.K, k0 + kBlock);
         const int64_t n0 = nb * kBlock, n1 = std::min(p.N, n0 + kBlock);
         std::vector<float> values;
@@ -416,11 +460,11 @@ void expect_weights(const WeightsProblem& p, const Array& w, const Transposed& g
         const float s = given ? (*given)[g] : want_scale(values);
         const std::string where = "expert " + std::to_string(g) + " block (k " +
                                   std::to_string(kb) + ", n " + std::to_string(nb) + ")";
-        ASSERT_NO_FATAL_FAILURE(expect_scale(got.scale[(g * p.NB() + nb) * p.KB() + kb], s, where));
+        ASSERT_NO_FATAL_FAILURE(expect_scale(got.block_scale(g, kb, nb), s, where));
         for (int64_t k = k0; k < k1; ++k) {
           for (int64_t n = n0; n < n1; ++n) {
             ASSERT_NO_FATAL_FAILURE(expect_code(
-                got.q_t[(g * p.N + n) * p.K + k], values[(k - k0) * (n1 - n0) + (n - n0)], s,
+                got.code(g, k, n), values[(k - k0) * (n1 - n0) + (n - n0)], s,
                 where + " w[" + std::to_string(k) + ", " + std::to_string(n) + "]"));
           }
         }
@@ -430,8 +474,8 @@ void expect_weights(const WeightsProblem& p, const Array& w, const Transposed& g
 }
 
 // Bitwise equal, NaN scales included.
-void expect_same(const Transposed& a, const Transposed& b) {
-  EXPECT_EQ(a.q_t, b.q_t);
+void expect_same(const Weights& a, const Weights& b) {
+  EXPECT_EQ(a.q, b.q);
   ASSERT_EQ(a.scale.size(), b.scale.size());
   EXPECT_EQ(0, std::memcmp(a.scale.data(), b.scale.data(), a.scale.size() * sizeof(float)));
 }
@@ -454,16 +498,17 @@ Array random_weights(DType dtype, const WeightsProblem& p, uint32_t seed) {
   return w;
 }
 
-class QuantizeFp8WeightsTransposed
-    : public testing::TestWithParam<std::tuple<DType, WeightsProblem>> {};
+// (transposed, dtype, shape).
+class QuantizeFp8Weights
+    : public testing::TestWithParam<std::tuple<bool, DType, WeightsProblem>> {};
 
-TEST_P(QuantizeFp8WeightsTransposed, MatchesTheLayoutAndTheBruteForceEncoder) {
-  const auto& [dtype, p] = GetParam();
+TEST_P(QuantizeFp8Weights, MatchesTheLayoutAndTheBruteForceEncoder) {
+  const auto& [transposed, dtype, p] = GetParam();
   const Array w = random_weights(dtype, p, 21);
-  const Transposed serial = quantize_weights(p, w, nullptr);
-  ASSERT_NO_FATAL_FAILURE(expect_weights(p, w, serial));
+  const Weights serial = quantize_weights(transposed, p, w, nullptr);
+  ASSERT_NO_FATAL_FAILURE(expect_weights(w, serial));
   ThreadRunner runner(3);
-  const Transposed threaded = quantize_weights(p, w, &runner);
+  const Weights threaded = quantize_weights(transposed, p, w, &runner);
   expect_same(threaded, serial);  // threads change nothing
   if (p.N > 0 && p.G * p.KB() > 1) {
     EXPECT_GT(runner.calls(), 0);  // the threaded path did run
@@ -473,8 +518,8 @@ TEST_P(QuantizeFp8WeightsTransposed, MatchesTheLayoutAndTheBruteForceEncoder) {
 // A tensorwise recipe's scales given, one per expert and differing by expert: each expert's own
 // amax (no saturation), then a mix of half of it (its largest values saturate), 0.01 (most
 // values saturate), NaN (every code of that expert NaN, the others' unaffected) and a tiny one.
-TEST_P(QuantizeFp8WeightsTransposed, GivenScalesReplaceEveryBlocksOwnPerExpert) {
-  const auto& [dtype, p] = GetParam();
+TEST_P(QuantizeFp8Weights, GivenScalesReplaceEveryBlocksOwnPerExpert) {
+  const auto& [transposed, dtype, p] = GetParam();
   const Array w = random_weights(dtype, p, 22);
   std::vector<float> per_expert(p.G);
   for (int64_t g = 0; g < p.G; ++g) {
@@ -491,16 +536,16 @@ TEST_P(QuantizeFp8WeightsTransposed, GivenScalesReplaceEveryBlocksOwnPerExpert) 
   }
   for (const std::vector<float>* given : {&per_expert, &mixed}) {
     SCOPED_TRACE(given == &per_expert ? "each expert's amax" : "a mix");
-    const Transposed serial = quantize_weights(p, w, nullptr, given);
-    ASSERT_NO_FATAL_FAILURE(expect_weights(p, w, serial, given));
+    const Weights serial = quantize_weights(transposed, p, w, nullptr, given);
+    ASSERT_NO_FATAL_FAILURE(expect_weights(w, serial, given));
     ThreadRunner runner(3);
-    expect_same(quantize_weights(p, w, &runner, given), serial);
+    expect_same(quantize_weights(transposed, p, w, &runner, given), serial);
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Shapes, QuantizeFp8WeightsTransposed,
-    testing::Combine(testing::ValuesIn(nodrop_test::kAllDtypes),
+    Shapes, QuantizeFp8Weights,
+    testing::Combine(testing::Bool(), testing::ValuesIn(nodrop_test::kAllDtypes),
                      testing::Values(WeightsProblem{3, 300, 260},  // short edge blocks both ways
                                      WeightsProblem{2, 128, 128},  // whole blocks
                                      WeightsProblem{2, 136, 264},  // edges of 8 both ways
@@ -510,14 +555,15 @@ INSTANTIATE_TEST_SUITE_P(
                                      WeightsProblem{2, 0, 4},      // no rows
                                      WeightsProblem{2, 4, 0})));   // no columns
 
-class QuantizeFp8WeightsTransposedValues : public testing::TestWithParam<DType> {};
+// (transposed, dtype).
+class QuantizeFp8WeightsValues : public testing::TestWithParam<std::tuple<bool, DType>> {};
 
 // G = 2, K = 300, N = 260 (blocks of 128, 128 and 44 rows by 128, 128 and 4 columns): an all-zero
 // block and a block of tiny values (amax / 448 below float32's smallest normal: scale 1 either
 // way), a NaN in a short block and an inf in a narrow one (scale NaN, that block's codes NaN
 // and no other's), and a block whose amax is 7 (7 -> 448).
-TEST_P(QuantizeFp8WeightsTransposedValues, ZeroTinyNonFiniteAndAmaxBlocks) {
-  const DType dtype = GetParam();
+TEST_P(QuantizeFp8WeightsValues, ZeroTinyNonFiniteAndAmaxBlocks) {
+  const auto& [transposed, dtype] = GetParam();
   const WeightsProblem p{2, 300, 260};
   const int64_t K = p.K, N = p.N, KB = p.KB(), NB = p.NB();
   std::mt19937 rng(23);
@@ -532,27 +578,23 @@ TEST_P(QuantizeFp8WeightsTransposedValues, ZeroTinyNonFiniteAndAmaxBlocks) {
   }
   w.set(at(0, 260, 130), std::numeric_limits<double>::quiet_NaN());  // expert 0, block (2, 1)
   w.set(at(1, 5, 258), std::numeric_limits<double>::infinity());    // expert 1, block (0, 2)
-  const Transposed got = quantize_weights(p, w, nullptr);
-  ASSERT_NO_FATAL_FAILURE(expect_weights(p, w, got));
-  auto scale_of = [&](int64_t g, int64_t kb, int64_t nb) {
-    return got.scale[(g * NB + nb) * KB + kb];
-  };
-  auto code_of = [&](int64_t g, int64_t k, int64_t n) { return got.q_t[(g * N + n) * K + k]; };
-  EXPECT_EQ(scale_of(0, 0, 0), 1.0f);
-  EXPECT_EQ(scale_of(0, 1, 0), 1.0f);
-  EXPECT_EQ(code_of(0, 0, 0), 0);
-  EXPECT_TRUE(std::isnan(scale_of(0, 2, 1)));
-  EXPECT_TRUE(std::isnan(scale_of(1, 0, 2)));
-  EXPECT_EQ(scale_of(1, 1, 1), 7.0f * (1.0f / kE4M3Max));
-  EXPECT_EQ(code_of(1, 128 + 3, 128 + 9), 0xfe);  // -7: the block's amax -> -448
+  const Weights got = quantize_weights(transposed, p, w, nullptr);
+  ASSERT_NO_FATAL_FAILURE(expect_weights(w, got));
+  EXPECT_EQ(got.block_scale(0, 0, 0), 1.0f);
+  EXPECT_EQ(got.block_scale(0, 1, 0), 1.0f);
+  EXPECT_EQ(got.code(0, 0, 0), 0);
+  EXPECT_TRUE(std::isnan(got.block_scale(0, 2, 1)));
+  EXPECT_TRUE(std::isnan(got.block_scale(1, 0, 2)));
+  EXPECT_EQ(got.block_scale(1, 1, 1), 7.0f * (1.0f / kE4M3Max));
+  EXPECT_EQ(got.code(1, 128 + 3, 128 + 9), 0xfe);  // -7: the block's amax -> -448
   // The NaN and the inf stay in their blocks: every code of those blocks is NaN, no other is.
   int64_t nan_codes = 0;
   for (int64_t g = 0; g < p.G; ++g) {
-    for (int64_t n = 0; n < N; ++n) {
-      for (int64_t k = 0; k < K; ++k) {
+    for (int64_t k = 0; k < K; ++k) {
+      for (int64_t n = 0; n < N; ++n) {
         const bool in_nan_block = (g == 0 && k >= 256 && n >= 128 && n < 256) ||
                                   (g == 1 && k < 128 && n >= 256);
-        ASSERT_EQ((code_of(g, k, n) & 0x7f) == 0x7f, in_nan_block)
+        ASSERT_EQ((got.code(g, k, n) & 0x7f) == 0x7f, in_nan_block)
             << "expert " << g << " w[" << k << ", " << n << "]";
         nan_codes += in_nan_block;
       }
@@ -563,21 +605,26 @@ TEST_P(QuantizeFp8WeightsTransposedValues, ZeroTinyNonFiniteAndAmaxBlocks) {
     for (int64_t kb = 0; kb < KB; ++kb) {
       for (int64_t nb = 0; nb < NB; ++nb) {
         const bool nan_block = (g == 0 && kb == 2 && nb == 1) || (g == 1 && kb == 0 && nb == 2);
-        EXPECT_EQ(std::isnan(scale_of(g, kb, nb)), nan_block) << g << " " << kb << " " << nb;
+        EXPECT_EQ(std::isnan(got.block_scale(g, kb, nb)), nan_block)
+            << g << " " << kb << " " << nb;
       }
     }
   }
   ThreadRunner runner(3);
-  expect_same(quantize_weights(p, w, &runner), got);
+  expect_same(quantize_weights(transposed, p, w, &runner), got);
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, QuantizeFp8WeightsTransposedValues,
-                         testing::ValuesIn(nodrop_test::kAllDtypes));
+INSTANTIATE_TEST_SUITE_P(Dtypes, QuantizeFp8WeightsValues,
+                         testing::Combine(testing::Bool(),
+                                          testing::ValuesIn(nodrop_test::kAllDtypes)));
+
+class QuantizeFp8WeightsGiven : public testing::TestWithParam<bool> {};  // transposed
 
 // Given scales 0.01 and 2 for two experts of 7 x 5: expert 0's +-100 saturate to +-448 and
 // expert 1's 3 is 1.5 (code 0x3c); every scale of an expert is its given one, and a NaN given
 // makes that expert's codes NaN only.
-TEST(QuantizeFp8WeightsTransposedValues, GivenScalesSaturateAndDifferByExpert) {
+TEST_P(QuantizeFp8WeightsGiven, GivenScalesSaturateAndDifferByExpert) {
+  const bool transposed = GetParam();
   const WeightsProblem p{2, 7, 5};
   Array w(DType::kFloat32, p.G * p.K * p.N);
   for (int64_t i = 0; i < p.K * p.N; ++i) {
@@ -585,46 +632,99 @@ TEST(QuantizeFp8WeightsTransposedValues, GivenScalesSaturateAndDifferByExpert) {
     w.set(p.K * p.N + i, 3.0);
   }
   const std::vector<float> given = {0.01f, 2.0f};
-  const Transposed got = quantize_weights(p, w, nullptr, &given);
-  ASSERT_NO_FATAL_FAILURE(expect_weights(p, w, got, &given));
+  const Weights got = quantize_weights(transposed, p, w, nullptr, &given);
+  ASSERT_NO_FATAL_FAILURE(expect_weights(w, got, &given));
   EXPECT_EQ(got.scale, given);  // KB = NB = 1
-  for (int64_t n = 0; n < p.N; ++n) {
-    for (int64_t k = 0; k < p.K; ++k) {
-      EXPECT_EQ(got.q_t[n * p.K + k], (k * p.N + n) % 2 ? 0xfe : 0x7e) << k << ", " << n;
-      EXPECT_EQ(got.q_t[(p.N + n) * p.K + k], 0x3c) << k << ", " << n;
+  for (int64_t k = 0; k < p.K; ++k) {
+    for (int64_t n = 0; n < p.N; ++n) {
+      EXPECT_EQ(got.code(0, k, n), (k * p.N + n) % 2 ? 0xfe : 0x7e) << k << ", " << n;
+      EXPECT_EQ(got.code(1, k, n), 0x3c) << k << ", " << n;
     }
   }
   const std::vector<float> nan_first = {std::nanf(""), 2.0f};
-  const Transposed nan = quantize_weights(p, w, nullptr, &nan_first);
-  ASSERT_NO_FATAL_FAILURE(expect_weights(p, w, nan, &nan_first));
-  for (int64_t i = 0; i < p.N * p.K; ++i) {
-    EXPECT_EQ(nan.q_t[i] & 0x7f, 0x7f) << i;
-    EXPECT_EQ(nan.q_t[p.N * p.K + i], 0x3c) << i;
+  const Weights nan = quantize_weights(transposed, p, w, nullptr, &nan_first);
+  ASSERT_NO_FATAL_FAILURE(expect_weights(w, nan, &nan_first));
+  for (int64_t i = 0; i < p.K * p.N; ++i) {  // expert g's codes are q[g] in either layout
+    EXPECT_EQ(nan.q[i] & 0x7f, 0x7f) << i;
+    EXPECT_EQ(nan.q[p.K * p.N + i], 0x3c) << i;
   }
 }
 
-TEST(QuantizeFp8WeightsTransposedArgs, RejectsNegativeShapesAndNullBuffers) {
+INSTANTIATE_TEST_SUITE_P(Layouts, QuantizeFp8WeightsGiven, testing::Bool(), layout_name);
+
+class QuantizeFp8WeightsLayouts : public testing::TestWithParam<DType> {};
+
+// quantize_fp8_weights is quantize_fp8_weights_transposed with axes 1 and 2 of q and of scale
+// swapped, bit for bit: on short edge blocks both ways, with a zero block, a NaN of either sign
+// (the CPU keeps -NaN's sign, 0xff) and an inf, each block's own scales and given ones (one NaN).
+TEST_P(QuantizeFp8WeightsLayouts, InPlaceIsTheTransposedWithAxesSwapped) {
+  const DType dtype = GetParam();
+  const WeightsProblem p{3, 300, 260};
+  Array w = random_weights(dtype, p, 24);
+  auto at = [&](int64_t g, int64_t k, int64_t n) { return (g * p.K + k) * p.N + n; };
+  for (int64_t k = 0; k < 128; ++k) {
+    for (int64_t n = 0; n < 128; ++n) w.set(at(2, 128 + k, n), 0.0);
+  }
+  w.set(at(0, 299, 259), std::numeric_limits<double>::quiet_NaN());
+  w.set(at(1, 17, 200), -std::numeric_limits<double>::quiet_NaN());
+  w.set(at(2, 250, 3), -std::numeric_limits<double>::infinity());
+  const std::vector<float> given = {0.01f, std::nanf(""), 0.125f};
+  for (const std::vector<float>* scales : {static_cast<const std::vector<float>*>(nullptr),
+                                           &given}) {
+    SCOPED_TRACE(scales ? "given scales" : "each block's own scale");
+    const Weights in_place = quantize_weights(false, p, w, nullptr, scales);
+    const Weights transposed = quantize_weights(true, p, w, nullptr, scales);
+    int64_t nans = 0;
+    for (int64_t g = 0; g < p.G; ++g) {
+      for (int64_t k = 0; k < p.K; ++k) {
+        for (int64_t n = 0; n < p.N; ++n) {
+          ASSERT_EQ(in_place.q[(g * p.K + k) * p.N + n], transposed.q[(g * p.N + n) * p.K + k])
+              << "expert " << g << " w[" << k << ", " << n << "]";
+          nans += (in_place.q[(g * p.K + k) * p.N + n] & 0x7f) == 0x7f;
+        }
+      }
+      for (int64_t kb = 0; kb < p.KB(); ++kb) {
+        for (int64_t nb = 0; nb < p.NB(); ++nb) {
+          const float a = in_place.scale[(g * p.KB() + kb) * p.NB() + nb];
+          const float b = transposed.scale[(g * p.NB() + nb) * p.KB() + kb];
+          ASSERT_EQ(0, std::memcmp(&a, &b, sizeof(float)))
+              << "expert " << g << " block (k " << kb << ", n " << nb << "): " << a << ", " << b;
+        }
+      }
+    }
+    EXPECT_GT(nans, 0);  // the non-finite values did reach the codes
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, QuantizeFp8WeightsLayouts,
+                         testing::ValuesIn(nodrop_test::kAllDtypes));
+
+class QuantizeFp8WeightsArgs : public testing::TestWithParam<bool> {};  // transposed
+
+TEST_P(QuantizeFp8WeightsArgs, RejectsNegativeShapesAndNullBuffers) {
+  const bool transposed = GetParam();
+  const std::string function = weights_function(transposed);
   std::vector<float> w(2 * 3 * 4, 1.0f), scale(2);
-  std::vector<uint8_t> q_t(2 * 4 * 3);
+  std::vector<uint8_t> q(2 * 3 * 4);
   auto call = [&](int64_t G, int64_t K, int64_t N, const float* w_data, uint8_t* q_data,
                   float* scale_data) {
-    return nodrop::cpu::quantize_fp8_weights_transposed(w_data, DType::kFloat32, G, K, N, nullptr,
-                                                        q_data, scale_data);
+    return quantize_weights_call(transposed, w_data, DType::kFloat32, G, K, N, nullptr, q_data,
+                                 scale_data);
   };
-  EXPECT_TRUE(call(2, 3, 4, w.data(), q_t.data(), scale.data()).ok());
-  auto status = call(2, -1, 4, w.data(), q_t.data(), scale.data());
-  EXPECT_TRUE(mentions(status, "quantize_fp8_weights_transposed: K = -1 is negative"))
-      << status.message();
-  status = call(-2, 3, 4, w.data(), q_t.data(), scale.data());
-  EXPECT_TRUE(mentions(status, "G = -2 is negative")) << status.message();
-  status = call(2, 3, -4, w.data(), q_t.data(), scale.data());
-  EXPECT_TRUE(mentions(status, "N = -4 is negative")) << status.message();
-  status = call(2, 3, 4, nullptr, q_t.data(), scale.data());
-  EXPECT_TRUE(mentions(status, "quantize_fp8_weights_transposed: w is null")) << status.message();
+  EXPECT_TRUE(call(2, 3, 4, w.data(), q.data(), scale.data()).ok());
+  auto status = call(2, -1, 4, w.data(), q.data(), scale.data());
+  EXPECT_TRUE(mentions(status, function + ": K = -1 is negative")) << status.message();
+  status = call(-2, 3, 4, w.data(), q.data(), scale.data());
+  EXPECT_TRUE(mentions(status, function + ": G = -2 is negative")) << status.message();
+  status = call(2, 3, -4, w.data(), q.data(), scale.data());
+  EXPECT_TRUE(mentions(status, function + ": N = -4 is negative")) << status.message();
+  status = call(2, 3, 4, nullptr, q.data(), scale.data());
+  EXPECT_TRUE(mentions(status, function + ": w is null")) << status.message();
   status = call(2, 3, 4, w.data(), nullptr, scale.data());
-  EXPECT_TRUE(mentions(status, "q_t is null")) << status.message();
-  status = call(2, 3, 4, w.data(), q_t.data(), nullptr);
-  EXPECT_TRUE(mentions(status, "scale is null")) << status.message();
+  EXPECT_TRUE(mentions(status, function + (transposed ? ": q_t is null" : ": q is null")))
+      << status.message();
+  status = call(2, 3, 4, w.data(), q.data(), nullptr);
+  EXPECT_TRUE(mentions(status, function + ": scale is null")) << status.message();
   // Nothing to read or write: every buffer may be null, and nothing is written.
   EXPECT_TRUE(call(0, 3, 4, nullptr, nullptr, nullptr).ok());
   EXPECT_TRUE(call(2, 0, 4, nullptr, nullptr, nullptr).ok());
@@ -632,14 +732,15 @@ TEST(QuantizeFp8WeightsTransposedArgs, RejectsNegativeShapesAndNullBuffers) {
   Guarded<uint8_t> untouched_q(4, 0xcd);
   Guarded<float> untouched_scale(4, -7.0f);
   const float given[2] = {1.0f, 1.0f};
-  EXPECT_TRUE(nodrop::cpu::quantize_fp8_weights_transposed(w.data(), DType::kBFloat16, 2, 0, 4,
-                                                           given, untouched_q.data(),
-                                                           untouched_scale.data())
+  EXPECT_TRUE(quantize_weights_call(transposed, w.data(), DType::kBFloat16, 2, 0, 4, given,
+                                    untouched_q.data(), untouched_scale.data())
                   .ok());
   EXPECT_EQ(untouched_q.vec(), std::vector<uint8_t>(4, 0xcd));
   EXPECT_EQ(untouched_scale.vec(), std::vector<float>(4, -7.0f));
   EXPECT_TRUE(untouched_q.canaries_intact() && untouched_scale.canaries_intact());
 }
+
+INSTANTIATE_TEST_SUITE_P(Layouts, QuantizeFp8WeightsArgs, testing::Bool(), layout_name);
 
 // ---- permute_rows_fp8 -----------------------------------------------------------------------
 

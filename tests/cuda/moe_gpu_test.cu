@@ -1020,18 +1020,41 @@ TEST(QuantizeFp8GpuArgs, RejectsBadBlocksAndDoesNothingWhenEmpty) {
   CUDA_CHECK(cudaStreamSynchronize(stream()));
 }
 
-class QuantizeFp8WeightsTransposedGpu : public testing::TestWithParam<DType> {};
+// The experts' weights quantised for the forward (transposed: quantize_fp8_weights_transposed,
+// q_t [G, N, K], scale [G, NB, KB]) or the input gradient (in place: quantize_fp8_weights,
+// q [G, K, N], scale [G, KB, NB]), `transposed` picking the function.
+Status quantize_weights_gpu(bool transposed, const void* w, DType dtype, int64_t G, int64_t K,
+                            int64_t N, const float* given_scale, uint8_t* q, float* scale) {
+  return transposed ? nodrop::cuda::quantize_fp8_weights_transposed(w, dtype, G, K, N,
+                                                                     given_scale, q, scale,
+                                                                     stream())
+                    : nodrop::cuda::quantize_fp8_weights(w, dtype, G, K, N, given_scale, q, scale,
+                                                         stream());
+}
+Status quantize_weights_cpu(bool transposed, const void* w, DType dtype, int64_t G, int64_t K,
+                            int64_t N, const float* given_scale, uint8_t* q, float* scale) {
+  return transposed
+             ? nodrop::cpu::quantize_fp8_weights_transposed(w, dtype, G, K, N, given_scale, q,
+                                                            scale)
+             : nodrop::cpu::quantize_fp8_weights(w, dtype, G, K, N, given_scale, q, scale);
+}
+const char* layout_short(bool transposed) { return transposed ? "transposed" : "in_place"; }
 
-// The forward's weight operand (w [G, K, N] -> q_t [G, N, K], scale [G, NB, KB]), bitwise the CPU
-// engine's: a training-like expert pair (K = 512, N = 768: whole blocks, 16-byte loads and
-// stores), short edge blocks both ways (K = 300, N = 260: element loads and stores), edges of 8
-// (K = 136, N = 264: 16-byte loads, element stores) and less than a block (K = 7, N = 5); with a
+// (transposed, dtype).
+class QuantizeFp8WeightsGpu : public testing::TestWithParam<std::tuple<bool, DType>> {};
+
+// The weights' operands, bitwise the CPU engine's in either layout: a training-like expert pair
+// (K = 512, N = 768: whole blocks, vector loads and stores), short edge blocks both ways
+// (K = 300, N = 260: element loads and stores), edges of 8 (K = 136, N = 264: 16-byte loads;
+// element stores transposed, 8-byte ones in place) and less than a block (K = 7, N = 5); with a
 // zero block, a block of subnormals (a scale whose reciprocal is inf), a NaN in a short block, an
 // inf in a narrow one, and columns of large and small magnitudes. w aligned and not (element
-// loads), q_t aligned and not (element stores); each block's own scale, and given per-expert ones
-// (0.01, which saturates the large values; NaN for one expert; 0.125).
-TEST_P(QuantizeFp8WeightsTransposedGpu, MatchesTheCpuBitwise) {
-  const DType dtype = GetParam();
+// loads), q aligned and not (element stores: q_t shifted by 8 bytes, in place q by 1); each
+// block's own scale, and given per-expert ones (0.01, which saturates the large values; NaN for
+// one expert; 0.125).
+TEST_P(QuantizeFp8WeightsGpu, MatchesTheCpuBitwise) {
+  const bool transposed = std::get<0>(GetParam());  // named: lambdas capture them
+  const DType dtype = std::get<1>(GetParam());
   const std::tuple<int64_t, int64_t, int64_t> cases[] = {
       {2, 512, 768}, {3, 300, 260}, {2, 136, 264}, {1, 7, 5}};
   for (const auto& [case_experts, case_rows, case_columns] : cases) {
@@ -1064,29 +1087,31 @@ TEST_P(QuantizeFp8WeightsTransposedGpu, MatchesTheCpuBitwise) {
     for (int64_t g = 0; g < G; ++g) given_scales[g] = per_expert[g % 3];
     const DeviceBuffer d_given = to_device(given_scales);
     for (const bool given : {false, true}) {
-      Bytes want_q(G * N * K);
-      Floats want_scale(G * NB * KB);
-      ASSERT_TRUE(nodrop::cpu::quantize_fp8_weights_transposed(
-                      w.data(), dtype, G, K, N, given ? given_scales.data() : nullptr,
-                      want_q.data(), want_scale.data())
+      Bytes want_q(G * K * N);
+      Floats want_scale(G * KB * NB);
+      ASSERT_TRUE(quantize_weights_cpu(transposed, w.data(), dtype, G, K, N,
+                                       given ? given_scales.data() : nullptr, want_q.data(),
+                                       want_scale.data())
                       .ok());
       // Aligned (the vector paths where the shape allows) and not: w shifted by two elements,
-      // q_t by 8 bytes.
-      for (const auto& [w_shift, q_shift] :
-           {std::pair<size_t, size_t>{0, 0}, {2 * bytes_of(dtype), 0}, {0, 8}}) {
+      // q below its vector stores' alignment.
+      const size_t unaligned_q = transposed ? 8 : 1;
+      for (const auto& [w_shift, q_shift] : {std::pair<size_t, size_t>{0, 0},
+                                             {2 * bytes_of(dtype), 0}, {0, unaligned_q}}) {
         const DeviceBuffer d_w = to_device(w, w_shift);
-        const DeviceBuffer q(G * N * K, q_shift), scale(G * NB * KB * sizeof(float));
+        const DeviceBuffer q(G * K * N, q_shift), scale(G * KB * NB * sizeof(float));
         run_twice(
             [&] {
-              return nodrop::cuda::quantize_fp8_weights_transposed(
-                  d_w.get(), dtype, G, K, N, given ? d_given.as<float>() : nullptr,
-                  q.as<uint8_t>(), scale.as<float>(), stream());
+              return quantize_weights_gpu(transposed, d_w.get(), dtype, G, K, N,
+                                          given ? d_given.as<float>() : nullptr, q.as<uint8_t>(),
+                                          scale.as<float>());
             },
             {&q, &scale});
-        const std::string where = "G " + std::to_string(G) + ", K " + std::to_string(K) +
-                                  ", N " + std::to_string(N) + ", w shift " +
-                                  std::to_string(w_shift) + ", q_t shift " +
-                                  std::to_string(q_shift) + (given ? ", given" : "");
+        const std::string where = std::string(layout_short(transposed)) + ", G " +
+                                  std::to_string(G) + ", K " + std::to_string(K) + ", N " +
+                                  std::to_string(N) + ", w shift " + std::to_string(w_shift) +
+                                  ", q shift " + std::to_string(q_shift) +
+                                  (given ? ", given" : "");
         EXPECT_EQ(mismatch(download<uint8_t>(q), want_q), "") << where;
         EXPECT_EQ(mismatch(download<uint32_t>(scale), as_bits(want_scale)), "") << where;
       }
@@ -1094,34 +1119,43 @@ TEST_P(QuantizeFp8WeightsTransposedGpu, MatchesTheCpuBitwise) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, QuantizeFp8WeightsTransposedGpu,
-                         testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
-                         [](const auto& info) { return std::string(dtype_short(info.param)); });
+INSTANTIATE_TEST_SUITE_P(Layouts, QuantizeFp8WeightsGpu,
+                         testing::Combine(testing::Bool(),
+                                          testing::Values(DType::kFloat32, DType::kFloat16,
+                                                          DType::kBFloat16)),
+                         [](const auto& info) {
+                           return std::string(layout_short(std::get<0>(info.param))) + "_" +
+                                  dtype_short(std::get<1>(info.param));
+                         });
 
-TEST(QuantizeFp8WeightsTransposedGpuArgs, RejectsBadShapesAndDoesNothingWhenEmpty) {
+class QuantizeFp8WeightsGpuArgs : public testing::TestWithParam<bool> {};  // transposed
+
+TEST_P(QuantizeFp8WeightsGpuArgs, RejectsBadShapesAndDoesNothingWhenEmpty) {
+  const bool transposed = GetParam();
+  const std::string function =
+      transposed ? "quantize_fp8_weights_transposed: " : "quantize_fp8_weights: ";
   const DeviceBuffer buffer(1 << 12), q(64), scale(64);
   const std::string negative =
-      nodrop::cuda::quantize_fp8_weights_transposed(buffer.get(), DType::kBFloat16, 2, -1, 8,
-                                                    nullptr, q.as<uint8_t>(), scale.as<float>(),
-                                                    stream())
+      quantize_weights_gpu(transposed, buffer.get(), DType::kBFloat16, 2, -1, 8, nullptr,
+                           q.as<uint8_t>(), scale.as<float>())
           .message();
-  EXPECT_NE(negative.find("quantize_fp8_weights_transposed"), std::string::npos) << negative;
-  EXPECT_NE(negative.find("must not be negative"), std::string::npos) << negative;
-  EXPECT_NE(negative.find("-1"), std::string::npos) << negative;
+  EXPECT_NE(negative.find(function + "G, K and N must not be negative"), std::string::npos)
+      << negative;
+  EXPECT_NE(negative.find("K = -1"), std::string::npos) << negative;
   const std::string null_buffer =
-      nodrop::cuda::quantize_fp8_weights_transposed(nullptr, DType::kBFloat16, 2, 8, 8, nullptr,
-                                                    q.as<uint8_t>(), scale.as<float>(), stream())
+      quantize_weights_gpu(transposed, nullptr, DType::kBFloat16, 2, 8, 8, nullptr,
+                           q.as<uint8_t>(), scale.as<float>())
           .message();
-  EXPECT_NE(null_buffer.find("a buffer is null"), std::string::npos) << null_buffer;
+  EXPECT_NE(null_buffer.find(function + "a buffer is null"), std::string::npos) << null_buffer;
   // Nothing to do: no buffer needed, and none written.
-  EXPECT_TRUE(nodrop::cuda::quantize_fp8_weights_transposed(nullptr, DType::kBFloat16, 0, 8, 8,
-                                                            nullptr, nullptr, nullptr, stream())
-                  .ok());
+  EXPECT_TRUE(
+      quantize_weights_gpu(transposed, nullptr, DType::kBFloat16, 0, 8, 8, nullptr, nullptr,
+                           nullptr)
+          .ok());
   for (const auto& [G, K, N] : {std::tuple<int64_t, int64_t, int64_t>{0, 8, 8}, {2, 0, 8},
                                 {2, 8, 0}}) {
-    EXPECT_TRUE(nodrop::cuda::quantize_fp8_weights_transposed(
-                    buffer.get(), DType::kBFloat16, G, K, N, buffer.as<float>(), q.as<uint8_t>(),
-                    scale.as<float>(), stream())
+    EXPECT_TRUE(quantize_weights_gpu(transposed, buffer.get(), DType::kBFloat16, G, K, N,
+                                     buffer.as<float>(), q.as<uint8_t>(), scale.as<float>())
                     .ok())
         << G << " " << K << " " << N;
   }
@@ -1130,6 +1164,9 @@ TEST(QuantizeFp8WeightsTransposedGpuArgs, RejectsBadShapesAndDoesNothingWhenEmpt
   EXPECT_EQ(q.download(), Bytes(64, 0xFF));
   EXPECT_EQ(scale.download(), Bytes(64, 0xFF));
 }
+
+INSTANTIATE_TEST_SUITE_P(Layouts, QuantizeFp8WeightsGpuArgs, testing::Bool(),
+                         [](const auto& info) { return std::string(layout_short(info.param)); });
 
 // ---- the AdamW step ----------------------------------------------------------------------------
 // Parameters and moments bit for bit the CPU's (the same float32 operations, no FMA on either),

@@ -279,44 +279,55 @@ def check_quantize_fp8_transposed():
     np.testing.assert_array_equal(np.asarray(q_t, np.float32) * 0.5, want)
 
 
-def check_quantize_fp8_weights_transposed():
+def check_quantize_fp8_weights(transposed=False):
     # Two experts' w [3, 130] (K = 3, N = 130): blocks (k 0-2, n 0-127) and (k 0-2, n 128-129),
-    # so scale [2, 2, 1]; expert 1's second block is all zero (scale 1).
+    # so scale [2, 1, 2] (transposed [2, 2, 1]); expert 1's second block is all zero (scale 1).
+    # q [G, K, N] is w's layout, q_t [G, N, K] each expert's w.T: `layout` maps either way.
     w = np.zeros((2, 3, 130), np.float32)
     w[0, :, :2] = [[1.0, -2.0], [0.0, 448.0], [3.0, 0.0]]
     w[0, 1, 129] = 7.0
     w[1, :, :2] = [[0.5, 0.25], [-1.0, 0.0], [0.0, 0.125]]
-    w_t = np.swapaxes(w, 1, 2)  # [G, N, K]: q_t's layout
+    layout = (lambda a: np.swapaxes(a, 1, 2)) if transposed else (lambda a: a)
+    target = "nodrop_quantize_fp8_weights" + ("_transposed" if transposed else "")
 
-    def quantize(given_scale):
-        return ffi("nodrop_quantize_fp8_weights_transposed",
-                   (jax.ShapeDtypeStruct((2, 130, 3), jnp.float8_e4m3fn),
-                    jax.ShapeDtypeStruct((2, 2, 1), jnp.float32)),
-                   jnp.asarray(w), jnp.asarray(given_scale, jnp.float32))
+    def quantize(given_scale, q_shape=layout(w).shape,
+                 scale_shape=layout(np.empty((2, 1, 2))).shape):
+        q, scale = ffi(target, (jax.ShapeDtypeStruct(q_shape, jnp.float8_e4m3fn),
+                                jax.ShapeDtypeStruct(scale_shape, jnp.float32)),
+                       jnp.asarray(w), jnp.asarray(given_scale, jnp.float32))
+        return layout(np.asarray(q, np.float32)), layout(np.asarray(scale))  # in w's layout
 
-    q_t, scale = quantize(np.zeros((0,)))
-    amax = np.asarray([[448.0, 7.0], [1.0, 0.0]], np.float32)
-    want_scale = np.where(amax > 0, amax * np.float32(1 / 448), 1).astype(np.float32)[:, :, None]
-    np.testing.assert_array_equal(np.asarray(scale), want_scale)
-    assert want_scale[0, 0, 0] == 1  # 448 * float32(1 / 448): expert 0's codes are w exactly
-    np.testing.assert_array_equal(np.asarray(q_t, np.float32)[0, :2], w_t[0, :2])
-    per_column = np.repeat(want_scale[:, :, 0], 128, axis=1)[:, :130, None]  # [G, N, 1]
-    want_q = np.clip(w_t * (np.float32(1) / per_column), -448, 448).astype(jnp.float8_e4m3fn)
-    np.testing.assert_array_equal(np.asarray(q_t, np.float32), np.asarray(want_q, np.float32))
-    np.testing.assert_allclose(np.asarray(q_t, np.float32) * per_column, w_t, rtol=2 ** -4)
+    q, scale = quantize(np.zeros((0,)))
+    amax = np.asarray([[448.0, 7.0], [1.0, 0.0]], np.float32)  # [G, NB]
+    block_scale = np.where(amax > 0, amax * np.float32(1 / 448), 1).astype(np.float32)
+    np.testing.assert_array_equal(scale, block_scale[:, None, :])
+    assert block_scale[0, 0] == 1  # 448 * float32(1 / 448): expert 0's first codes are w exactly
+    np.testing.assert_array_equal(q[0, :, :2], w[0, :, :2])
+    per_column = np.repeat(block_scale, 128, axis=1)[:, None, :130]  # [G, 1, N]
+    want_q = np.clip(w * (np.float32(1) / per_column), -448, 448).astype(jnp.float8_e4m3fn)
+    np.testing.assert_array_equal(q, np.asarray(want_q, np.float32))
+    np.testing.assert_allclose(q * per_column, w, rtol=2 ** -4)
     # A given scale per expert (0.5 and 0.25) for all of its blocks: the codes are 2x and 4x the
     # weights exactly, and expert 0's 448 saturates (896 -> 448, back to 224).
     given = np.asarray([0.5, 0.25], np.float32)
-    q_t, scale = quantize(given)
-    np.testing.assert_array_equal(np.asarray(scale), np.broadcast_to(given[:, None, None],
-                                                                     (2, 2, 1)))
-    want = w_t.copy()
+    q, scale = quantize(given)
+    np.testing.assert_array_equal(scale, np.broadcast_to(given[:, None, None], (2, 1, 2)))
+    want = w.copy()
     want[0, 1, 1] = 224
-    np.testing.assert_array_equal(np.asarray(q_t, np.float32) * given[:, None, None], want)
-    # given_scale of neither 0 nor G elements: an error that names it.
+    np.testing.assert_array_equal(q * given[:, None, None], want)
+    # given_scale of neither 0 nor G elements, and codes or scales in the other layout: errors
+    # that name them.
     with pytest.raises(JaxRuntimeError, match=re.escape(
             "given_scale must hold 0 or G = 2 elements, got 1")):
-        jax.block_until_ready(quantize(given[:1]))
+        quantize(given[:1])
+    with pytest.raises(JaxRuntimeError, match=r"\bq_t has " if transposed else r"\bq has "):
+        quantize(given, q_shape=np.swapaxes(layout(w), 1, 2).shape)
+    with pytest.raises(JaxRuntimeError, match=r"\bscale has "):
+        quantize(given, scale_shape=np.swapaxes(layout(np.empty((2, 1, 2))), 1, 2).shape)
+
+
+def check_quantize_fp8_weights_transposed():
+    check_quantize_fp8_weights(transposed=True)
 
 
 def check_grouped_matmul_fp8_blockwise_contract():
@@ -394,6 +405,7 @@ CHECKS = {
     "nodrop_grouped_matmul_fp8_blockwise": check_grouped_matmul_fp8_blockwise,
     "nodrop_grouped_matmul_fp8_tensorwise": check_grouped_matmul_fp8_tensorwise,
     "nodrop_quantize_fp8_transposed": check_quantize_fp8_transposed,
+    "nodrop_quantize_fp8_weights": check_quantize_fp8_weights,
     "nodrop_quantize_fp8_weights_transposed": check_quantize_fp8_weights_transposed,
     "nodrop_grouped_matmul_fp8_blockwise_contract": check_grouped_matmul_fp8_blockwise_contract,
     "nodrop_grouped_matmul_fp8_tensorwise_contract":
@@ -432,7 +444,8 @@ def test_ops_and_their_gradients_lower_to_every_registered_target():
     assert set(re.findall(r"custom_call @(nodrop_\w+)", lowered)) == set(_ffi.CPU_TARGETS) - {
         "nodrop_adamw_update", "nodrop_quantize_fp8", "nodrop_permute_fp8",
         "nodrop_grouped_matmul_fp8_blockwise", "nodrop_grouped_matmul_fp8_tensorwise",
-        "nodrop_quantize_fp8_transposed", "nodrop_quantize_fp8_weights_transposed",
+        "nodrop_quantize_fp8_transposed", "nodrop_quantize_fp8_weights",
+        "nodrop_quantize_fp8_weights_transposed",
         "nodrop_grouped_matmul_fp8_blockwise_contract",
         "nodrop_grouped_matmul_fp8_tensorwise_contract"}
     grads = jax.block_until_ready(grad_fn(x, params))

@@ -882,8 +882,9 @@ def kernel_calls(text, recipe, rows, contractions):
 def test_both_gradients_run_on_the_fp8_kernels(recipe, engine_row_quantisers):
     """With forward="kernel": the recipe's FP8 kernel for the forward and the input gradient,
     its FP8 contraction once on two transposed quantisations on the engine (the weight
-    gradient), the forward's weights quantised transposed on the engine, and none of nodrop's
-    bf16 grouped matmuls: no float32 contraction of dequantised operands. The blockwise recipe quantises the rows on the engine; the tensorwise one in XLA
+    gradient), the weights quantised on the engine in the forward's layout and the input
+    gradient's, and none of nodrop's bf16 grouped matmuls: no float32 contraction of
+    dequantised operands. The blockwise recipe quantises the rows on the engine; the tensorwise one in XLA
     (one amax per tensor), which also gives the transposed quantisations their scale."""
     lhs, rhs = jnp.ones((8, 128), jnp.bfloat16), jnp.ones((2, 128, 8), jnp.bfloat16)
     loss = lambda a, b: jnp.sum(jnp.sin(fp8.fp8_grouped_matmul(  # noqa: E731
@@ -892,12 +893,12 @@ def test_both_gradients_run_on_the_fp8_kernels(recipe, engine_row_quantisers):
     got, want = kernel_calls(text, recipe, rows=2, contractions=1)
     assert got == want
     calls = {target: text.count(f"custom_call @{target}(") for target in (
-        "nodrop_quantize_fp8", "nodrop_quantize_fp8_transposed",
+        "nodrop_quantize_fp8", "nodrop_quantize_fp8_transposed", "nodrop_quantize_fp8_weights",
         "nodrop_quantize_fp8_weights_transposed", "nodrop_grouped_matmul",
         "nodrop_grouped_matmul_contract")}
     assert calls == {"nodrop_quantize_fp8": engine_row_quantisers,
                      "nodrop_quantize_fp8_transposed": 2,
-                     "nodrop_quantize_fp8_weights_transposed": 1,
+                     "nodrop_quantize_fp8_weights": 1, "nodrop_quantize_fp8_weights_transposed": 1,
                      "nodrop_grouped_matmul": 0, "nodrop_grouped_matmul_contract": 0}
     # and the emulation's segment reductions of the weight gradient's blocks are gone
     assert "scatter" not in text
@@ -1150,49 +1151,71 @@ def expert_weights(case, dtype, seed):
     return w
 
 
+# name -> (the engine's quantisation, the reference)
+WEIGHT_LAYOUTS = {
+    "in_place": (fp8.quantize_weights, reference.quantize_weights),
+    "transposed": (fp8.quantize_weights_transposed, reference.quantize_weights_transposed),
+}
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("case", WEIGHT_CASES)
-def test_quantize_weights_transposed_is_bitwise_quantize_of_the_transpose(case, dtype):
+@pytest.mark.parametrize("layout", WEIGHT_LAYOUTS)
+def test_quantize_weights_is_bitwise_the_reference(layout, case, dtype):
+    """Each 128 x 128 block's own scale: `quantize(w, WEIGHT_BLOCK)` in w's layout, or of each
+    expert's transpose."""
+    op, reference_op = WEIGHT_LAYOUTS[layout]
     w = expert_weights(case, dtype, seed=len(case))
-    q_t, scale = fp8.quantize_weights_transposed(w)
-    want_q, want_scale = reference.quantize_weights_transposed(w)
+    q, scale = op(w)
+    want_q, want_scale = reference_op(w)
     g, k, n = w.shape
-    assert q_t.dtype == fp8.E4M3 and q_t.shape == (g, n, k)
-    assert scale.dtype == jnp.float32 and scale.shape == (g, -(-n // 128), -(-k // 128))
-    np.testing.assert_array_equal(bits(q_t), bits(want_q))
+    shape = (g, n, k) if layout == "transposed" else (g, k, n)
+    assert q.dtype == fp8.E4M3 and q.shape == shape
+    assert scale.dtype == jnp.float32 and scale.shape == (g, -(-shape[1] // 128),
+                                                          -(-shape[2] // 128))
+    np.testing.assert_array_equal(bits(q), bits(want_q))
     np.testing.assert_array_equal(np.asarray(scale), np.asarray(want_scale))  # NaN == NaN here
-    jitted = jax.jit(fp8.quantize_weights_transposed)(w)
-    np.testing.assert_array_equal(bits(jitted[0]), bits(q_t))
+    jitted = jax.jit(op)(w)
+    np.testing.assert_array_equal(bits(jitted[0]), bits(q))
+    if layout == "in_place":  # the layouts hold the same codes and scales
+        q_t, scale_t = fp8.quantize_weights_transposed(w)
+        np.testing.assert_array_equal(bits(q), bits(jnp.swapaxes(q_t, 1, 2)))
+        np.testing.assert_array_equal(np.asarray(scale), np.asarray(jnp.swapaxes(scale_t, 1, 2)))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("case", [c for c in WEIGHT_CASES if c != "no_experts"])
-def test_quantize_weights_transposed_with_given_scales_is_the_tensorwise_quantisation(case,
-                                                                                      dtype):
+@pytest.mark.parametrize("layout", WEIGHT_LAYOUTS)
+def test_quantize_weights_with_given_scales_is_the_tensorwise_quantisation(layout, case, dtype):
     """The tensorwise recipe's call: expert g's scale for all of its blocks; each expert's own
     (no code saturates), a quarter of it (the largest do), and NaN for the first expert (every
     one of its codes, and none of the others')."""
+    op, reference_op = WEIGHT_LAYOUTS[layout]
     w = expert_weights(case, dtype, seed=len(case) + 1)
     own = fp8._expert_scales(w)
     for given in (own, own / 4, own.at[0].set(jnp.nan)):
-        q_t, scale = jax.jit(fp8.quantize_weights_transposed)(w, scale=given)
-        want_q, want_scale = reference.quantize_weights_transposed(w, scale=given)
-        np.testing.assert_array_equal(bits(q_t), bits(want_q))
+        q, scale = jax.jit(op)(w, scale=given)
+        want_q, want_scale = reference_op(w, scale=given)
+        np.testing.assert_array_equal(bits(q), bits(want_q))
         np.testing.assert_array_equal(np.asarray(scale), np.asarray(want_scale))
-        # the tensorwise codes of each expert's transpose, bit for bit
-        tensor_q, _ = fp8.quantize(jnp.swapaxes(w, 1, 2), "tensor", scale=given[:, None, None])
-        np.testing.assert_array_equal(bits(q_t), bits(tensor_q))
+        # the tensorwise codes of each expert's weight (or its transpose), bit for bit
+        x = jnp.swapaxes(w, 1, 2) if layout == "transposed" else w
+        tensor_q, _ = fp8.quantize(x, "tensor", scale=given[:, None, None])
+        np.testing.assert_array_equal(bits(q), bits(tensor_q))
 
 
-def test_quantize_weights_transposed_batches():
+@pytest.mark.parametrize("layout", WEIGHT_LAYOUTS)
+def test_quantize_weights_batches(layout):
+    op, reference_op = WEIGHT_LAYOUTS[layout]
     w = jax.random.normal(jax.random.key(6), (3, 2, 130, 20), jnp.bfloat16)
-    q_t, scale = jax.vmap(fp8.quantize_weights_transposed)(w)
+    q, scale = jax.vmap(op)(w)
     for i in range(3):
-        want_q, want_scale = fp8.quantize(jnp.swapaxes(w[i], 1, 2), fp8.WEIGHT_BLOCK)
-        np.testing.assert_array_equal(bits(q_t[i]), bits(want_q))
+        want_q, want_scale = reference_op(w[i])
+        np.testing.assert_array_equal(bits(q[i]), bits(want_q))
         np.testing.assert_array_equal(np.asarray(scale[i]), np.asarray(want_scale))
 
 
+@pytest.mark.parametrize("layout", WEIGHT_LAYOUTS)
 @pytest.mark.parametrize("args, kwargs, error, message", [
     ((jnp.ones((4, 4), jnp.float32),), {}, ValueError, "w must have rank 3 ([G, K, N])"),
     ((jnp.ones((2, 4, 4), jnp.int32),), {}, TypeError, "w must be"),
@@ -1203,9 +1226,9 @@ def test_quantize_weights_transposed_batches():
     ((jnp.ones((2, 4, 4), jnp.float32),), {"scale": jnp.float32(1)}, ValueError,
      "got float32[]"),
 ])
-def test_quantize_weights_transposed_refuses_bad_input(args, kwargs, error, message):
+def test_quantize_weights_refuses_bad_input(layout, args, kwargs, error, message):
     with pytest.raises(error, match=re.escape(message)):
-        fp8.quantize_weights_transposed(*args, **kwargs)
+        WEIGHT_LAYOUTS[layout][0](*args, **kwargs)
 
 
 # --- the engine's FP8 weight gradient ----------------------------------------------------------

@@ -474,26 +474,31 @@ def test_fp8_recipe_runs_the_kernels_forward_and_both_gradients_on_the_gpu(recip
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("shape", [(8, 512, 768), (3, 300, 260)])  # [G, K, N]; unaligned
-def test_fp8_quantize_weights_transposed_is_bitwise_the_reference_on_the_gpu(dtype, shape):
-    """The CUDA quantisation of the forward's weights against the reference run on the CPU (as
-    quantize_rows' test, for the same reason): the same codes and scales, each 128 x 128 block's
-    own scale (a NaN, an all-zero block and subnormal codes included) and each expert's given
-    one (saturating, and NaN for one expert); jitted once and replayed."""
+@pytest.mark.parametrize("transposed", [False, True])
+def test_fp8_quantize_weights_is_bitwise_the_reference_on_the_gpu(transposed, shape, dtype):
+    """The CUDA quantisations of the weights, in place (the input gradient's) and transposed
+    (the forward's), against the reference run on the CPU (as quantize_rows' test, for the same
+    reason): the same codes and scales, each 128 x 128 block's own scale (a NaN, an all-zero
+    block and subnormal codes included) and each expert's given one (saturating, and NaN for one
+    expert); jitted once and replayed."""
     from nodrop.ops import fp8
 
     rng = np.random.default_rng(14)
     w = rng.standard_normal(shape) * np.exp2(rng.integers(-12, 12, (1, 1, shape[2])))
     w = jnp.asarray(w, dtype).at[0, :128, :128].set(0).at[1, 5, 200].set(jnp.nan)
     cpu = jax.devices("cpu")[0]
-    quantize = jax.jit(fp8.quantize_weights_transposed)
-    reference_on_cpu = jax.jit(reference.quantize_weights_transposed)
+    if transposed:
+        op, reference_op = fp8.quantize_weights_transposed, reference.quantize_weights_transposed
+    else:
+        op, reference_op = fp8.quantize_weights, reference.quantize_weights
+    quantize, reference_on_cpu = jax.jit(op), jax.jit(reference_op)
     given = jnp.asarray(rng.uniform(1e-3, 1e-2, shape[0]), jnp.float32).at[2].set(jnp.nan)
     for scale in (None, given):
-        q_t, scales = quantize(w, scale=scale)
+        q, scales = quantize(w, scale=scale)
         want_q, want_scales = reference_on_cpu(
             jax.device_put(w, cpu), scale=None if scale is None else jax.device_put(scale, cpu))
         where = f"given scales {scale is not None}"
-        np.testing.assert_array_equal(np.asarray(q_t.view(jnp.uint8)),
+        np.testing.assert_array_equal(np.asarray(q.view(jnp.uint8)),
                                       np.asarray(want_q.view(jnp.uint8)), err_msg=where)
         np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales), err_msg=where)
 

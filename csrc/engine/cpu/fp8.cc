@@ -1,6 +1,6 @@
 // FP8 quantisation on the CPU: the reference numerics of nodrop.ops.fp8, row by row, the
-// weight gradient's transposed operands block by block, and the experts' weights transposed for
-// the forward.
+// weight gradient's transposed operands block by block, and the experts' weights for the input
+// gradient and, transposed, for the forward.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -155,16 +155,22 @@ Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_
   return Status::Ok();
 }
 
-Status quantize_fp8_weights_transposed(const void* w, DType dtype, int64_t G, int64_t K,
-                                       int64_t N, const float* given_scale, uint8_t* q_t,
-                                       float* scale, ParallelRunner* runner) {
+namespace {
+
+// quantize_fp8_weights (transposed false: q [G, K, N], scale [G, KB, NB]) or
+// quantize_fp8_weights_transposed (q [G, N, K], scale [G, NB, KB]): the same blocks and codes,
+// laid out for the input gradient or for the forward.
+Status quantize_weight_blocks(const char* function, const void* w, DType dtype, int64_t G,
+                              int64_t K, int64_t N, const float* given_scale, bool transposed,
+                              uint8_t* q, float* scale, ParallelRunner* runner) {
   const int64_t KB = (K + kFp8Block - 1) / kFp8Block, NB = (N + kFp8Block - 1) / kFp8Block;
-  Status status = check_arguments(
-      "quantize_fp8_weights_transposed", {{"G", G}, {"K", K}, {"N", N}},
-      {{"w", w, G * K * N}, {"q_t", q_t, G * N * K}, {"scale", scale, G * NB * KB}});
+  Status status = check_arguments(function, {{"G", G}, {"K", K}, {"N", N}},
+                                  {{"w", w, G * K * N},
+                                   {transposed ? "q_t" : "q", q, G * N * K},
+                                   {"scale", scale, G * NB * KB}});
   if (!status.ok()) return status;
   // One task per 128-row block of an expert: its rows read once, each of its 128 x 128 blocks
-  // scaled on its own (or at the expert's given scale) and written transposed.
+  // scaled on its own (or at the expert's given scale).
   parallel_blocks(runner, G * KB, 1, [&](int64_t first, int64_t last) {
     std::vector<float> values(kFp8Block * N);
     for (int64_t task = first; task < last; ++task) {
@@ -183,18 +189,36 @@ Status quantize_fp8_weights_transposed(const void* w, DType dtype, int64_t G, in
           }
         }
         const float s = given_scale ? given_scale[g] : block_scale(amax, finite);
-        scale[(g * NB + nb) * KB + kb] = s;
+        scale[transposed ? (g * NB + nb) * KB + kb : (g * KB + kb) * NB + nb] = s;
         const float inverse = 1.0f / s;
-        for (int64_t c = n0; c < n0 + columns; ++c) {
-          uint8_t* column = q_t + (g * N + c) * K + k0;  // row c of expert g's transpose
-          for (int64_t r = 0; r < rows; ++r) {
-            column[r] = quantize_value(values[r * N + c], inverse);
+        // Each layout's codes written in its own order: runs along its rows.
+        for (int64_t i = 0; i < (transposed ? columns : rows); ++i) {
+          for (int64_t j = 0; j < (transposed ? rows : columns); ++j) {
+            const int64_t r = transposed ? j : i, c = n0 + (transposed ? i : j);
+            const int64_t at = transposed ? (g * N + c) * K + k0 + r : (g * K + k0 + r) * N + c;
+            q[at] = quantize_value(values[r * N + c], inverse);
           }
         }
       }
     }
   });
   return Status::Ok();
+}
+
+}  // namespace
+
+Status quantize_fp8_weights(const void* w, DType dtype, int64_t G, int64_t K, int64_t N,
+                            const float* given_scale, uint8_t* q, float* scale,
+                            ParallelRunner* runner) {
+  return quantize_weight_blocks("quantize_fp8_weights", w, dtype, G, K, N, given_scale,
+                                /*transposed=*/false, q, scale, runner);
+}
+
+Status quantize_fp8_weights_transposed(const void* w, DType dtype, int64_t G, int64_t K,
+                                       int64_t N, const float* given_scale, uint8_t* q_t,
+                                       float* scale, ParallelRunner* runner) {
+  return quantize_weight_blocks("quantize_fp8_weights_transposed", w, dtype, G, K, N,
+                                given_scale, /*transposed=*/true, q_t, scale, runner);
 }
 
 }  // namespace nodrop::cpu

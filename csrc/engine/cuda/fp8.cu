@@ -13,9 +13,10 @@
 //   blocks. Each thread holds 8 rows x 8 columns of a row block's tile; column amaxes are
 //   reduced across the thread block (skipped where one scale is given for all), and the
 //   transposed codes pass through shared memory so that q_t is written in 256-byte runs.
-// - quantize_fp8_weights_transposed: one thread block per 128 x 128 block of an expert's weight,
-//   read and staged as quantize_fp8_transposed's tiles, one amax over the block (skipped where
-//   each expert's scale is given), written as 128-byte runs of the transposed codes.
+// - quantize_fp8_weights(_transposed): one thread block per 128 x 128 block of an expert's
+//   weight, read as quantize_fp8_transposed's tiles, one amax over the block (skipped where each
+//   expert's scale is given), written in place or, staged, as 128-byte runs of the transposed
+//   codes.
 // All scale and round every element alike (block_scale, to_e4m3), by the hardware's float32 ->
 // E4M3 conversion (nearest even, saturating), so they are bitwise the CPU engine, save one bit:
 // the GPU's float32 arithmetic returns its canonical NaN, coded 0x7f, where the CPU keeps the
@@ -437,19 +438,22 @@ quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restric
   }
 }
 
-// quantize_fp8_weights_transposed: thread block (x, y, z) quantises the 128 x 128 block of
-// expert z's weight at rows 128 y and columns 128 x, read as quantize_fp8_transposed reads a tile
-// (thread t holds rows 8 (t / 16) + i and columns 8 (t % 16) + j), scaled by one amax over the
-// whole block (or the expert's given scale), staged transposed and written as 128-byte runs, one
-// per column: row n of expert z's [N, K] codes holds the block's codes at k = 128 y onwards.
-// kVector: N % 8 == 0 and w 16-byte aligned; vector_store: K % 16 == 0 and q_t 16-byte aligned.
-template <typename T, bool kVector>
+// quantize_fp8_weights and quantize_fp8_weights_transposed: thread block (x, y, z) quantises
+// the 128 x 128 block of expert z's weight at rows 128 y and columns 128 x, read as
+// quantize_fp8_transposed reads a tile (thread t holds rows 8 (t / 16) + i and columns
+// 8 (t % 16) + j), scaled by one amax over the whole block (or the expert's given scale).
+// kTransposed: staged transposed and written as 128-byte runs, one per column (row n of expert
+// z's [N, K] codes holds the block's codes at k = 128 y onwards); otherwise each thread writes
+// its rows' 8 codes in place (a half warp: one row's 128). kVector: N % 8 == 0 and w 16-byte
+// aligned; vector_store: K % 16 == 0 and q 16-byte aligned (transposed), N % 8 == 0 and q
+// 8-byte aligned (in place).
+template <typename T, bool kVector, bool kTransposed>
 __global__ void __launch_bounds__(kThreads, kTransposedBlocksPerSm<T>)
-quantize_fp8_weights_transposed_kernel(const T* __restrict__ w, int64_t K, int64_t N,
-                                       const float* __restrict__ given_scale, bool vector_store,
-                                       uint8_t* __restrict__ q_t, float* __restrict__ scale) {
+quantize_fp8_weights_kernel(const T* __restrict__ w, int64_t K, int64_t N,
+                            const float* __restrict__ given_scale, bool vector_store,
+                            uint8_t* __restrict__ q, float* __restrict__ scale) {
   __shared__ uint32_t warp_key[kWarpsPerBlock];
-  __shared__ alignas(16) uint8_t codes_t[kTileColumns][kBlock];
+  __shared__ alignas(16) uint8_t codes_t[kTransposed ? kTileColumns : 1][kBlock];
   const int64_t g = blockIdx.z, k0 = int64_t(blockIdx.y) * kBlock;
   const int64_t n0 = int64_t(blockIdx.x) * kTileColumns;
   const int t = threadIdx.x, warp = t / 32;
@@ -478,25 +482,45 @@ quantize_fp8_weights_transposed_kernel(const T* __restrict__ w, int64_t K, int64
     for (int i = 0; i < kWarpsPerBlock; ++i) key = max(key, warp_key[i]);
     s = key_scale(key);
   }
-  if (t == 0) scale[(g * gridDim.x + blockIdx.x) * gridDim.y + blockIdx.y] = s;
   const float inverse = __frcp_rn(s);
-  stage_transposed(codes_t, chunk, cg, rg, rows_kept(rg, rows), [&](int) { return inverse; });
-  __syncthreads();
 
-  // 8 lanes write one column's codes, 16 bytes each.
-  uint8_t* out = q_t + g * N * K + k0;
+  if constexpr (!kTransposed) {
+    if (t == 0) scale[(g * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x] = s;
 #pragma unroll
-  for (int u = 0; u < kTileColumns * kPairs / kThreads; ++u) {
-    const int c = u * (kThreads / kPairs) + t / kPairs, pair = t % kPairs;
-    const int first = 16 * pair;
-    if (n0 + c >= N || first >= rows) continue;
-    const uint4 v = staged_rows(codes_t, c, pair);
-    uint8_t* p = out + (n0 + c) * K + first;
-    if (vector_store) {  // K % 16 == 0: whole pieces
-      *reinterpret_cast<uint4*>(p) = v;
-    } else {
-      const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&v);
-      for (int b = 0; b < min(16, rows - first); ++b) p[b] = bytes[b];
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int row = kRowsPerThread * rg + i;
+      if (row >= rows || columns == 0) continue;
+      const uint2 codes = pack_pairs([&](int p) {
+        return to_e4m3_pair(chunk[i][2 * p], chunk[i][2 * p + 1], inverse);
+      });
+      uint8_t* p = q + (g * K + k0 + row) * N + c0;
+      if (vector_store && columns == kChunk) {
+        *reinterpret_cast<uint2*>(p) = codes;
+      } else {
+        for (int e = 0; e < columns; ++e) {
+          p[e] = static_cast<uint8_t>((e < 4 ? codes.x : codes.y) >> (8 * (e % 4)));
+        }
+      }
+    }
+  } else {
+    if (t == 0) scale[(g * gridDim.x + blockIdx.x) * gridDim.y + blockIdx.y] = s;
+    stage_transposed(codes_t, chunk, cg, rg, rows_kept(rg, rows), [&](int) { return inverse; });
+    __syncthreads();
+    // 8 lanes write one column's codes, 16 bytes each.
+    uint8_t* out = q + g * N * K + k0;
+#pragma unroll
+    for (int u = 0; u < kTileColumns * kPairs / kThreads; ++u) {
+      const int c = u * (kThreads / kPairs) + t / kPairs, pair = t % kPairs;
+      const int first = 16 * pair;
+      if (n0 + c >= N || first >= rows) continue;
+      const uint4 v = staged_rows(codes_t, c, pair);
+      uint8_t* p = out + (n0 + c) * K + first;
+      if (vector_store) {  // K % 16 == 0: whole pieces
+        *reinterpret_cast<uint4*>(p) = v;
+      } else {
+        const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&v);
+        for (int b = 0; b < min(16, rows - first); ++b) p[b] = bytes[b];
+      }
     }
   }
 }
@@ -667,18 +691,20 @@ Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_
   return launch_status("quantize_fp8_transposed");
 }
 
-Status quantize_fp8_weights_transposed(const void* w, DType dtype, int64_t G, int64_t K,
-                                       int64_t N, const float* given_scale, uint8_t* q_t,
-                                       float* scale, cudaStream_t stream) {
-  auto fail = [](const std::string& what) {
-    return Status::Error("quantize_fp8_weights_transposed: " + what);
-  };
+namespace {
+
+// quantize_fp8_weights (kTransposed false) or quantize_fp8_weights_transposed.
+template <bool kTransposed>
+Status quantize_weight_blocks(const char* function, const void* w, DType dtype, int64_t G,
+                              int64_t K, int64_t N, const float* given_scale, uint8_t* q,
+                              float* scale, cudaStream_t stream) {
+  auto fail = [&](const std::string& what) { return Status::Error(function + (": " + what)); };
   if (G < 0 || K < 0 || N < 0) {
     return fail("G, K and N must not be negative, got G = " + std::to_string(G) + ", K = " +
                 std::to_string(K) + ", N = " + std::to_string(N));
   }
   if (G == 0 || K == 0 || N == 0) return Status::Ok();
-  if (w == nullptr || q_t == nullptr || scale == nullptr) return fail("a buffer is null");
+  if (w == nullptr || q == nullptr || scale == nullptr) return fail("a buffer is null");
   const int64_t KB = (K + kBlock - 1) / kBlock, NB = (N + kBlock - 1) / kBlock;
   if (G > 65535 || KB > 65535 || NB > INT32_MAX) {
     return fail("too large: G = " + std::to_string(G) + " and ceil(K / 128) = " +
@@ -688,14 +714,31 @@ Status quantize_fp8_weights_transposed(const void* w, DType dtype, int64_t G, in
   const dim3 grid{static_cast<unsigned>(NB), static_cast<unsigned>(KB),
                   static_cast<unsigned>(G)};
   const bool vector_load = N % kChunk == 0 && aligned(w, 16);
-  const bool vector_store = K % 16 == 0 && aligned(q_t, 16);
+  const bool vector_store =
+      kTransposed ? K % 16 == 0 && aligned(q, 16) : N % kChunk == 0 && aligned(q, 8);
   with_element_type(w, dtype, [&](auto typed_w) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed_w)>>;
-    auto kernel = vector_load ? quantize_fp8_weights_transposed_kernel<T, true>
-                              : quantize_fp8_weights_transposed_kernel<T, false>;
-    kernel<<<grid, kThreads, 0, stream>>>(typed_w, K, N, given_scale, vector_store, q_t, scale);
+    auto kernel = vector_load ? quantize_fp8_weights_kernel<T, true, kTransposed>
+                              : quantize_fp8_weights_kernel<T, false, kTransposed>;
+    kernel<<<grid, kThreads, 0, stream>>>(typed_w, K, N, given_scale, vector_store, q, scale);
   });
-  return launch_status("quantize_fp8_weights_transposed");
+  return launch_status(function);
+}
+
+}  // namespace
+
+Status quantize_fp8_weights(const void* w, DType dtype, int64_t G, int64_t K, int64_t N,
+                            const float* given_scale, uint8_t* q, float* scale,
+                            cudaStream_t stream) {
+  return quantize_weight_blocks<false>("quantize_fp8_weights", w, dtype, G, K, N, given_scale, q,
+                                       scale, stream);
+}
+
+Status quantize_fp8_weights_transposed(const void* w, DType dtype, int64_t G, int64_t K,
+                                       int64_t N, const float* given_scale, uint8_t* q_t,
+                                       float* scale, cudaStream_t stream) {
+  return quantize_weight_blocks<true>("quantize_fp8_weights_transposed", w, dtype, G, K, N,
+                                      given_scale, q_t, scale, stream);
 }
 
 }  // namespace nodrop::cuda

@@ -101,6 +101,14 @@ Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_
                                int64_t C, int64_t G, const float* given_scale, uint8_t* q_t,
                                float* scale, bool checked, ParallelRunner* runner = nullptr);
 
+// The FP8 input gradient's weight operand (dout @ w[g]^T reads w[g] [K, N] as the "transposed
+// weight" [N', K'] = [K, N]): quantize_fp8_weights_transposed's blocks and codes in w's own
+// layout, q [G, K, N] E4M3 bytes and scale [G, KB, NB] float32, q[g, k, n] the code of w[g, k, n]
+// and scale[g, kb, nb] the scale of its 128 x 128 block; given_scale as there (below).
+Status quantize_fp8_weights(const void* w, DType dtype, int64_t G, int64_t K, int64_t N,
+                            const float* given_scale, uint8_t* q, float* scale,
+                            ParallelRunner* runner = nullptr);
+
 // The FP8 forward's weight operand: each expert's weight transposed and quantised in one pass,
 // w [G, K, N] (float32, float16 or bfloat16) -> q_t [G, N, K] E4M3 bytes and scale [G, NB, KB]
 // float32, NB = ceil(N / 128), KB = ceil(K / 128): the layouts grouped_matmul_fp8_blockwise and

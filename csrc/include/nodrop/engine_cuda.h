@@ -319,9 +319,13 @@ Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_
                                int64_t C, int64_t G, const float* given_scale, uint8_t* q_t,
                                float* scale, cudaStream_t stream);
 
-// engine_cpu.h's quantize_fp8_weights_transposed (bitwise the same q_t and scale): one thread
-// block per 128 x 128 block of an expert's weight, read row by row and written transposed
-// through shared memory. given_scale is null or G float32 in device memory.
+// engine_cpu.h's quantize_fp8_weights and quantize_fp8_weights_transposed (bitwise the same
+// codes and scales): one thread block per 128 x 128 block of an expert's weight, read row by
+// row and written in place, or transposed through shared memory. given_scale is null or G
+// float32 in device memory.
+Status quantize_fp8_weights(const void* w, DType dtype, int64_t G, int64_t K, int64_t N,
+                            const float* given_scale, uint8_t* q, float* scale,
+                            cudaStream_t stream);
 Status quantize_fp8_weights_transposed(const void* w, DType dtype, int64_t G, int64_t K,
                                        int64_t N, const float* given_scale, uint8_t* q_t,
                                        float* scale, cudaStream_t stream);

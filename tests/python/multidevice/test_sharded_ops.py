@@ -326,26 +326,27 @@ def test_adamw_update_partitions_locally_and_sums_the_shards(spec):
 
 
 @pytest.mark.parametrize("given_scales", [False, True])
-def test_the_forwards_weight_quantisation_partitions_its_experts_locally(given_scales):
-    """quantize_weights_transposed (each block's scale, or each expert's given, as the
-    tensorwise recipe's) with the experts split over x (their given scales with them) and the
-    rows and columns over y: the experts stay split, the codes and scales keep x's split with
-    no collective but the gather of each weight's y-split rows, and the values are the one
-    device's, bit for bit."""
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_weights_quantisations_partition_their_experts_locally(transposed, given_scales):
+    """quantize_weights and quantize_weights_transposed (each block's scale, or each expert's
+    given, as the tensorwise recipe's) with the experts split over x (their given scales with
+    them) and the rows over y: the codes and scales keep x's split, with no collective but the
+    gather of each weight's y-split rows, and the values are the one device's, bit for bit."""
     from nodrop.ops import fp8
 
     rng = np.random.default_rng(11)
     w = random_normal(rng, (4, 130, 12), jnp.bfloat16)  # [G, K, N]
     scales = jnp.asarray(rng.uniform(0.001, 0.01, 4), jnp.float32) if given_scales else None
+    op = fp8.quantize_weights_transposed if transposed else fp8.quantize_weights
 
     def quantise(w, scales):
-        return fp8.quantize_weights_transposed(w, scale=scales)
+        return op(w, scale=scales)
 
     args = (put(w, P("x", "y")),) + ((put(scales, P("x")),) if given_scales else (None,))
-    (q_t, scale), found = compiled(quantise, *args)
+    (q, scale), found = compiled(quantise, *args)
     assert found <= {"all-gather"}
-    assert tuple(q_t.sharding.spec)[:1] == ("x",) and tuple(scale.sharding.spec)[:1] == ("x",)
+    assert tuple(q.sharding.spec)[:1] == ("x",) and tuple(scale.sharding.spec)[:1] == ("x",)
     want_q, want_scale = jax.jit(quantise)(w, scales)
-    np.testing.assert_array_equal(np.asarray(q_t.view(jnp.uint8)),
+    np.testing.assert_array_equal(np.asarray(q.view(jnp.uint8)),
                                   np.asarray(want_q.view(jnp.uint8)))
     np.testing.assert_array_equal(np.asarray(scale), np.asarray(want_scale))

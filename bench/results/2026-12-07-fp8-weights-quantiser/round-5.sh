@@ -1,7 +1,7 @@
 # GPU round 5 (2026-12-07): the input gradient's weights quantised by the engine too
 # (quantize_weights, in place) instead of XLA's fusions. The engine tests of both weights
 # kernels and compute-sanitizer on them; the weights quantisers against a copy; the MoE layer
-# with this tree's nodrop.ops.fp8 and with 62464f3's (build/gpulib/fp8_before.py: the forward's
+# with this tree's nodrop.ops.fp8 and with c94467b's (build/gpulib/fp8_before.py: the forward's
 # weights on the engine, the input gradient's in XLA), the same card; the JAX weights tests.
 set -u
 BUDGET=${BUDGET:-320}

@@ -359,8 +359,8 @@ def _fp8_grouped_matmul(lhs, rhs, group_sizes, lhs_quantized, recipe, matmul, fo
 # (the forward and the input gradient) on rows in 1 x 128 blocks and weights in 128 x 128 blocks,
 # and grouped_matmul_fp8_blockwise_contract (the weight gradient) on quantize_transposed's blocks
 # of 128 rows; the weights come from quantize_weights_transposed (the forward's) and
-# quantize_weights (the input gradient's), one engine pass each, which XLA's transposing and
-# blockwise quantisations ran at 40-80% of the bandwidth (an H100, 2026-12-07). The tensorwise
+# quantize_weights (the input gradient's), one engine pass each, faster than XLA's fusions and
+# keeping no codes from the forward to the backward (design.md, "FP8 recipes"). The tensorwise
 # recipe runs all three GEMMs on the per-tensor kernels,
 # grouped_matmul_fp8_tensorwise and grouped_matmul_fp8_tensorwise_contract, on one scale for the
 # rows (`_tensor_rows`) and one per expert (`_expert_weights`): the forward with fast
@@ -373,8 +373,6 @@ def _blockwise_rows(x, group_sizes):
     nothing."""
     del group_sizes
     return quantize_rows(x)
-
-
 
 
 def _tensor_rows(x, group_sizes):
@@ -407,8 +405,7 @@ def _tensor_transposed(x, group_sizes):
 
 def _kernel_forward(lhs, rhs, group_sizes, lhs_quantized, recipe):
     """The forward on the recipe's FP8 kernel: each expert's weight transposed and quantised in
-    one engine pass (XLA's fusion of the transpose and the conversion wrote the codes at about
-    1.3 TB/s on an H100); lhs's quantisation as given, if it is."""
+    one engine pass; lhs's quantisation as given, if it is."""
     if recipe == "tensorwise":
         lhs_q = _tensor_rows(lhs, group_sizes) if lhs_quantized is None else lhs_quantized
         return grouped_matmul_fp8_tensorwise(

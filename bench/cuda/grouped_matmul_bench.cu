@@ -547,8 +547,9 @@ int main(int argc, char** argv) {
   const Options options = parse(argc, argv);
   cudaDeviceProp props;
   CHECK(cudaGetDeviceProperties(&props, 0));
-  std::printf("device: %s, %d SMs, L2 %d MB\n", props.name, props.multiProcessorCount,
-              props.l2CacheSize >> 20);
+  const int64_t bandwidth = nodrop::cuda::memory_bandwidth(0);
+  std::printf("device: %s, %d SMs, L2 %d MB, memory %.2f TB/s\n", props.name,
+              props.multiProcessorCount, props.l2CacheSize >> 20, bandwidth * 1e-12);
   cudaStream_t stream;
   CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cublasHandle_t handle;
@@ -606,7 +607,7 @@ int main(int argc, char** argv) {
         const auto* d_sizes = static_cast<const int32_t*>(sizes_buffer.data);
         const GemmTile auto_tile = nodrop::cuda::grouped_matmul_tile(
             s.M, mode == Mode::kInputGrad ? s.N : s.K, mode == Mode::kInputGrad ? s.K : s.N, s.G,
-            mode == Mode::kWeightGrad);
+            mode == Mode::kWeightGrad, bandwidth);
         const GemmRaster forced_raster = options.raster == "M"   ? GemmRaster::kAlongM
                                          : options.raster == "N" ? GemmRaster::kAlongN
                                                                  : GemmRaster::kAuto;

@@ -8,6 +8,7 @@
 #include <iterator>
 #include <set>
 #include <string>
+#include <utility>
 
 #include "nodrop/engine_cuda.h"
 
@@ -15,6 +16,10 @@ namespace {
 
 using nodrop::cuda::GemmRaster;
 using nodrop::cuda::GemmTile;
+
+// Memory bandwidths in bytes a second: the H200's rule is the one measured on most shapes.
+constexpr int64_t kH200 = int64_t{4'800'000'000'000};
+constexpr int64_t kH100 = int64_t{3'350'000'000'000};
 
 // Every tile of tiles.def has a distinct name and id, and kAuto is none of them.
 TEST(TileList, NamesAndIdsAreDistinct) {
@@ -47,8 +52,9 @@ TEST(TileRule, AutoClusterWastesLittle) {
           SCOPED_TRACE(std::to_string(M) + " " + std::to_string(K) + " " + std::to_string(N) +
                        " " + std::to_string(G));
           const int64_t col_tiles = (N + 127) / 128, row_tiles = (K + 127) / 128;
-          for (bool contract : {false, true}) {
-            const GemmTile tile = grouped_matmul_tile(M, K, N, G, contract);
+          for (auto [contract, bandwidth] :
+               {std::pair{false, kH200}, {true, kH200}, {false, kH100}, {true, kH100}}) {
+            const GemmTile tile = grouped_matmul_tile(M, K, N, G, contract, bandwidth);
             EXPECT_NE(tile, GemmTile::kAuto);
             if (tile == GemmTile::kPingpong128x128x64Cluster1x2) {
               EXPECT_LE(waste(col_tiles, 2), 0.125);
@@ -77,17 +83,41 @@ TEST(TileRule, AutoCooperativeWhereWeightsOutweighRows) {
   using nodrop::cuda::grouped_matmul_tile;
   // DeepSeek-V3, one EP8 rank: the input gradient contracts 2048 over 256 rows per group
   // against 7168 columns.
-  EXPECT_EQ(grouped_matmul_tile(8192, 2048, 7168, 32, false),
+  EXPECT_EQ(grouped_matmul_tile(8192, 2048, 7168, 32, false, kH200),
             GemmTile::kCooperative128x256x64Cluster1x1);
   // The mixtral preset's down-projection input gradient: 8192 rows per group.
-  EXPECT_EQ(grouped_matmul_tile(65536, 2048, 5632, 8, false),
+  EXPECT_EQ(grouped_matmul_tile(65536, 2048, 5632, 8, false, kH200),
             GemmTile::kPingpong128x128x64Cluster1x2);
   // Qwen3-30B-A3B at 2k tokens: 128 rows per group, but only 768 columns.
-  EXPECT_EQ(grouped_matmul_tile(16384, 2048, 768, 128, false),
+  EXPECT_EQ(grouped_matmul_tile(16384, 2048, 768, 128, false, kH200),
             GemmTile::kPingpong128x128x64Cluster1x2);
   // A weight gradient is never taken by this rule: one contracting 2048 rows per group into
   // 2048 x 7168 stays on ping-pong.
-  EXPECT_EQ(grouped_matmul_tile(65536, 2048, 7168, 32, true),
+  EXPECT_EQ(grouped_matmul_tile(65536, 2048, 7168, 32, true, kH200),
+            GemmTile::kPingpong128x128x64Cluster1x2);
+}
+
+// Below the H200's memory bandwidth, forwards and input gradients of at least 1024 rows per group
+// run on the cooperative tile, which reads fewer operand bytes per FLOP; weight gradients, small
+// groups and a GPU whose bandwidth CUDA does not report keep the H200's rule.
+TEST(TileRule, AutoCooperativeWhereOperandBound) {
+  using nodrop::cuda::grouped_matmul_tile;
+  constexpr GemmTile kCooperative = GemmTile::kCooperative128x256x64Cluster1x1;
+  // The mixtral preset's gate+up forward and down-projection input gradient (8192 rows per
+  // group), Qwen3-30B-A3B's forward and input gradient (1024), DeepSeek-V2-Lite's (1536).
+  for (auto [M, K, N, G] : {std::array<int64_t, 4>{65536, 2048, 11264, 8},
+                            {65536, 2048, 5632, 8}, {131072, 2048, 768, 128},
+                            {131072, 768, 2048, 128}, {98304, 2048, 1408, 64},
+                            {98304, 1408, 2048, 64}}) {
+    SCOPED_TRACE(std::to_string(M) + " " + std::to_string(K) + " " + std::to_string(N));
+    EXPECT_EQ(grouped_matmul_tile(M, K, N, G, false, kH100), kCooperative);
+    EXPECT_NE(grouped_matmul_tile(M, K, N, G, false, kH200), kCooperative);
+    EXPECT_NE(grouped_matmul_tile(M, K, N, G, false, 0), kCooperative);
+    EXPECT_EQ(grouped_matmul_tile(M, K, N, G, true, kH100),
+              grouped_matmul_tile(M, K, N, G, true, kH200));
+  }
+  // Qwen3-30B-A3B at 2k tokens: 128 rows per group stay on ping-pong.
+  EXPECT_EQ(grouped_matmul_tile(16384, 2048, 768, 128, false, kH100),
             GemmTile::kPingpong128x128x64Cluster1x2);
 }
 

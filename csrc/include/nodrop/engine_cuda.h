@@ -48,11 +48,20 @@ inline constexpr GemmTile kGemmTiles[] = {
 const char* gemm_tile_name(GemmTile tile);
 const char* gemm_tile_id(GemmTile tile);
 
-// The tile kAuto resolves to (tile_rule.cc says from which measurements). The GEMM of each group
-// is (rows x cols) with a contraction of `depth`: for grouped_matmul rows are the group's
-// (ragged, on average M / G), cols N and depth K; for grouped_matmul_contract rows are K, cols N,
-// depth the group's rows.
-GemmTile grouped_matmul_tile(int64_t M, int64_t K, int64_t N, int64_t G, bool contract);
+// The tile kAuto resolves to (tile_rule.cc says from which measurements) on a GPU whose memory
+// moves `memory_bandwidth` bytes a second. The GEMM of each group is (rows x cols) with a
+// contraction of `depth`: for grouped_matmul rows are the group's (ragged, on average M / G),
+// cols N and depth K; for grouped_matmul_contract rows are K, cols N, depth the group's rows.
+GemmTile grouped_matmul_tile(int64_t M, int64_t K, int64_t N, int64_t G, bool contract,
+                             int64_t memory_bandwidth);
+
+// Below this memory bandwidth (bytes a second: the H100's 3.35e12 is, the H200's 4.8e12 is not)
+// forwards and input gradients of many rows per group leave ping-pong for the cooperative tile.
+inline constexpr int64_t kPingpongMemoryBandwidth = int64_t{4'000'000'000'000};
+
+// The peak memory bandwidth of `device` in bytes a second, from its memory clock and bus width;
+// 0 where CUDA does not report them. Host queries only.
+int64_t memory_bandwidth(int device);
 
 // How CUTLASS's persistent tile scheduler walks the output tiles of a group: along M (consecutive
 // tiles share a column of B, and a wave reads the group's whole A) or along N (they share a row

@@ -63,6 +63,7 @@ static_assert(sizeof(detail::StrideKMajor) == sizeof(detail::StrideMNMajor));
 // The device a call runs on (current_device).
 struct Device {
   int id = 0, sm_count = 0, l2_bytes = 0;
+  int64_t memory_bandwidth = 0;
 };
 
 // The table of one call; `schedule` is resolved (no kAuto).
@@ -180,7 +181,8 @@ Status cuda_status(const char* fn, const char* step, cudaError_t error) {
   return fail(fn, std::string(step) + ": " + cudaGetErrorString(error));
 }
 
-// The current device, its SM count and L2 bytes (host queries; nothing waits on the GPU).
+// The current device, its SM count, L2 bytes and memory bandwidth (host queries; nothing waits
+// on the GPU).
 Status current_device(const char* fn, Device* device) {
   Status status = cuda_status(fn, "cudaGetDevice", cudaGetDevice(&device->id));
   if (status.ok()) {
@@ -193,13 +195,16 @@ Status current_device(const char* fn, Device* device) {
         fn, "cudaDeviceGetAttribute",
         cudaDeviceGetAttribute(&device->l2_bytes, cudaDevAttrL2CacheSize, device->id));
   }
+  if (status.ok()) device->memory_bandwidth = memory_bandwidth(device->id);
   return status;
 }
 
 // The schedule of one call with kAuto resolved (engine_cuda.h says how).
 GemmSchedule resolve_schedule(GemmSchedule schedule, int64_t M, int64_t K, int64_t N, int64_t G,
                               bool contract, int64_t in_bytes, const Device& device) {
-  if (schedule.tile == GemmTile::kAuto) schedule.tile = grouped_matmul_tile(M, K, N, G, contract);
+  if (schedule.tile == GemmTile::kAuto) {
+    schedule.tile = grouped_matmul_tile(M, K, N, G, contract, device.memory_bandwidth);
+  }
   if (schedule.raster == GemmRaster::kAuto) {
     schedule.raster = grouped_matmul_raster(M, K, N, G, contract, in_bytes, device.l2_bytes);
   }
@@ -250,6 +255,16 @@ Status run_gemm(GemmForm form, DType in_dtype, DType out_dtype, GemmTile tile,
 }
 
 }  // namespace
+
+int64_t memory_bandwidth(int device) {
+  int clock_khz = 0, bus_bits = 0;
+  if (cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess) {
+    cudaGetLastError();  // a failed query must not surface as a later launch's error
+    return 0;
+  }
+  return int64_t{2} * clock_khz * 1000 * (bus_bits / 8);  // double data rate
+}
 
 size_t grouped_matmul_workspace_bytes(int64_t G) { return workspace_layout(G).bytes; }
 

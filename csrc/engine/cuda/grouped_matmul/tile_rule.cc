@@ -57,7 +57,13 @@ const char* gemm_tile_id(GemmTile tile) {
 //     group's tiles up to whole clusters runs too many tiles empty. 1x2 wastes nothing when the
 //     column tiles pair up, else one column tile in `col_tiles`; 2x1 wastes nothing on a weight
 //     gradient's static, even row tiles, and on ragged rows half a tile per group on average.
-GemmTile grouped_matmul_tile(int64_t M, int64_t K, int64_t N, int64_t G, bool contract) {
+//   - Ping-pong's 128x128 tile reads a third more operand bytes per FLOP than the cooperative
+//     128x256 one. On an H100 (3.35 TB/s of HBM against the H200's 4.8) the cooperative tile ran
+//     forwards and input gradients of 1024 to 8192 rows per group 9-30% faster in the kernel
+//     benchmark, and the training step faster (bench/results/2026-12-07-step-trace/); on the
+//     H200 the two were within 3% there. Weight gradients kept ping-pong on both.
+GemmTile grouped_matmul_tile(int64_t M, int64_t K, int64_t N, int64_t G, bool contract,
+                             int64_t memory_bandwidth) {
   const int64_t rows_per_group = M / (G > 0 ? G : 1);
   const int64_t depth = contract ? rows_per_group : K;
   auto tiles = [](int64_t extent, int64_t tile) {
@@ -70,7 +76,9 @@ GemmTile grouped_matmul_tile(int64_t M, int64_t K, int64_t N, int64_t G, bool co
   const int64_t col_tiles = tiles(N, 128);
   const bool weights_outweigh_rows =
       !contract && depth >= 2048 && rows_per_group <= 256 && col_tiles >= 32;
-  if (depth > 2048 || (contract && depth <= 256) || weights_outweigh_rows) {
+  const bool operand_bound = !contract && rows_per_group >= 1024 && memory_bandwidth > 0 &&
+                             memory_bandwidth < kPingpongMemoryBandwidth;
+  if (depth > 2048 || (contract && depth <= 256) || weights_outweigh_rows || operand_bound) {
     return GemmTile::kCooperative128x256x64Cluster1x1;
   }
   if (col_tiles % 2 == 0) return GemmTile::kPingpong128x128x64Cluster1x2;

@@ -59,9 +59,10 @@ const char* gemm_tile_id(GemmTile tile) {
 //     gradient's static, even row tiles, and on ragged rows half a tile per group on average.
 //   - Ping-pong's 128x128 tile reads a third more operand bytes per FLOP than the cooperative
 //     128x256 one. On an H100 (3.35 TB/s of HBM against the H200's 4.8) the cooperative tile ran
-//     forwards and input gradients of 1024 to 8192 rows per group 9-30% faster in the kernel
-//     benchmark, and the training step faster (bench/results/2026-12-07-step-trace/); on the
-//     H200 the two were within 3% there. Weight gradients kept ping-pong on both.
+//     forwards and input gradients of 1024 to 8192 rows per group 4-30% faster in the kernel
+//     benchmark, and the training steps of the presets 0.8-2.0% faster
+//     (bench/results/2026-12-07-step-trace/); on the H200 the two were within 3% on those
+//     shapes. Weight gradients keep ping-pong where it won on both.
 GemmTile grouped_matmul_tile(int64_t M, int64_t K, int64_t N, int64_t G, bool contract,
                              int64_t memory_bandwidth) {
   const int64_t rows_per_group = M / (G > 0 ? G : 1);

@@ -1,6 +1,6 @@
-// Which kernel and tile order a grouped GEMM call gets, from its static shapes: the rules the H200
-// measurements settled (docs/performance.md). Host code only, unit-tested by
-// tests/cpp/tile_rule_test.cc without a GPU.
+// Which kernel and tile order a grouped GEMM call gets, from its static shapes and the GPU's memory
+// bandwidth and L2 size: the rules the H200 measurements settled, and one from the H100's
+// (docs/performance.md). Host code only, unit-tested by tests/cpp/tile_rule_test.cc without a GPU.
 #include <algorithm>
 #include <cstdint>
 

@@ -7,7 +7,11 @@ it. Three versions, each the trainer's own code:
 - optax: the same step on optax (`--no-fused-adamw`): `tx.update`, `optax.apply_updates`, then
   `tree_stats` of the updates beside the new parameters;
 - optax, update only: optax's update with the gradients' norm its clip needs and no other
-  statistic (XLA's floor for this program).
+  statistic (XLA's floor for this program);
+- fused, widened in the step / fused, compute-dtype gradients: `fused` given the gradients as
+  the training step computes them (the weights the model reads in bfloat16 have bfloat16
+  gradients), widened to float32 inside the program as the step without
+  `--compute-dtype-gradients` has them, or passed to the engine as they are (the default).
 
 Writes a markdown table (median and min of --iters calls, ms) and counts each version's copies
 and fusions in its optimized HLO.
@@ -27,7 +31,7 @@ import optax
 from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from nodrop.models import MoELM  # noqa: E402
+from nodrop.models import MoELM, cast_compute_weights  # noqa: E402
 from nodrop.train import trainer  # noqa: E402
 from nodrop.train.config import build  # noqa: E402
 
@@ -52,7 +56,22 @@ def versions(config):
                                        grad_norm=trainer.tree_stats(grads).norm)
         return optax.apply_updates(params, updates), opt_state, ()
 
-    return {"fused": fused, "optax": with_optax, "optax, update only": update_only}, tx
+    def widened(params, opt_state, grads):
+        return fused(params, opt_state, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params))
+
+    return {"fused": fused, "optax": with_optax, "optax, update only": update_only,
+            "fused, widened in the step": widened, "fused, compute-dtype gradients": fused}, tx
+
+
+def gradient_shapes(model_config):
+    """The gradients' shapes and dtypes in the training step: each parameter's, in bfloat16
+    where the model reads it only in bfloat16 (nodrop.models.cast_compute_weights)."""
+    def cast_params():
+        model = MoELM(model_config, rngs=nnx.Rngs(0))
+        cast_compute_weights(model)
+        return nnx.split(model, nnx.Param, ...)[1]
+
+    return jax.eval_shape(cast_params)
 
 
 def main():
@@ -72,15 +91,16 @@ def main():
                            nnx.Param, ...)[1]
         count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
         counter = iter(range(1 << 30))
-        make = lambda scale: jax.tree.map(
-            lambda x: jax.random.normal(jax.random.fold_in(jax.random.key(0), next(counter)),
-                                        x.shape, x.dtype) * scale, shapes)
+        make = lambda scale, like: jax.tree.map(
+            lambda x: (jax.random.normal(jax.random.fold_in(jax.random.key(0), next(counter)),
+                                         x.shape) * scale).astype(x.dtype), like)
+        step_grads = gradient_shapes(model_config)
         fns, tx = versions(config)
         results, rows = {}, []
         for version, fn in fns.items():
-            params = make(0.02)
+            params = make(0.02, shapes)
             state = tx.init(params)
-            grads = make(1e-4)
+            grads = make(1e-4, step_grads if version.startswith("fused, ") else shapes)
             step = jax.jit(fn, donate_argnums=(0, 1))
             compiled = step.lower(params, state, grads).compile()
             hlo = compiled.as_text()

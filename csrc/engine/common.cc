@@ -89,6 +89,16 @@ Status validate_adamw_config(const AdamWConfig& c) {
   return Status::Ok();
 }
 
+Status validate_adamw_grad_dtype(DType grad_dtype) {
+  switch (grad_dtype) {
+    case DType::kFloat32:
+    case DType::kFloat16:
+    case DType::kBFloat16: return Status::Ok();
+  }
+  return Status::Error("adamw: grad_dtype must be float32, float16 or bfloat16, got DType " +
+                       std::to_string(static_cast<int32_t>(grad_dtype)));
+}
+
 int64_t adamw_chunk(int64_t num_elements, int64_t num_partials) {
   const int64_t per_partial = (num_elements + num_partials - 1) / std::max<int64_t>(num_partials, 1);
   return std::max<int64_t>(4, (per_partial + 3) / 4 * 4);

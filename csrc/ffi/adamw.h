@@ -20,10 +20,11 @@ struct AdamWAttributes {
   float max_grad_norm;
 };
 
-// param, grad, mu, nu (one shape, any rank), scalars [4] -> param, mu, nu (that shape),
-// partials [P, kAdamWSums]: the engine's AdamWConfig, or an error naming the argument.
+// param, grad, mu, nu (one shape, any rank; grad float32, bfloat16 or float16, the rest float32),
+// scalars [4] -> param, mu, nu (that shape), partials [P, kAdamWSums]: the engine's AdamWConfig,
+// or an error naming the argument.
 inline ffi::ErrorOr<AdamWConfig> decode_adamw(const ffi::Buffer<ffi::F32>& param,
-                                              const ffi::Buffer<ffi::F32>& grad,
+                                              const ffi::AnyBuffer& grad,
                                               const ffi::Buffer<ffi::F32>& mu,
                                               const ffi::Buffer<ffi::F32>& nu,
                                               const ffi::Buffer<ffi::F32>& scalars,
@@ -33,7 +34,7 @@ inline ffi::ErrorOr<AdamWConfig> decode_adamw(const ffi::Buffer<ffi::F32>& param
                                               const ffi::Buffer<ffi::F32>& partials,
                                               const AdamWAttributes& a) {
   const auto shape = param.dimensions();
-  auto same_shape = [&](const char* name, const ffi::Buffer<ffi::F32>& buffer) {
+  auto same_shape = [&](const char* name, const auto& buffer) {
     const auto dims = buffer.dimensions();
     if (dims.size() == shape.size() && std::equal(dims.begin(), dims.end(), shape.begin())) {
       return ffi::Error::Success();
@@ -42,6 +43,7 @@ inline ffi::ErrorOr<AdamWConfig> decode_adamw(const ffi::Buffer<ffi::F32>& param
                                        " but param has " + shape_string(shape));
   };
   NODROP_RETURN_IF_ERROR(same_shape("grad", grad));
+  if (auto dtype = require_float("grad", grad); !dtype) return dtype.error();
   NODROP_RETURN_IF_ERROR(same_shape("mu", mu));
   NODROP_RETURN_IF_ERROR(same_shape("nu", nu));
   NODROP_RETURN_IF_ERROR(same_shape("param_out", param_out));
@@ -71,7 +73,7 @@ template <typename Binding>
 auto bind_adamw(Binding binding) {
   return std::move(binding)
       .template Arg<ffi::Buffer<ffi::F32>>()
-      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::F32>>()
       .template Arg<ffi::Buffer<ffi::F32>>()
       .template Arg<ffi::Buffer<ffi::F32>>()

@@ -6,7 +6,7 @@ namespace nodrop::handlers {
 namespace {
 
 ffi::Error AdamWUpdate(cudaStream_t stream, ffi::Buffer<ffi::F32> param,
-                       ffi::Buffer<ffi::F32> grad, ffi::Buffer<ffi::F32> mu,
+                       ffi::AnyBuffer grad, ffi::Buffer<ffi::F32> mu,
                        ffi::Buffer<ffi::F32> nu, ffi::Buffer<ffi::F32> scalars,
                        ffi::Result<ffi::Buffer<ffi::F32>> param_out,
                        ffi::Result<ffi::Buffer<ffi::F32>> mu_out,
@@ -16,8 +16,8 @@ ffi::Error AdamWUpdate(cudaStream_t stream, ffi::Buffer<ffi::F32> param,
                              *partials, attributes);
   if (!config) return config.error();
   return to_ffi_error(cuda::adamw_update(
-      param.typed_data(), grad.typed_data(), mu.typed_data(), nu.typed_data(),
-      scalars.typed_data(), *config, param_out->typed_data(), mu_out->typed_data(),
+      param.typed_data(), grad.untyped_data(), *float_dtype(grad.element_type()),
+      mu.typed_data(), nu.typed_data(), scalars.typed_data(), *config, param_out->typed_data(), mu_out->typed_data(),
       nu_out->typed_data(), partials->typed_data(), stream));
 }
 

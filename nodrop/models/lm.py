@@ -164,6 +164,8 @@ class Attention(nnx.Module):
     output [heads * head_dim, H]. Query head n reads KV head n // (heads / kv_heads).
     """
 
+    COMPUTE_WEIGHTS = ("query", "key", "value", "output")  # see cast_compute_weights
+
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         init = nnx.initializers.lecun_normal()
@@ -224,6 +226,8 @@ class Attention(nnx.Module):
 class DenseMLP(nnx.Module):
     """SwiGLU feed-forward of the dense layers, laid out like MoEBlock's shared expert:
     gate_up [H, 2F] (gate in [:, :F], up in [:, F:]), down [F, H]."""
+
+    COMPUTE_WEIGHTS = ("gate_up", "down")  # see cast_compute_weights
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
@@ -296,6 +300,9 @@ class MoELM(nnx.Module):
     unless tie_embeddings, where the head is embedding.T. Token values are not range-checked
     (they cannot be under jit): an id >= vocab_size embeds as NaN, so it shows in the loss.
     """
+
+    # The embedding table is read in float32 (gathered, then cast), tied or not.
+    COMPUTE_WEIGHTS = ("lm_head",)  # see cast_compute_weights
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
@@ -377,3 +384,24 @@ class MoELM(nnx.Module):
             x = (x * cfg.hidden ** -0.5).astype(cfg.dtype)
         head = self.embedding[...].T if self.lm_head is None else self.lm_head[...]
         return head_logits(x, head.astype(cfg.dtype))
+
+
+def cast_compute_weights(model: nnx.Module) -> None:
+    """Casts, in place, every weight that a module of `model` reads only cast to its compute
+    dtype (each module's COMPUTE_WEIGHTS: the attention projections, the dense and expert
+    feed-forward matrices, an untied LM head) to that dtype.
+
+    The forward is the same bit for bit (each use casts the weight first), and the gradients of
+    these weights come out in the compute dtype, which holds every bit they have: the trainer's
+    AdamW (nodrop.adamw_update) widens them as it reads them, where float32 masters would make
+    XLA write and read back a float32 copy of each (6 bytes a parameter). The router, the norms
+    and the embedding table, read in float32, keep their dtype. Cast a copy of the model
+    (`nnx.merge(..., copy=True)`): its variables are the caller's otherwise. A module whose
+    compute dtype follows its input (MoEBlock with config.dtype None) is left as it is.
+    """
+    for _, module in nnx.iter_modules(model):
+        dtype = getattr(getattr(module, "config", None), "dtype", None)
+        for name in getattr(module, "COMPUTE_WEIGHTS", ()) if dtype is not None else ():
+            weight = getattr(module, name)
+            if weight is not None:
+                weight.set_value(weight[...].astype(dtype))

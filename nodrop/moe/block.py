@@ -262,6 +262,10 @@ class MoEBlock(nnx.Module):
     ever dropped silently: dropped_fraction counts the rows cut, and is 0 without overflow.
     """
 
+    # The weights every path reads only cast to the compute dtype (the router and the bias are
+    # read in float32): nodrop.models.cast_compute_weights may cast them beforehand.
+    COMPUTE_WEIGHTS = ("gate_up", "down", "shared_gate_up", "shared_down")
+
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs) -> None:
         self.config = config
         num_experts, hidden, ffn = config.num_experts, config.hidden, config.ffn

@@ -24,6 +24,8 @@ from nodrop.ops import _partition, _primitives
 # and by 2^70, values of the update or the new parameter that are not finite, squares that are
 # not.
 NUM_SUMS = 5
+# The gradient's dtypes the engine reads.
+GRAD_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Elements per engine chunk, at least (one thread block's work on the GPU), and chunks at most.
 _CHUNK_ELEMENTS = 16384
 _MAX_CHUNKS = 8192
@@ -43,8 +45,11 @@ def adamw_update(param: jax.Array, grad: jax.Array, mu: jax.Array, nu: jax.Array
     """One AdamW step of a float32 parameter.
 
     Args:
-      param, grad, mu, nu: float32 arrays of one shape: the parameter, its gradient and Adam's
-        first and second moments.
+      param, grad, mu, nu: arrays of one shape: the float32 parameter, its gradient and Adam's
+        float32 first and second moments. The gradient may be bfloat16 or float16, as it comes
+        for a weight the model computes in that dtype: the engine widens it (exactly) as it
+        reads it, so the step is the float32 one on its values, and no float32 copy of the
+        gradient is written and read.
       step_size: scalar, the signed step (optax.scale_by_learning_rate's: minus the learning
         rate).
       count: int32 scalar, the step's number from 1 (optax.scale_by_adam's incremented count):
@@ -59,9 +64,11 @@ def adamw_update(param: jax.Array, grad: jax.Array, mu: jax.Array, nu: jax.Array
       AdamWStep: the new param, mu and nu (written into the given buffers where XLA can give
       them up, as under jit with the state donated) and the update's NUM_SUMS sums.
     """
-    _require_f32("param", param)
-    for name, x in (("grad", grad), ("mu", mu), ("nu", nu)):
+    for name, x in (("param", param), ("mu", mu), ("nu", nu)):
         _require_f32(name, x)
+    if jnp.result_type(grad) not in GRAD_DTYPES:
+        raise ValueError(f"grad must be float32, bfloat16 or float16, got {jnp.result_type(grad)}")
+    for name, x in (("grad", grad), ("mu", mu), ("nu", nu)):
         if x.shape != param.shape:
             raise ValueError(f"{name} must have param's shape {param.shape}, got {x.shape}")
     for name, value, low, high in (("b1", b1, 0.0, 1.0), ("b2", b2, 0.0, 1.0)):

@@ -215,7 +215,9 @@ def grouped_matmul_fp8_tensorwise_contract(lhs_t, lhs_scale, rhs_t, rhs_scale, g
 def adamw_update(param, grad, mu, nu, *, step_size, count, b1, b2, eps, weight_decay=0.0,
                  update_scale=1.0, max_grad_norm=0.0, grad_norm=None):
     """optax.adamw's step after optax.clip_by_global_norm (given the global norm), written out:
-    (param, mu, nu, sums) with the update's five sums (ops.adamw.NUM_SUMS)."""
+    (param, mu, nu, sums) with the update's five sums (ops.adamw.NUM_SUMS); a 16-bit gradient
+    widened to param's dtype first."""
+    grad = grad.astype(param.dtype)
     if max_grad_norm > 0:
         grad = jax.lax.select(grad_norm < max_grad_norm, grad,
                               (grad / grad_norm.astype(grad.dtype)) * max_grad_norm)

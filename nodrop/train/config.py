@@ -50,6 +50,11 @@ class TrainConfig:
       scales). grad_clip: global-norm clipping threshold (0: off). fused_adamw: the step in
       one engine call per parameter (nodrop.ops.adamw), which also sums the update's norm;
       False runs optax's (the same arithmetic and state; XLA reads the update back to sum it).
+      compute_dtype_gradients: on one device, the weights the model reads only in its compute
+      dtype are cast to it before the step (nodrop.models.cast_compute_weights), so their
+      gradients come in that dtype: the same step bit for bit, without float32 copies of
+      those gradients in memory. False, or on a mesh (whose gradient reductions stay float32),
+      they are cast at each use and their gradients are float32.
     aux_loss_coef, z_loss_coef: weights of each MoE layer's load-balancing and router z-losses,
       summed over the MoE layers and added to the cross-entropy. seq_aux_loss_coef: the same
       for DeepSeek-V3's sequence-wise balance loss (0: off).
@@ -89,6 +94,7 @@ class TrainConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
     fused_adamw: bool = True
+    compute_dtype_gradients: bool = True
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 1e-3
     seq_aux_loss_coef: float = 0.0
@@ -146,6 +152,8 @@ class TrainConfig:
             require(number(field) and getattr(self, field) >= 0, field,
                     "a finite number >= 0")
         require(isinstance(self.fused_adamw, bool), "fused_adamw", "true or false")
+        require(isinstance(self.compute_dtype_gradients, bool), "compute_dtype_gradients",
+                "true or false")
         require(number("router_lr_scale") and self.router_lr_scale > 0, "router_lr_scale",
                 "a positive finite number")
         require(self.bias_update_rate is None
@@ -250,9 +258,9 @@ DEFAULT_EVALUATIONS = 10
 # Fields that may change when a run is resumed: they do not change what is computed (steps
 # extends or shortens the run, and with it the cosine schedule's remaining steps; mesh only
 # where the state lives, up to float32 rounding: Orbax reshards the checkpoint onto it;
-# fused_adamw only which kernels run the same step on the same state).
+# fused_adamw and compute_dtype_gradients only which kernels run the same step on the same state).
 RESUMABLE_CHANGES = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints",
-                     "log_every", "mesh", "profile", "fused_adamw")
+                     "log_every", "mesh", "profile", "fused_adamw", "compute_dtype_gradients")
 
 # The GPU presets' training defaults (the tiny preset's are TrainConfig's own).
 # Their routers read a 2048-wide residual stream: Adam moves every router weight by about lr a
@@ -373,6 +381,12 @@ def add_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> No
     opt.add_argument("--fused-adamw", action=argparse.BooleanOptionalAction, default=S,
                      help="the AdamW step and its update norm in one engine call per "
                           "parameter (the default); --no-fused-adamw runs optax's")
+    opt.add_argument("--compute-dtype-gradients", action=argparse.BooleanOptionalAction,
+                     default=S,
+                     help="on one device, the gradients of the weights the model computes in "
+                          "--dtype kept in that dtype (the default: the same step, without "
+                          "float32 copies); --no-compute-dtype-gradients casts each weight at "
+                          "use, with float32 gradients")
     moe = parser.add_argument_group("MoE losses and balancing")
     moe.add_argument("--aux-loss-coef", type=float, default=S,
                      help=f"load-balancing loss weight (default {d.aux_loss_coef})")

@@ -44,7 +44,7 @@ import optax
 from flax import nnx
 
 import nodrop
-from nodrop.models import ModelConfig, MoELM
+from nodrop.models import ModelConfig, MoELM, cast_compute_weights
 from nodrop.moe import updated_expert_bias
 from nodrop.ops.adamw import NUM_SUMS, AdamWStep, adamw_update
 from nodrop.parallel import (check_batch, check_experts, distributed, make_mesh,
@@ -440,14 +440,18 @@ def make_steps(config: TrainConfig, graphdef, tx, *, can_overflow: bool = False)
         given = jax.tree.leaves((params, opt_state, model_state))
         # nnx.value_and_grad (gradients of the nnx.Param leaves only), not jax's: the model's
         # nnx.remat must see the model's variables under an nnx transform.
-        model = nnx.merge(graphdef, params, model_state)
+        cast = config.compute_dtype_gradients and jax.sharding.get_abstract_mesh().size <= 1
+        model = nnx.merge(graphdef, params, model_state, copy=cast)
+        if cast:  # gradients in the compute dtype where they are computed in it
+            cast_compute_weights(model)
         (loss, (ce, aux)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
         grad_stats = tree_stats(grads)
         with jax.named_scope("optimizer"):
-            if config.fused_adamw:
+            if config.fused_adamw:  # the engine widens 16-bit gradients as it reads them
                 params, opt_state, update_stats = fused_adamw_update(
                     config, params, opt_state, grads, grad_stats.norm)
             else:
+                grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
                 updates, opt_state = tx.update(grads, opt_state, params,
                                                grad_norm=grad_stats.norm)
                 params = optax.apply_updates(params, updates)

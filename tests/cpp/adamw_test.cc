@@ -1,9 +1,11 @@
 // Tests of the CPU AdamW step against a double-precision reference of the same arithmetic, its
-// statistics, clipping, in-place updates, chunking edge cases and invalid configurations.
+// statistics, clipping, in-place updates, 16-bit gradients, chunking edge cases and invalid
+// configurations.
 
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -15,6 +17,7 @@
 namespace {
 
 using nodrop::AdamWConfig;
+using nodrop::DType;
 using nodrop::kAdamWSums;
 using nodrop::Status;
 using nodrop_test::mentions;
@@ -62,10 +65,24 @@ struct Result {
 Result run(State s, const AdamWConfig& c, const Floats& scalars = kScalars,
            ThreadRunner* runner = nullptr) {
   Result r{s, Floats(c.num_partials * kAdamWSums, kNaN), Status::Ok()};
-  r.status = nodrop::cpu::adamw_update(s.param.data(), s.grad.data(), s.mu.data(), s.nu.data(),
-                                       scalars.data(), c, r.state.param.data(),
-                                       r.state.mu.data(), r.state.nu.data(), r.partials.data(),
-                                       runner);
+  r.status = nodrop::cpu::adamw_update(s.param.data(), s.grad.data(), DType::kFloat32,
+                                       s.mu.data(), s.nu.data(), scalars.data(), c,
+                                       r.state.param.data(), r.state.mu.data(),
+                                       r.state.nu.data(), r.partials.data(), runner);
+  return r;
+}
+
+// The step on the gradient given as 16-bit values of `dtype` (s.grad rounded to it).
+Result run_16bit(const State& s, DType dtype, const AdamWConfig& c) {
+  std::vector<uint16_t> grad;
+  for (float g : s.grad) {
+    grad.push_back(dtype == DType::kBFloat16 ? nodrop_test::float_to_bf16(g)
+                                             : nodrop_test::float_to_fp16(g));
+  }
+  Result r{s, Floats(c.num_partials * kAdamWSums, kNaN), Status::Ok()};
+  r.status = nodrop::cpu::adamw_update(s.param.data(), grad.data(), dtype, s.mu.data(),
+                                       s.nu.data(), kScalars.data(), c, r.state.param.data(),
+                                       r.state.mu.data(), r.state.nu.data(), r.partials.data());
   return r;
 }
 
@@ -139,14 +156,41 @@ TEST(AdamW, InPlaceAndThreadedGiveTheSameBits) {
   State in_place = s;
   Floats partials(num_partials * kAdamWSums);
   ASSERT_TRUE(nodrop::cpu::adamw_update(in_place.param.data(), in_place.grad.data(),
-                                        in_place.mu.data(), in_place.nu.data(), kScalars.data(), c,
-                                        in_place.param.data(), in_place.mu.data(),
-                                        in_place.nu.data(), partials.data())
+                                        DType::kFloat32, in_place.mu.data(), in_place.nu.data(),
+                                        kScalars.data(), c, in_place.param.data(),
+                                        in_place.mu.data(), in_place.nu.data(), partials.data())
                   .ok());
   EXPECT_EQ(in_place.param, once.state.param);
   EXPECT_EQ(in_place.mu, once.state.mu);
   EXPECT_EQ(in_place.nu, once.state.nu);
   EXPECT_EQ(partials, once.partials);
+}
+
+// A bfloat16 or float16 gradient is the float32 step on its widened values, bit for bit (the
+// trainer passes the 16-bit gradients of weights the model computes in 16 bits).
+TEST(AdamW, SixteenBitGradientIsTheStepOnItsWidenedValues) {
+  const int64_t n = 1003, num_partials = 7;
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    State s = random_state(n, 8);
+    if (dtype == DType::kFloat16) {
+      for (float& g : s.grad) g *= 1000.0f;  // into float16's normal range
+    }
+    s.grad[3] = kNaN;
+    s.grad[4] = -kInf;
+    State widened = s;
+    for (float& g : widened.grad) g = float(nodrop_test::round_to(dtype, g));
+    for (float max_grad_norm : {0.0f, 0.25f}) {
+      const AdamWConfig c = make_config(n, num_partials, 0.1f, 1.0f, max_grad_norm);
+      const Result got = run_16bit(s, dtype, c), want = run(widened, c);
+      ASSERT_TRUE(got.status.ok()) << got.status.message();
+      EXPECT_EQ(0, std::memcmp(got.state.param.data(), want.state.param.data(), n * 4))
+          << nodrop_test::short_name(dtype);
+      EXPECT_EQ(0, std::memcmp(got.state.mu.data(), want.state.mu.data(), n * 4));
+      EXPECT_EQ(0, std::memcmp(got.state.nu.data(), want.state.nu.data(), n * 4));
+      EXPECT_EQ(0, std::memcmp(got.partials.data(), want.partials.data(),
+                               got.partials.size() * 4));
+    }
+  }
 }
 
 TEST(AdamW, ClippingIsTheGradientRescaledFirst) {
@@ -250,11 +294,18 @@ TEST(AdamW, RefusesInvalidConfigsNamingTheField) {
   for (const Case& test : cases) {
     Floats param(8), mu(8), nu(8), partials(kAdamWSums);
     const Status status = nodrop::cpu::adamw_update(
-        s.param.data(), s.grad.data(), s.mu.data(), s.nu.data(), kScalars.data(), test.config,
-        param.data(), mu.data(), nu.data(), partials.data());
+        s.param.data(), s.grad.data(), DType::kFloat32, s.mu.data(), s.nu.data(),
+        kScalars.data(), test.config, param.data(), mu.data(), nu.data(), partials.data());
     EXPECT_FALSE(status.ok()) << test.field;
     EXPECT_TRUE(mentions(status, test.field)) << status.message();
   }
+  Floats param(8), mu(8), nu(8), partials(kAdamWSums);
+  const Status status = nodrop::cpu::adamw_update(
+      s.param.data(), s.grad.data(), static_cast<DType>(7), s.mu.data(), s.nu.data(),
+      kScalars.data(), make_config(8, 1), param.data(), mu.data(), nu.data(), partials.data());
+  EXPECT_FALSE(status.ok());
+  EXPECT_TRUE(mentions(status, "grad_dtype")) << status.message();
+  EXPECT_TRUE(mentions(status, "7")) << status.message();
 }
 
 }  // namespace

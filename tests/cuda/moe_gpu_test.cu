@@ -1190,13 +1190,15 @@ struct AdamWCase {
   size_t shift;         // bytes past a 256-byte boundary: 4 takes the element-access path
   float max_grad_norm;  // 0.25 clips (the norm is 0.5), 0 does not
   bool poison_inputs;   // a NaN gradient and an infinite parameter
+  DType grad_dtype = DType::kFloat32;
 };
 
 std::string adamw_name(const testing::TestParamInfo<AdamWCase>& info) {
   const AdamWCase& c = info.param;
   return "n" + std::to_string(c.n) + "_p" + std::to_string(c.partials) + "_shift" +
          std::to_string(c.shift) + (c.max_grad_norm > 0 ? "_clip" : "") +
-         (c.poison_inputs ? "_nonfinite" : "");
+         (c.poison_inputs ? "_nonfinite" : "") +
+         (c.grad_dtype != DType::kFloat32 ? std::string("_grad_") + dtype_short(c.grad_dtype) : "");
 }
 
 class AdamWGpu : public testing::TestWithParam<AdamWCase> {};
@@ -1216,6 +1218,9 @@ TEST_P(AdamWGpu, MatchesCpu) {
     grad[1] = NAN;
     param[c.n - 2] = INFINITY;
   }
+  // The gradient as the engine reads it (16-bit values for a 16-bit gradient), for both engines.
+  Bytes grad_bytes(c.n * bytes_of(c.grad_dtype));
+  for (int64_t i = 0; i < c.n; ++i) set_value(grad_bytes, c.grad_dtype, i, grad[i]);
   const Floats scalars = {-3e-4f, 0.5f, 0.271f, 0.142625f};
   nodrop::AdamWConfig config;
   config.num_elements = c.n;
@@ -1228,20 +1233,21 @@ TEST_P(AdamWGpu, MatchesCpu) {
   config.max_grad_norm = c.max_grad_norm;
 
   Floats want_param(c.n), want_mu(c.n), want_nu(c.n), want_partials(c.partials * 5);
-  ASSERT_TRUE(nodrop::cpu::adamw_update(param.data(), grad.data(), mu.data(), nu.data(),
-                                        scalars.data(), config, want_param.data(),
+  ASSERT_TRUE(nodrop::cpu::adamw_update(param.data(), grad_bytes.data(), c.grad_dtype, mu.data(),
+                                        nu.data(), scalars.data(), config, want_param.data(),
                                         want_mu.data(), want_nu.data(), want_partials.data())
                   .ok());
 
   const size_t bytes = c.n * sizeof(float);
-  const DeviceBuffer d_param(bytes, c.shift, param.data()), d_grad(bytes, c.shift, grad.data()),
+  const DeviceBuffer d_param(bytes, c.shift, param.data()),
+      d_grad(grad_bytes.size(), c.shift, grad_bytes.data()),
       d_mu(bytes, c.shift, mu.data()), d_nu(bytes, c.shift, nu.data()),
       d_scalars(4 * sizeof(float), 0, scalars.data()), out_param(bytes, c.shift),
       out_mu(bytes, c.shift), out_nu(bytes, c.shift),
       out_partials(c.partials * nodrop::kAdamWSums * sizeof(float));
   run_twice(
       [&] {
-        return nodrop::cuda::adamw_update(d_param.as<float>(), d_grad.as<float>(),
+        return nodrop::cuda::adamw_update(d_param.as<float>(), d_grad.get(), c.grad_dtype,
                                           d_mu.as<float>(), d_nu.as<float>(),
                                           d_scalars.as<float>(), config, out_param.as<float>(),
                                           out_mu.as<float>(), out_nu.as<float>(),
@@ -1268,7 +1274,7 @@ TEST_P(AdamWGpu, MatchesCpu) {
         d_param.upload(param.data());
         d_mu.upload(mu.data());
         d_nu.upload(nu.data());
-        return nodrop::cuda::adamw_update(d_param.as<float>(), d_grad.as<float>(),
+        return nodrop::cuda::adamw_update(d_param.as<float>(), d_grad.get(), c.grad_dtype,
                                           d_mu.as<float>(), d_nu.as<float>(),
                                           d_scalars.as<float>(), config, d_param.as<float>(),
                                           d_mu.as<float>(), d_nu.as<float>(),
@@ -1286,17 +1292,27 @@ INSTANTIATE_TEST_SUITE_P(
                     AdamWCase{5, 8, 0, 0.25f, false}, AdamWCase{1003, 7, 0, 0.0f, true},
                     AdamWCase{1003, 7, 4, 0.25f, true}, AdamWCase{196615, 13, 0, 0.25f, false},
                     AdamWCase{196615, 64, 4, 0.0f, true},
-                    AdamWCase{(1 << 22) + 4, 512, 0, 0.0f, false}),
+                    AdamWCase{(1 << 22) + 4, 512, 0, 0.0f, false},
+                    // 16-bit gradients: 8-byte loads (shift 0), element loads (shift 4).
+                    AdamWCase{1003, 7, 0, 0.25f, true, DType::kBFloat16},
+                    AdamWCase{196615, 13, 4, 0.0f, true, DType::kBFloat16},
+                    AdamWCase{196615, 64, 0, 0.0f, false, DType::kFloat16},
+                    AdamWCase{(1 << 22) + 4, 512, 0, 0.25f, false, DType::kBFloat16}),
     adamw_name);
 
 TEST(AdamWGpuArgs, RejectsABadConfigNamingTheField) {
   nodrop::AdamWConfig config;
   config.num_elements = 4;
   config.b2 = 1.0f;
-  const Status status = nodrop::cuda::adamw_update(nullptr, nullptr, nullptr, nullptr, nullptr,
-                                                   config, nullptr, nullptr, nullptr, nullptr,
-                                                   stream());
+  const Status status = nodrop::cuda::adamw_update(nullptr, nullptr, DType::kFloat32, nullptr,
+                                                   nullptr, nullptr, config, nullptr, nullptr,
+                                                   nullptr, nullptr, stream());
   EXPECT_NE(status.message().find("b2"), std::string::npos) << status.message();
+  config.b2 = 0.95f;
+  const Status bad_dtype = nodrop::cuda::adamw_update(
+      nullptr, nullptr, static_cast<DType>(7), nullptr, nullptr, nullptr, config, nullptr,
+      nullptr, nullptr, nullptr, stream());
+  EXPECT_NE(bad_dtype.message().find("grad_dtype"), std::string::npos) << bad_dtype.message();
 }
 
 }  // namespace

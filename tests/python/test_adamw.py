@@ -1,6 +1,6 @@
 """adamw_update (the training step's AdamW, one engine call per parameter) against the float64
-reference of optax's arithmetic: parameters, moments, the update's sums; in place under
-donation; non-finite values; bad input; jit, vmap and scan."""
+reference of optax's arithmetic: parameters, moments, the update's sums; 16-bit gradients; in
+place under donation; non-finite values; bad input; jit, vmap and scan."""
 
 from __future__ import annotations
 
@@ -54,6 +54,27 @@ def test_matches_the_float64_reference(shape, clip):
     assert_close(step, want[0] - f64(param), 1e-4, "update")
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", [(1003,), (7, 129)], ids=str)
+def test_a_16_bit_gradient_is_the_step_on_its_float32_values(shape, dtype):
+    """Bit for bit: the trainer passes the bfloat16 gradients of the weights the model computes
+    in bfloat16, which carry no more bits than that."""
+    param, grad, mu, nu = state(shape, grad_scale=1.0)
+    grad = grad.astype(dtype).at[(0,) * len(shape)].set(jnp.nan)
+    kwargs = step_args(weight_decay=0.1, max_grad_norm=1.0, grad_norm=jnp.float32(4))
+    step = jax.jit(lambda *a: nodrop.adamw_update(*a, **kwargs))
+    got = step(param, grad, mu, nu)
+    want = step(param, grad.astype(jnp.float32), mu, nu)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    assert np.isnan(got.param[(0,) * len(shape)]) and float(got.sums[3]) == 1
+    # The custom call reads the 16-bit gradient itself: no float32 copy is made first.
+    text = step.lower(param, grad, mu, nu).as_text()
+    call = next(line for line in text.splitlines() if "nodrop_adamw_update" in line)
+    short = {"bfloat16": "bf16", "float16": "f16"}[jnp.dtype(dtype).name]
+    assert f"x{short}>" in call, call
+
+
 def test_count_starts_the_bias_correction_and_weight_decay_is_per_parameter():
     param, grad, mu, nu = state((64,))
     first = nodrop.adamw_update(param, grad, jnp.zeros_like(mu), jnp.zeros_like(nu),
@@ -99,6 +120,7 @@ def test_a_nan_norm_clips_as_optax_does():
 @pytest.mark.parametrize("change, message", [
     (dict(param=np.zeros(4, np.float16)), "param must be float32"),
     (dict(grad=np.zeros(5, np.float32)), "grad must have param's shape (4,), got (5,)"),
+    (dict(grad=np.zeros(4, np.int32)), "grad must be float32, bfloat16 or float16, got int32"),
     (dict(nu=np.zeros((4, 1), np.float32)), "nu must have param's shape"),
     (dict(b1=1.0), "b1 must be in [0.0, 1.0), got 1.0"),
     (dict(b2=-0.5), "b2 must be in"),

@@ -1364,6 +1364,60 @@ def test_compare_started_again_reuses_finished_runs_and_refuses_other_settings(
     assert code == 2 and "holds a finished run of other settings" in err
 
 
+@pytest.mark.parametrize("fused_adamw", [True, False], ids=["fused", "optax"])
+def test_compute_dtype_gradients_give_the_same_step_bit_for_bit(fused_adamw):
+    """The weights cast to bfloat16 before the step (nodrop.models.cast_compute_weights): the
+    same parameters, optimizer state and metrics, bit for bit, over three steps, as casting
+    them at each use; the fused AdamW then reads the bfloat16 gradients themselves. A model
+    with dense and MoE layers, shared experts and an untied head covers every COMPUTE_WEIGHTS."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from nodrop.models import cast_compute_weights
+    flags = ["train", *MODEL_FLAGS, "--dtype", "bfloat16", "--set", "shared_ffn=32",
+             "--set", "first_dense=1", "--batch-size", "2", "--seq-len", "32",
+             "--fused-adamw" if fused_adamw else "--no-fused-adamw"]
+    with jax.enable_x64(False):  # as trainer.run traces
+        steps = {}
+        for cast in (True, False):
+            config, model_config = build(overrides_from_args(cli.build_parser().parse_args(
+                flags + ["--compute-dtype-gradients" if cast else
+                         "--no-compute-dtype-gradients"])))
+            tx = trainer.optimizer(config)
+            graphdef, init, _ = trainer._state_structure(config, model_config, tx,
+                                                         jax.devices()[0])
+            steps[cast] = jax.jit(trainer.make_steps(config, graphdef, tx)[0])
+        batch = jax.random.randint(jax.random.key(1), (2, 33), 0, model_config.vocab_size,
+                                   jnp.int32)
+        halted = jnp.bool_(False)
+        state = got = want = init()
+        for step in (1, 2, 3):
+            *got, got_metrics, _ = steps[True](*got, batch, jnp.int32(step), halted)
+            *want, want_metrics, _ = steps[False](*want, batch, jnp.int32(step), halted)
+            for a, b in zip(jax.tree.leaves((got, got_metrics)),
+                            jax.tree.leaves((want, want_metrics))):
+                np.testing.assert_array_equal(a, b)
+        assert float(got_metrics["grad_norm"]) > 0 and bool(got_metrics["finite"]["state"])
+        assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(got[0]))
+
+        # What is cast: every COMPUTE_WEIGHTS weight; nothing the model reads in float32.
+        model = nnx.merge(graphdef, state[0], state[2], copy=True)
+        cast_compute_weights(model)
+        dtypes = {jax.tree_util.keystr(path): leaf.dtype for path, leaf in
+                  jax.tree_util.tree_leaves_with_path(nnx.split(model, nnx.Param, ...)[1])}
+        cast_names = [name for name, dtype in dtypes.items() if dtype == jnp.bfloat16]
+        assert all(re.search(r"'(query|key|value|output|gate_up|down|shared_gate_up|"
+                             r"shared_down|lm_head)'\]", name) for name in cast_names)
+        # Two attention layers, one dense feed-forward, one MoE block with shared experts, head.
+        assert len(cast_names) == 4 * 2 + 2 + 4 + 1, cast_names
+        assert all(dtype == jnp.float32 for dtype in dtypes.values() if dtype != jnp.bfloat16)
+        assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(state[0]))
+        if fused_adamw:  # the engine reads the bfloat16 gradients: no float32 copy in between
+            text = steps[True].lower(*state, batch, jnp.int32(1), halted).as_text()
+            calls = [line for line in text.splitlines() if "nodrop_adamw_update" in line]
+            assert sum("xbf16>" in line for line in calls) == len(cast_names), calls
+
+
 def test_router_lr_scale_scales_only_the_routers_updates():
     import dataclasses
 

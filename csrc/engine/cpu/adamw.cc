@@ -2,15 +2,19 @@
 #include <algorithm>
 
 #include "engine/adamw_element.h"
+#include "engine/cpu/convert.h"
 #include "engine/cpu/parallel.h"
 #include "nodrop/engine_cpu.h"
 
 namespace nodrop::cpu {
 
-Status adamw_update(const float* param, const float* grad, const float* mu, const float* nu,
-                    const float* scalars, const AdamWConfig& config, float* param_out,
-                    float* mu_out, float* nu_out, float* partials, ParallelRunner* runner) {
+Status adamw_update(const float* param, const void* grad, DType grad_dtype, const float* mu,
+                    const float* nu, const float* scalars, const AdamWConfig& config,
+                    float* param_out, float* mu_out, float* nu_out, float* partials,
+                    ParallelRunner* runner) {
   Status status = validate_adamw_config(config);
+  if (!status.ok()) return status;
+  status = validate_adamw_grad_dtype(grad_dtype);
   if (!status.ok()) return status;
   const AdamWScalars s{scalars[0], scalars[1], scalars[2], scalars[3]};
   const bool clip = adamw_clips(s, config);
@@ -20,7 +24,7 @@ Status adamw_update(const float* param, const float* grad, const float* mu, cons
     const int64_t end = std::min(n, (i + 1) * chunk);
     for (int64_t j = i * chunk; j < end; ++j) {
       float p = param[j], m = mu[j], v = nu[j];
-      adamw_element(p, grad[j], m, v, s, config, clip, sums);
+      adamw_element(p, load(grad, grad_dtype, j), m, v, s, config, clip, sums);
       param_out[j] = p;
       mu_out[j] = m;
       nu_out[j] = v;

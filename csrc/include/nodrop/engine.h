@@ -86,7 +86,8 @@ Status validate_router_config(const RouterConfig& config);
 
 // AdamW's step on one float32 parameter tensor and the statistics of that step, in one pass over
 // it (the training step's optimizer; nodrop.ops.adamw). optax.adamw's arithmetic after
-// optax.clip_by_global_norm, operation for operation (the divisions are divisions):
+// optax.clip_by_global_norm, operation for operation (the divisions are divisions), on the
+// gradient widened to float32 (it may come as bfloat16 or float16):
 //   g     = grad, or (grad / grad_norm) * max_grad_norm where max_grad_norm > 0 and
 //           grad_norm >= max_grad_norm
 //   mu    = (1 - b1) * g + b1 * mu;   nu = (1 - b2) * (g * g) + b2 * nu
@@ -115,6 +116,10 @@ inline constexpr int64_t kAdamWSums = 5;
 
 // Checks an AdamWConfig (sizes, betas in [0, 1), finite non-negative eps and weight decay).
 Status validate_adamw_config(const AdamWConfig& config);
+
+// Checks the gradient's dtype: float32, or the bfloat16 / float16 of a weight the model computes
+// in that dtype (its gradient carries no more bits; widening it is exact).
+Status validate_adamw_grad_dtype(DType grad_dtype);
 
 // Elements per chunk: chunk i covers [i * chunk, min(num_elements, (i + 1) * chunk)). A multiple
 // of 4 (16-byte accesses on the GPU), at least 4.

@@ -176,12 +176,13 @@ Status grouped_matmul_fp8_tensorwise_contract(const void* lhs_t, const float* lh
                                               int64_t N, int64_t G, void* out, bool checked,
                                               ParallelRunner* runner = nullptr);
 
-// AdamW's step and its statistics (engine.h, AdamWConfig): param, grad, mu, nu [n] float32,
-// scalars [4] float32, partials [num_partials, kAdamWSums] float32. The outputs may be the
-// inputs. Each chunk is summed in element order.
-Status adamw_update(const float* param, const float* grad, const float* mu, const float* nu,
-                    const float* scalars, const AdamWConfig& config, float* param_out,
-                    float* mu_out, float* nu_out, float* partials,
+// AdamW's step and its statistics (engine.h, AdamWConfig): param, mu, nu [n] float32, grad [n]
+// of grad_dtype (float32, bfloat16 or float16), scalars [4] float32, partials
+// [num_partials, kAdamWSums] float32. The outputs may be the inputs. Each chunk is summed in
+// element order.
+Status adamw_update(const float* param, const void* grad, DType grad_dtype, const float* mu,
+                    const float* nu, const float* scalars, const AdamWConfig& config,
+                    float* param_out, float* mu_out, float* nu_out, float* partials,
                     ParallelRunner* runner = nullptr);
 
 }  // namespace cpu

@@ -341,11 +341,13 @@ Status quantize_fp8_weights_transposed(const void* w, DType dtype, int64_t G, in
 
 // ---- AdamW (adamw.cu) ---------------------------------------------------------------------------
 
-// engine_cpu.h's adamw_update on the GPU: one thread block per chunk, 16-byte accesses where
-// every array is 16-byte aligned. The same float32 operations per element; each chunk's sums
-// are added in a fixed order (so a call repeats bit for bit) that differs from the CPU's.
-Status adamw_update(const float* param, const float* grad, const float* mu, const float* nu,
-                    const float* scalars, const AdamWConfig& config, float* param_out,
-                    float* mu_out, float* nu_out, float* partials, cudaStream_t stream);
+// engine_cpu.h's adamw_update on the GPU: one thread block per chunk, four elements per access
+// (16 bytes of each float32 array, 8 of a 16-bit gradient) where every array is aligned to its
+// access. The same float32 operations per element; each chunk's sums are added in a fixed order
+// (so a call repeats bit for bit) that differs from the CPU's.
+Status adamw_update(const float* param, const void* grad, DType grad_dtype, const float* mu,
+                    const float* nu, const float* scalars, const AdamWConfig& config,
+                    float* param_out, float* mu_out, float* nu_out, float* partials,
+                    cudaStream_t stream);
 
 }  // namespace nodrop::cuda

@@ -222,3 +222,26 @@ def test_a_checkpoint_restores_onto_another_mesh(runs, tmp_path):
     np.testing.assert_allclose(losses(run_dir), losses(single), rtol=2e-5)
     assert_states_close(restored_state(run_dir, STEPS), restored_state(single, STEPS),
                         rtol=1e-4)
+
+
+@pytest.mark.parametrize("mesh", ["data=8", EP_MESH])
+def test_on_a_mesh_the_weights_are_cast_at_use_and_gradients_stay_float32(mesh):
+    """compute_dtype_gradients applies on one device only: on a mesh the gradients' reductions
+    across devices stay float32, so the AdamW calls read float32 gradients."""
+    import jax.numpy as jnp
+
+    from nodrop.parallel import make_mesh
+    config, model_config = trainer.build(overrides_from_args(cli.build_parser().parse_args(
+        ["train", "--preset", "tiny", "--dtype", "bfloat16", "--batch-size", "8",
+         "--seq-len", "32"])))
+    assert config.compute_dtype_gradients
+    tx = trainer.optimizer(config)
+    graphdef, init, _ = trainer._state_structure(config, model_config, tx, jax.devices()[0])
+    train_step, _ = trainer.make_steps(config, graphdef, tx)
+    batch = jnp.zeros((8, 33), jnp.int32)
+    with jax.enable_x64(False), jax.set_mesh(make_mesh(mesh)):
+        text = jax.jit(train_step).lower(*init(), batch, jnp.int32(1),
+                                         jnp.bool_(False)).compile().as_text()
+    calls = [line for line in text.splitlines()
+             if 'custom_call_target="nodrop_adamw_update' in line]
+    assert calls and not [line for line in calls if "bf16[" in line], calls

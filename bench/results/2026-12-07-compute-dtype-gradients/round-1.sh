@@ -6,7 +6,8 @@
 #   1. the AdamW kernel's GPU tests (16-bit gradients among them) and compute-sanitizer on them;
 #      the JAX op's and the trainer's tests on the GPU;
 #   2. nodrop_cuda_adamw_bench (the kernel with a float32 and a bfloat16 gradient);
-#   3. 40 training steps of qwen3, mixtral and deepseek with each setting, in turns;
+#   3. 40 training steps of qwen3, mixtral and deepseek with each setting, in turns, and of
+#      mixtral in FP8 tensorwise;
 #   4. bench/gpu_optimizer.py (the step's tail alone) if time is left.
 set -u
 BUDGET=${BUDGET:-570}
@@ -57,6 +58,8 @@ run mixtral-off --preset mixtral --no-compute-dtype-gradients
 run mixtral-on --preset mixtral --compute-dtype-gradients
 run deepseek-on --preset deepseek --compute-dtype-gradients
 run deepseek-off --preset deepseek --no-compute-dtype-gradients
+run mixtral-fp8-on --preset mixtral --fp8 tensorwise --compute-dtype-gradients
+run mixtral-fp8-off --preset mixtral --fp8 tensorwise --no-compute-dtype-gradients
 
 if [ $(left 100) -gt 0 ]; then
   timeout $(left 5) python3 bench/gpu_optimizer.py qwen3 mixtral --out $OUT/r/optimizer \

@@ -1,7 +1,7 @@
 # GPU round 2 (2026-12-07, session 7): round 1's A/B again with the other setting first, two
 # identical short runs (are the GPU runs deterministic step to step?), and a traced qwen3 step
 # with each setting (bench/gpu_profile.py: where the time saved comes from). The same
-# libraries as round 1 (build/gpulib/grads.tar.xz).
+# libraries as round 1 (build/gpulib/grads.tar.xz). Not run yet: no GPU was lent after round 1.
 set -u
 BUDGET=${BUDGET:-440}
 start=$(date +%s); el() { echo "[$(( $(date +%s) - start ))s] $*"; }

@@ -19,8 +19,8 @@ ffi::Error AdamWUpdate(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> param,
   XlaThreadPoolRunner runner(pool);
   return to_ffi_error(cpu::adamw_update(
       param.typed_data(), grad.untyped_data(), *float_dtype(grad.element_type()),
-      mu.typed_data(), nu.typed_data(), scalars.typed_data(), *config, param_out->typed_data(), mu_out->typed_data(),
-      nu_out->typed_data(), partials->typed_data(), &runner));
+      mu.typed_data(), nu.typed_data(), scalars.typed_data(), *config, param_out->typed_data(),
+      mu_out->typed_data(), nu_out->typed_data(), partials->typed_data(), &runner));
 }
 
 }  // namespace

@@ -17,8 +17,8 @@ ffi::Error AdamWUpdate(cudaStream_t stream, ffi::Buffer<ffi::F32> param,
   if (!config) return config.error();
   return to_ffi_error(cuda::adamw_update(
       param.typed_data(), grad.untyped_data(), *float_dtype(grad.element_type()),
-      mu.typed_data(), nu.typed_data(), scalars.typed_data(), *config, param_out->typed_data(), mu_out->typed_data(),
-      nu_out->typed_data(), partials->typed_data(), stream));
+      mu.typed_data(), nu.typed_data(), scalars.typed_data(), *config, param_out->typed_data(),
+      mu_out->typed_data(), nu_out->typed_data(), partials->typed_data(), stream));
 }
 
 }  // namespace

@@ -258,7 +258,8 @@ DEFAULT_EVALUATIONS = 10
 # Fields that may change when a run is resumed: they do not change what is computed (steps
 # extends or shortens the run, and with it the cosine schedule's remaining steps; mesh only
 # where the state lives, up to float32 rounding: Orbax reshards the checkpoint onto it;
-# fused_adamw and compute_dtype_gradients only which kernels run the same step on the same state).
+# fused_adamw and compute_dtype_gradients only which kernels run the same step on the same
+# state).
 RESUMABLE_CHANGES = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints",
                      "log_every", "mesh", "profile", "fused_adamw", "compute_dtype_gradients")
 

@@ -1,6 +1,6 @@
 """The training step's tail on one GPU: AdamW's update of a preset's parameters and the
 statistics the step reports of it, timed alone with the state donated as the trainer donates
-it. Three versions, each the trainer's own code:
+it. Five versions, each the trainer's own code:
 
 - fused: `trainer.fused_adamw_update` (nodrop.ops.adamw: one engine call per parameter, which
   also sums the update's squares), after the gradients' `tree_stats`; the default;
@@ -57,7 +57,8 @@ def versions(config):
         return optax.apply_updates(params, updates), opt_state, ()
 
     def widened(params, opt_state, grads):
-        return fused(params, opt_state, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params))
+        return fused(params, opt_state,
+                     jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params))
 
     return {"fused": fused, "optax": with_optax, "optax, update only": update_only,
             "fused, widened in the step": widened, "fused, compute-dtype gradients": fused}, tx

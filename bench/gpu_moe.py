@@ -2,6 +2,7 @@
 
     python bench/gpu_moe.py --out DIR [--iters 10] [--only gemm|layer|all]
                               [--shapes Mixtral-8x7B,Qwen3-30B-A3B] [--router-matmul split]
+                              [--fp8-weight-gradient unquantised|fp8]
 
 Everything runs in this one process: bf16 inputs, float32 accumulation, jitted.
 
@@ -15,8 +16,9 @@ Everything runs in this one process: bf16 inputs, float32 accumulation, jitted.
    forward+backward: dropless on nodrop's ops against the same block with its expert matmuls on
    tokamax.ragged_dot (the same routing) and against the block dropping tokens
    (MoEConfig(capacity_factor=1.0) and 1.25), and the dropless block with its experts in each
-   FP8 recipe (MoEConfig(fp8=...), the trainer's --fp8; its speed-up over bf16 reported, no
-   target). With each variant's activation memory: the compiled step's temporary buffers
+   FP8 recipe (MoEConfig(fp8=...), the trainer's --fp8, its weight gradient as
+   --fp8-weight-gradient says; its speed-up over bf16 reported, no target). With each
+   variant's activation memory: the compiled step's temporary buffers
    (XLA's memory_analysis) per token. Every variant's router multiplies its logits as
    --router-matmul says (MoEConfig.router_matmul, split by default).
 
@@ -44,7 +46,7 @@ import nodrop
 from nodrop import demo
 from nodrop.demo import positive_int, relative_difference
 from nodrop.moe import MoEBlock
-from nodrop.moe.block import ROUTER_MATMULS, MoEConfig
+from nodrop.moe.block import FP8_WEIGHT_GRADIENTS, ROUTER_MATMULS, MoEConfig
 from nodrop.moe.capacity import capacity_rows
 from shapes import (GEMM_SHAPES, GROUP_SIZE_KINDS, LAYER_SEED, LAYER_SHAPES, group_sizes,
                     layer_config, shape_list)
@@ -274,19 +276,21 @@ def padded_gemm_cases(common: dict, lhs, rhs, grad_out, iters: int) -> list[dict
 # --- MoE expert layer -------------------------------------------------------------------------
 
 
-def layer_cases(name: str, iters: int, tokamax, router_matmul: str = MoEConfig.router_matmul) -> list[dict]:
+def layer_cases(name: str, iters: int, tokamax, router_matmul: str = MoEConfig.router_matmul,
+                fp8_weight_gradient: str = MoEConfig.fp8_weight_gradient) -> list[dict]:
     """nodrop.demo's loss and gradients of nodrop.moe.MoEBlock at LAYER_SHAPES[name]: dropless,
     dropless in each FP8 recipe, dropless with the expert matmuls on `tokamax`
     (tokamax_peer.load_tokamax), and at each capacity factor, on the same weights and data,
-    every router by `router_matmul`, timed side by side; with the memory of each compiled
-    step."""
+    every router by `router_matmul`, the FP8 variants' weight gradient by
+    `fp8_weight_gradient`, timed side by side; with the memory of each compiled step."""
     tokens, hidden, ffn, experts, k = dims = LAYER_SHAPES[name]
     flops = 3 * 6 * tokens * k * hidden * ffn  # 3 GEMMs of 2*T*k*H*F forward, twice that backward
     results, runs, extra = {}, {}, {}
     with tokamax_ops(tokamax):
         config = functools.partial(layer_config, name, router_matmul=router_matmul)
-        configs = {"nodrop": config(), **{f"fp8_{recipe}": config(fp8=recipe)
-                                          for recipe in FP8_RECIPES},
+        configs = {"nodrop": config(),
+                   **{f"fp8_{recipe}": config(fp8=recipe, fp8_weight_gradient=fp8_weight_gradient)
+                      for recipe in FP8_RECIPES},
                    "tokamax": config(ops=MOE_OPS)}
         configs |= {f"capacity_{cf}": config(capacity_factor=cf) for cf in CAPACITY_FACTORS}
         params = nnx.state(MoEBlock(configs["nodrop"], rngs=nnx.Rngs(LAYER_SEED)), nnx.Param)
@@ -571,7 +575,8 @@ def markdown(meta: dict, gemm_rows: list[dict], layer_rows: list[dict]) -> str:
             "batched einsums, gather back. tokamax.ragged_dot: the dropless block with its two "
             "grouped matmuls on tokamax.ragged_dot (forward and backward), the rest nodrop's "
             "(the same routing). nodrop FP8: the dropless block with its expert matmuls in "
-            "that recipe (MoEConfig(fp8=...), its default weight gradient), TFLOP/s counted as "
+            "that recipe (MoEConfig(fp8=...), fp8_weight_gradient="
+            f"{meta['fp8_weight_gradient']!r}), TFLOP/s counted as "
             "for bf16. Every variant's router logits: MoEConfig(router_matmul="
             f"{meta['router_matmul']!r}). TFLOP/s counts the useful 18*T*k*H*F FLOPs.",
             "", *layer_table(layer_rows),
@@ -620,12 +625,12 @@ def plot(meta: dict, gemm_rows: list[dict], path: pathlib.Path) -> None:
 
 
 def metadata(torch, torch_status: str, tokamax_status: str, iters: int,
-             router_matmul: str) -> dict:
+             router_matmul: str, fp8_weight_gradient: str) -> dict:
     meta = gpu_run_metadata(torch, iters, ragged_dot_max_forward_s=RAGGED_DOT_MAX_FORWARD_S)
     meta["versions"]["tokamax"] = package_version("tokamax")
     return dict(
         meta, torch=torch_status or "torch._grouped_mm available", tokamax=tokamax_status,
-        router_matmul=router_matmul,
+        router_matmul=router_matmul, fp8_weight_gradient=fp8_weight_gradient,
         targets=dict(min_vs_torch=MIN_VS_TORCH, min_vs_dense=MIN_VS_DENSE,
                      min_vs_ragged_dot=MIN_VS_RAGGED_DOT, min_layer_speedup=MIN_LAYER_SPEEDUP,
                      min_memory_saving=MIN_MEMORY_SAVING, check_tolerance=CHECK_TOLERANCE))
@@ -649,6 +654,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         default=MoEConfig.router_matmul,
                         help="every layer variant's MoEConfig.router_matmul (default: "
                              f"{MoEConfig.router_matmul}, as MoEConfig's)")
+    parser.add_argument("--fp8-weight-gradient", choices=FP8_WEIGHT_GRADIENTS,
+                        default=MoEConfig.fp8_weight_gradient,
+                        help="the FP8 layer variants' MoEConfig.fp8_weight_gradient (default: "
+                             f"{MoEConfig.fp8_weight_gradient}, as MoEConfig's)")
     return parser.parse_args(argv)
 
 
@@ -659,7 +668,8 @@ def main(argv=None) -> int:
         raise SystemExit("nodrop has no CUDA engine (nodrop/libnodrop_ffi_cuda.so): build it")
     torch, torch_status = load_torch()
     tokamax, tokamax_status = load_tokamax()
-    meta = metadata(torch, torch_status, tokamax_status, args.iters, args.router_matmul)
+    meta = metadata(torch, torch_status, tokamax_status, args.iters, args.router_matmul,
+                    args.fp8_weight_gradient)
     print(f"{meta['device']['jax']}; {meta['torch']}; {meta['tokamax']}; "
           + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v), flush=True)
 
@@ -675,7 +685,8 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
     if args.only in ("layer", "all"):
         for name in chosen(LAYER_SHAPES):
-            layer_results += layer_cases(name, args.iters, tokamax, args.router_matmul)
+            layer_results += layer_cases(name, args.iters, tokamax, args.router_matmul,
+                                         args.fp8_weight_gradient)
 
     gemm_rows, layer_rows = gemm_summary(gemm_cases), layer_summary(layer_results)
     table = markdown(meta, gemm_rows, layer_rows)

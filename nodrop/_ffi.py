@@ -32,6 +32,7 @@ TARGETS = {
     "nodrop_grouped_matmul_fp8_blockwise": "NodropGroupedMatmulFp8Blockwise",
     "nodrop_grouped_matmul_fp8_tensorwise": "NodropGroupedMatmulFp8Tensorwise",
     "nodrop_quantize_fp8_transposed": "NodropQuantizeFp8Transposed",
+    "nodrop_transpose_fp8_codes": "NodropTransposeFp8Codes",
     "nodrop_quantize_fp8_weights": "NodropQuantizeFp8Weights",
     "nodrop_quantize_fp8_weights_transposed": "NodropQuantizeFp8WeightsTransposed",
     "nodrop_grouped_matmul_fp8_blockwise_contract": "NodropGroupedMatmulFp8BlockwiseContract",

@@ -18,8 +18,9 @@
 // (quantize_fp8_weights: q [G, K, N], in place), with their 128 x 128 scales, blockwise and with
 // a given scale per expert (the tensorwise recipe's), in ms and as GB/s read + written over a
 // copy's of the same weights. A last table times the tensorwise recipe on the same operands: the
-// forward with fast accumulation, both gradients promoted (its default) or fast, or the weight
-// gradient in bf16.
+// forward with fast accumulation, both gradients promoted (its default) or fast, the weight
+// gradient on the rows' codes re-laid (transpose_fp8_codes, also in the bandwidth table), or in
+// bf16.
 // --configs=all there times every weight-gradient kernel (NODROP_FP8_CONTRACT_TILE) in two
 // orders, and every tensorwise kernel on both gradients in two orders.
 //
@@ -306,6 +307,11 @@ struct Problem {
     CHECK(nodrop::cuda::quantize_fp8_transposed(dout16, nodrop::DType::kBFloat16, sizes, s.M,
                                                 s.N, s.G, nullptr, dout8_t, dout_t_scales, stream));
   }
+  // The tensorwise recipe's weight-gradient operands: the rows' codes re-laid by group.
+  void relay_codes(cudaStream_t stream) const {
+    CHECK(nodrop::cuda::transpose_fp8_codes(lhs8, sizes, s.M, s.K, s.G, lhs8_t, stream));
+    CHECK(nodrop::cuda::transpose_fp8_codes(dout8, sizes, s.M, s.N, s.G, dout8_t, stream));
+  }
   void run_fp8_dgrad(cudaStream_t stream) const {
     CHECK(nodrop::cuda::grouped_matmul_fp8_blockwise(dout8, dout_scales, rhs8_t, rhs_scales,
                                                      sizes, s.M, s.N, s.K, s.G, out, ws8,
@@ -405,7 +411,7 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
   using nodrop::cuda::Fp8TensorwiseSchedule;
   struct Bandwidth {
     const Shape* shape;
-    double rows_gbs, transposed_gbs, copy_gbs, transposed32_gbs, copy32_gbs;
+    double rows_gbs, transposed_gbs, relaid_gbs, copy_gbs, transposed32_gbs, copy32_gbs;
   };
   struct WeightsBandwidth {  // [0] transposed, [1] in place; [.][0] blockwise, [.][1] tensorwise
     const Shape* shape;
@@ -432,6 +438,7 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
     const double bf16_wgrad = time([&] { problem.run_bf16_wgrad(stream); });
     const double rows_ms = time([&] { problem.quantize_rows(stream); });
     const double transposed_ms = time([&] { problem.quantize_transposed(stream); });
+    const double relaid_ms = time([&] { problem.relay_codes(stream); });
     const double fp8_fwd = time([&] { problem.run_fp8(Fp8GemmSchedule{}, stream); });
     const double fp8_dgrad = time([&] { problem.run_fp8_dgrad(stream); });
     // The weight gradient's kernels: the automatic one, or all of them in two orders.
@@ -467,22 +474,23 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
                   unquantised_wgrad_total, bf16_total / unquantised_wgrad_total);
       std::fflush(stdout);
     }
-    // The tensorwise recipe on the same operands and quantisers: forward with fast accumulation,
-    // both gradients promoted (its default), or fast too, or the weight gradient in bf16.
+    // The tensorwise recipe on the same operands: the rows quantised, forward with fast
+    // accumulation, both gradients promoted (its default), or fast too, on the rows' codes
+    // re-laid for the weight gradient; or the weight gradient in bf16.
     const double tw_fwd = time([&] { problem.run_fp8(Fp8TensorwiseSchedule{}, stream, true); });
     double tw_grad[2][2];  // [fast][0: input gradient, 1: weight gradient]
     for (bool fast : {false, true}) {
       tw_grad[fast][0] = time([&] { problem.run_fp8_dgrad(Fp8TensorwiseSchedule{}, fast, stream); });
       tw_grad[fast][1] = time([&] { problem.run_fp8_wgrad(Fp8TensorwiseSchedule{}, fast, stream); });
     }
-    const double tw_promoted = rows_ms + transposed_ms + tw_fwd + tw_grad[0][0] + tw_grad[0][1];
-    const double tw_fast = rows_ms + transposed_ms + tw_fwd + tw_grad[1][0] + tw_grad[1][1];
+    const double tw_promoted = rows_ms + relaid_ms + tw_fwd + tw_grad[0][0] + tw_grad[0][1];
+    const double tw_fast = rows_ms + relaid_ms + tw_fwd + tw_grad[1][0] + tw_grad[1][1];
     const double tw_bf16_wgrad = rows_ms + tw_fwd + tw_grad[0][0] + bf16_wgrad;
     char line[512];
     std::snprintf(line, sizeof(line),
-                  "| %s | %.3f | %.3f | %.3f | %.3f | %.3f | %.2fx | %.3f | %.3f | %.3f | %.2fx | "
-                  "%.3f | %.2fx |",
-                  s.id, bf16_total, tw_fwd, tw_grad[0][0], tw_grad[0][1], tw_promoted,
+                  "| %s | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.2fx | %.3f | %.3f | %.3f | "
+                  "%.2fx | %.3f | %.2fx |",
+                  s.id, bf16_total, relaid_ms, tw_fwd, tw_grad[0][0], tw_grad[0][1], tw_promoted,
                   bf16_total / tw_promoted, tw_grad[1][0], tw_grad[1][1], tw_fast,
                   bf16_total / tw_fast, tw_bf16_wgrad, bf16_total / tw_bf16_wgrad);
     tensorwise_rows.emplace_back(line);
@@ -538,6 +546,7 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
     CHECK(cudaFree(dout32));
     bandwidths.push_back({&s, rows_bytes / (rows_ms * 1e6),
                           (in_bytes + written_t) / (transposed_ms * 1e6),
+                          (in_bytes / 2 + (s.K + s.N) * P) / (relaid_ms * 1e6),
                           2 * in_bytes / (copy16_ms * 1e6),
                           (2 * in_bytes + written_t) / (transposed32_ms * 1e6),
                           4 * in_bytes / (copy32_ms * 1e6)});
@@ -572,14 +581,16 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
   }
   std::printf("\nQuantisers of the activations and output gradients (GB/s read + written; copy: "
               "cudaMemcpyAsync of the same inputs, bf16 or float32):\n\n");
-  std::printf("| shape | rows (1 x 128) | transposed (weight gradient) | copy | rows / copy | "
-              "transposed / copy | transposed, float32 input | float32 copy | "
+  std::printf("| shape | rows (1 x 128) | transposed (weight gradient) | re-laid codes "
+              "(tensorwise weight gradient) | copy | rows / copy | transposed / copy | "
+              "re-laid / copy | transposed, float32 input | float32 copy | "
               "transposed / copy, float32 |\n");
-  std::printf("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+  std::printf("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
   for (const Bandwidth& b : bandwidths) {
-    std::printf("| %s | %.0f | %.0f | %.0f | %.2f | %.2f | %.0f | %.0f | %.2f |\n", b.shape->id,
-                b.rows_gbs, b.transposed_gbs, b.copy_gbs, b.rows_gbs / b.copy_gbs,
-                b.transposed_gbs / b.copy_gbs, b.transposed32_gbs, b.copy32_gbs,
+    std::printf("| %s | %.0f | %.0f | %.0f | %.0f | %.2f | %.2f | %.2f | %.0f | %.0f | %.2f |\n",
+                b.shape->id, b.rows_gbs, b.transposed_gbs, b.relaid_gbs, b.copy_gbs,
+                b.rows_gbs / b.copy_gbs, b.transposed_gbs / b.copy_gbs,
+                b.relaid_gbs / b.copy_gbs, b.transposed32_gbs, b.copy32_gbs,
                 b.transposed32_gbs / b.copy32_gbs);
   }
   std::printf("\nQuantisers of the weights (bf16 w [G, K, N] -> E4M3 and 128 x 128 scales, "
@@ -601,13 +612,14 @@ void run_training(int iters, int warmup, bool all_configs, const std::string& sh
     }
     std::printf(" |\n");
   }
-  std::printf("\nThe tensorwise recipe's three GEMMs (ms; the same quantiser passes as above, "
-              "forward with fast accumulation; automatic tiles):\n\n");
-  std::printf("| shape | bf16 total | fwd | dgrad promoted | wgrad promoted | total | vs bf16 | "
-              "dgrad fast | wgrad fast | total, fast gradients | vs bf16 | total, bf16 wgrad | "
-              "vs bf16 |\n");
+  std::printf("\nThe tensorwise recipe's three GEMMs (ms; the rows quantised as above, and for "
+              "the weight gradient their codes re-laid; forward with fast accumulation; "
+              "automatic tiles):\n\n");
+  std::printf("| shape | bf16 total | re-lay codes | fwd | dgrad promoted | wgrad promoted | "
+              "total | vs bf16 | dgrad fast | wgrad fast | total, fast gradients | vs bf16 | "
+              "total, bf16 wgrad | vs bf16 |\n");
   std::printf("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-              "| ---: |\n");
+              "| ---: | ---: |\n");
   for (const std::string& row : tensorwise_rows) std::printf("%s\n", row.c_str());
   if (!tensorwise_kernel_rows.empty()) {
     std::printf("\nEvery tensorwise kernel on the gradients (ms, TFLOP/s):\n\n");

@@ -162,6 +162,37 @@ auto bind_quantize_fp8_transposed(Binding binding) {
       .template Attr<bool>("checked");
 }
 
+// The engine's view of one re-layout of codes: q [M, C] in G groups of rows.
+struct TransposeCodesCall {
+  int64_t M, C, G;
+};
+
+// q [M, C] float8_e4m3fn, group_sizes [G] -> q_t [C, P] float8_e4m3fn,
+// P = 128 * fp8_contract_blocks(M, G) (quantize_fp8_transposed's codes).
+inline ffi::ErrorOr<TransposeCodesCall> decode_transpose_fp8_codes(
+    const ffi::AnyBuffer& q, const ffi::Buffer<ffi::S32>& group_sizes,
+    const ffi::AnyBuffer& q_t) {
+  NODROP_RETURN_IF_ERROR(require_e4m3("q", q));
+  NODROP_RETURN_IF_ERROR(require_rank("q", q, 2));
+  NODROP_RETURN_IF_ERROR(require_rank("group_sizes", group_sizes, 1));
+  const int64_t M = q.dimensions()[0], C = q.dimensions()[1], G = group_sizes.dimensions()[0];
+  NODROP_RETURN_IF_ERROR(require_e4m3("q_t", q_t));
+  NODROP_RETURN_IF_ERROR(require_rank("q_t", q_t, 2));
+  NODROP_RETURN_IF_ERROR(require_dim("q_t", q_t, 0, C));
+  NODROP_RETURN_IF_ERROR(require_dim("q_t", q_t, 1, kFp8Block * fp8_contract_blocks(M, G)));
+  return TransposeCodesCall{M, C, G};
+}
+
+// The operands after the platform's context: q, group_sizes -> q_t; the attribute checked.
+template <typename Binding>
+auto bind_transpose_fp8_codes(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<bool>("checked");
+}
+
 // The engine's view of one quantisation of the experts' weights.
 struct QuantizeWeightsCall {
   DType dtype;

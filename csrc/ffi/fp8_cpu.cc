@@ -97,6 +97,17 @@ ffi::Error QuantizeFp8Transposed(ffi::ThreadPool pool, ffi::AnyBuffer x,
       checked, &runner));
 }
 
+ffi::Error TransposeFp8Codes(ffi::ThreadPool pool, ffi::AnyBuffer q,
+                             ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> q_t,
+                             bool checked) {
+  auto call = decode_transpose_fp8_codes(q, group_sizes, *q_t);
+  if (!call) return call.error();
+  XlaThreadPoolRunner runner(pool);
+  return to_ffi_error(cpu::transpose_fp8_codes(
+      static_cast<const uint8_t*>(q.untyped_data()), group_sizes.typed_data(), call->M, call->C,
+      call->G, static_cast<uint8_t*>(q_t->untyped_data()), checked, &runner));
+}
+
 ffi::Error GroupedMatmulFp8BlockwiseContract(ffi::ThreadPool pool, ffi::AnyBuffer lhs_t,
                                              ffi::Buffer<ffi::F32> lhs_scales,
                                              ffi::AnyBuffer rhs_t,
@@ -159,6 +170,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropPermuteFp8Cpu, PermuteFp8,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     NodropQuantizeFp8TransposedCpu, QuantizeFp8Transposed,
     bind_quantize_fp8_transposed(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NodropTransposeFp8CodesCpu, TransposeFp8Codes,
+    bind_transpose_fp8_codes(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     NodropQuantizeFp8WeightsCpu, QuantizeFp8Weights<false>,

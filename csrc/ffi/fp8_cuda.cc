@@ -53,6 +53,16 @@ ffi::Error QuantizeFp8Transposed(cudaStream_t stream, ffi::AnyBuffer x,
       call->given_scale, static_cast<uint8_t*>(q_t->untyped_data()), scale->typed_data(), stream));
 }
 
+ffi::Error TransposeFp8Codes(cudaStream_t stream, ffi::AnyBuffer q,
+                             ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> q_t,
+                             bool /*checked*/) {
+  auto call = decode_transpose_fp8_codes(q, group_sizes, *q_t);
+  if (!call) return call.error();
+  return to_ffi_error(cuda::transpose_fp8_codes(
+      static_cast<const uint8_t*>(q.untyped_data()), group_sizes.typed_data(), call->M, call->C,
+      call->G, static_cast<uint8_t*>(q_t->untyped_data()), stream));
+}
+
 // quantize_fp8_weights, or with `transposed` quantize_fp8_weights_transposed.
 template <bool transposed>
 ffi::Error QuantizeFp8Weights(cudaStream_t stream, ffi::AnyBuffer w,
@@ -159,6 +169,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropQuantizeFp8TransposedCuda, QuantizeFp8Transposed,
                               bind_quantize_fp8_transposed(ffi::Ffi::Bind().Ctx<Stream>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropTransposeFp8CodesCuda, TransposeFp8Codes,
+                              bind_transpose_fp8_codes(ffi::Ffi::Bind().Ctx<Stream>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NodropQuantizeFp8WeightsCuda, QuantizeFp8Weights<false>,

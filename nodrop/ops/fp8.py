@@ -26,8 +26,10 @@ FP8 grouped matmuls (CUTLASS on the GPU, plain-loop references on the CPU):
 `quantize_rows`, and `grouped_matmul_fp8_blockwise_contract` (the weight gradient) on operands
 from `quantize_transposed`. The tensorwise recipe runs all three on per-tensor kernels, one
 scale for the rows and one per expert: `grouped_matmul_fp8_tensorwise` (the forward, and the
-input gradient) and `grouped_matmul_fp8_tensorwise_contract` (the weight gradient, on
-`quantize_transposed`'s codes with the tensor's scale given). With one scale per operand the
+input gradient) and `grouped_matmul_fp8_tensorwise_contract` (the weight gradient, on the
+rows' codes re-laid by `transpose_codes`: with one scale per tensor, the codes the forward and
+the input gradient read are the weight gradient's, so the forward keeps lhs's codes for the
+backward instead of lhs). With one scale per operand the
 GPU may accumulate in the tensor cores' own sums and scale once ("fast accumulation"), or add
 each 128-deep block's sums in float32 ("promoted"): the recipe's forward accumulates fast and
 both gradients promoted, Transformer Engine's split (its GEMMs' split accumulator is off for
@@ -396,11 +398,12 @@ def _expert_weights(w, quantizer):
     return quantizer(w, scale=scale)[0], scale
 
 
-def _tensor_transposed(x, group_sizes):
-    """quantize_transposed's codes of x with `_tensor_rows`'s scale given (the amax in XLA, then
-    the engine's pass), and that scale [1]: the pass's own [PB, C] scales are it repeated."""
-    _, scale = _tensor_rows(x, group_sizes)
-    return quantize_transposed(x, group_sizes, scale=scale)[0], scale
+def _keeps_codes(recipe: str, weight_gradient: str) -> bool:
+    """Whether the backward reads lhs only as the forward's codes: the tensorwise recipe's FP8
+    weight gradient contracts lhs's codes at the forward's one scale, re-laid by group
+    (`transpose_codes`), and the input gradient does not read lhs. The forward then keeps
+    those codes and that scale (one byte an element) in place of lhs."""
+    return recipe == "tensorwise" and weight_gradient == "fp8"
 
 
 def _kernel_forward(lhs, rhs, group_sizes, lhs_quantized, recipe):
@@ -435,52 +438,62 @@ def _unquantised_weight_gradient(lhs, dout, group_sizes, rhs, matmul, dtype):
     return drhs
 
 
-def _kernel_backward(lhs, rhs, dout, group_sizes, recipe, weight_gradient):
+def _kernel_backward(kept, rhs, dout, group_sizes, recipe, weight_gradient):
     """Both gradients on the recipe's FP8 kernels, the tensorwise ones promoted (each 128-deep
-    block's sums added in float32). The input gradient dout @ rhs[g].T runs on the forward's
-    kernel: its "transposed weight" [G, K, N] is rhs itself, whose 128 x 128 blocks (and
-    scales, and tensor scale) are those of rhs[g].T. The weight gradient is the FP8 ragged
-    contraction, both operands laid out by group. Rows past the groups need no zeroing for the
-    blockwise recipe: neither kernel nor the transposed quantisation reads them. (One kernel
-    writing dout's rows and its transposed copy from one read measured slower than the two
-    quantisers apart on the H200, 2026-12-03.)"""
+    block's sums added in float32); kept: (lhs,), or lhs's codes and scale (`_keeps_codes`).
+    The input gradient dout @ rhs[g].T runs on the forward's kernel: its "transposed weight"
+    [G, K, N] is rhs itself, whose 128 x 128 blocks (and scales, and tensor scale) are those of
+    rhs[g].T. The weight gradient is the FP8 ragged contraction, both operands laid out by
+    group: the tensorwise recipe's re-laid from the rows' codes (`transpose_codes`: the codes
+    `quantize_transposed` would make again at the same scale, from one byte an element). Rows
+    past the groups need no zeroing for the blockwise recipe: neither kernel nor the transposed
+    quantisation reads them. (One kernel writing dout's rows and its transposed copy from one
+    read measured slower than the two quantisers apart on the H200, 2026-12-03.)"""
     if recipe == "tensorwise":
-        dlhs = grouped_matmul_fp8_tensorwise(*_tensor_rows(dout, group_sizes),
+        dout_q, dout_scale = _tensor_rows(dout, group_sizes)
+        dlhs = grouped_matmul_fp8_tensorwise(dout_q, dout_scale,
                                              *_expert_weights(rhs, quantize_weights),
                                              group_sizes, fast_accumulation=False)
     else:
         dlhs = grouped_matmul_fp8_blockwise(*_blockwise_rows(dout, group_sizes),
                                             *quantize_weights(rhs), group_sizes)
     if weight_gradient == "unquantised":  # nodrop's contraction reads only the groups' rows
+        lhs, = kept
         return dlhs, _unquantised_weight_gradient(lhs, dout, group_sizes, rhs, grouped_matmul,
                                                   lhs.dtype)
     if recipe == "tensorwise":
+        lhs_q, lhs_scale = kept
         drhs = grouped_matmul_fp8_tensorwise_contract(
-            *_tensor_transposed(lhs, group_sizes), *_tensor_transposed(dout, group_sizes),
-            group_sizes, num_rows=lhs.shape[0], fast_accumulation=False)
+            transpose_codes(lhs_q, group_sizes), lhs_scale, transpose_codes(dout_q, group_sizes),
+            dout_scale, group_sizes, num_rows=lhs_q.shape[0], fast_accumulation=False)
     else:
+        lhs, = kept
         drhs = grouped_matmul_fp8_blockwise_contract(
             *quantize_transposed(lhs, group_sizes), *quantize_transposed(dout, group_sizes),
             group_sizes, num_rows=lhs.shape[0])
     return dlhs, drhs
 
 
-def _emulated_backward(lhs, rhs, dout, group_sizes, recipe, weight_gradient, matmul):
+def _emulated_backward(kept, rhs, dout, group_sizes, recipe, weight_gradient, matmul):
     """The matmul's own transposes on the operands quantised along their contraction axes:
     the input gradient (for nodrop's matmul: the grouped matmul against rhs[g].T) with dout in
     1 x 128 blocks along N, the weight gradient (the ragged contraction) with lhs and dout in
-    blocks of rows within each group, or unquantised."""
+    blocks of rows within each group, or unquantised; kept as `_kernel_backward`'s (lhs's codes
+    dequantise to the forward's qdq of lhs, what the tensorwise weight gradient reads)."""
     rows_block, weights_block = _operand_blocks(recipe)
     dout = _rows_in_groups(dout, group_sizes)
     rhs_q = _qdq(rhs, weights_block)
     dlhs, = jax.linear_transpose(lambda a: matmul(a, rhs_q, group_sizes),
-                                 _ffi.typed_like(lhs, lhs.shape, jnp.float32))(
+                                 _ffi.typed_like(kept[0], kept[0].shape, jnp.float32))(
         _qdq(dout, rows_block))
-    lhs = _rows_in_groups(lhs, group_sizes)
-    if weight_gradient == "unquantised":
-        return dlhs, _unquantised_weight_gradient(lhs, dout, group_sizes, rhs, matmul,
-                                                  jnp.float32)
-    lhs_q = _qdq_group_rows(lhs, group_sizes, recipe)
+    if len(kept) == 2:
+        lhs_q = _rows_in_groups(dequantize(*kept, "tensor"), group_sizes)
+    else:
+        lhs = _rows_in_groups(kept[0], group_sizes)
+        if weight_gradient == "unquantised":
+            return dlhs, _unquantised_weight_gradient(lhs, dout, group_sizes, rhs, matmul,
+                                                      jnp.float32)
+        lhs_q = _qdq_group_rows(lhs, group_sizes, recipe)
     drhs, = jax.linear_transpose(lambda w: matmul(lhs_q, w, group_sizes),
                                  _ffi.typed_like(rhs, rhs.shape, jnp.float32))(
         _qdq_group_rows(dout, group_sizes, recipe))
@@ -491,7 +504,7 @@ def _kernel_or_emulated(kernel, emulated, operands, options, matmul, forward, dt
     """kernel(*operands, *options) where `forward` puts the recipe on the engine's kernels, else
     emulated(*operands, *options, matmul) (see fp8_grouped_matmul's `forward`); options are the
     recipe and, for the backward, the weight gradient's mode; the results in `dtypes` either way.
-    The first operand (lhs) decides "auto"."""
+    lhs's dtype, the first of `dtypes`, decides "auto"."""
     def cast(results):
         return tuple(r.astype(d) for r, d in zip(results, dtypes))
 
@@ -499,7 +512,7 @@ def _kernel_or_emulated(kernel, emulated, operands, options, matmul, forward, dt
         results = emulated(*operands, *options, matmul)
     elif forward == "kernel":
         results = kernel(*operands, *options)
-    elif operands[0].dtype == jnp.bfloat16:  # "auto": the kernels where they run on the GPU
+    elif dtypes[0] == jnp.bfloat16:  # "auto": the kernels where they run on the GPU
         results = _ffi.on_platform(
             *operands,
             cpu=lambda *args: cast(emulated(*args, *options, matmul)),
@@ -510,21 +523,27 @@ def _kernel_or_emulated(kernel, emulated, operands, options, matmul, forward, dt
 
 
 def _forward(lhs, rhs, group_sizes, lhs_quantized, recipe, matmul, forward, weight_gradient):
-    del weight_gradient  # the backward's
+    kept = (lhs,)
+    if _keeps_codes(recipe, weight_gradient):
+        if lhs_quantized is None:
+            lhs_quantized = _tensor_rows(lhs, group_sizes)
+        kept = tuple(lhs_quantized)
     out, = _kernel_or_emulated(_kernel_forward, _emulated_forward,
                                (lhs, rhs, group_sizes, lhs_quantized), (recipe,), matmul, forward,
                                (lhs.dtype,))
-    return out, (lhs, rhs, group_sizes)
+    return out, (kept, rhs, group_sizes)
 
 
 def _backward(recipe, matmul, forward, weight_gradient, residuals, dout):
-    lhs, rhs, group_sizes = residuals
+    kept, rhs, group_sizes = residuals
+    # lhs's dtype: the result's, whose cotangent dout is, where only lhs's codes were kept.
+    dtype = kept[0].dtype if len(kept) == 1 else dout.dtype
     dlhs, drhs = _kernel_or_emulated(
-        _kernel_backward, _emulated_backward, (lhs, rhs, dout.astype(lhs.dtype), group_sizes),
-        (recipe, weight_gradient), matmul, forward, (lhs.dtype, rhs.dtype))
-    # Inside shard_map, each with its primal's type; nothing for the group sizes and lhs's
-    # quantisation.
-    return _ffi.cotangent_like(dlhs, lhs), _ffi.cotangent_like(drhs, rhs), None, None
+        _kernel_backward, _emulated_backward, (kept, rhs, dout.astype(dtype), group_sizes),
+        (recipe, weight_gradient), matmul, forward, (dtype, rhs.dtype))
+    # Inside shard_map, each with its primal's type (the codes vary as lhs does); nothing for
+    # the group sizes and lhs's quantisation.
+    return (_ffi.cotangent_like(dlhs, kept[0]), _ffi.cotangent_like(drhs, rhs), None, None)
 
 
 _fp8_grouped_matmul.defvjp(_forward, _backward)
@@ -975,6 +994,50 @@ _quantize_transposed_p = _primitives.define(
             (x, group_sizes), (_contract_blocks(x.shape[0], group_sizes.shape[0]), x.shape[1]),
             jnp.float32)),
     lower=_quantize_transposed_lowering, multiple_results=True)
+
+
+def transpose_codes(q: ArrayLike, group_sizes: ArrayLike) -> jax.Array:
+    """Codes already made, laid out as `quantize_transposed` lays its codes, in one engine call:
+    q [M, C] float8_e4m3fn and group_sizes [G] -> q_t float8_e4m3fn [C, P], P = 128 * PB,
+    PB = ceil(M / 128) + G.
+
+    For q quantised at one scale s for the whole tensor (the tensorwise recipe's rows),
+    q_t is bitwise `quantize_transposed(x, group_sizes, scale=s)[0]`: the same codes, moved
+    instead of made again from x, reading one byte an element instead of x's two or four. No
+    scales: s is the rows' one. Rows past the groups are read by nothing, and q_t's columns
+    past the blocks are zero. Sharding as `quantize_transposed`. Not differentiable."""
+    q, group_sizes = jnp.asarray(q), _checks.as_array(group_sizes)
+    _checks.require_rank("q", q, 2, "[M, C]")
+    _require_e4m3("q", q)
+    _checks.require_rank("group_sizes", group_sizes, 1, "[G]")
+    group_sizes = _checks.as_int32("group_sizes", group_sizes)
+    return _transpose_codes_p.bind(*_ffi.match_vma(q, group_sizes),
+                                   checked=_checks.checks_enabled())
+
+
+def _transpose_codes_lowering(q, group_sizes, *, checked, partition):
+    def run(q, group_sizes):
+        num_rows, cols = q.shape
+        blocks = _contract_blocks(num_rows, group_sizes.shape[0])
+        return _ffi.call("nodrop_transpose_fp8_codes",
+                         jax.ShapeDtypeStruct((cols, BLOCK * blocks), E4M3), q, group_sizes,
+                         checked=_checks.attr_bool(checked))
+
+    if not partition:
+        return run(q, group_sizes)
+    # As quantize_transposed: split columns stay local, the rows are gathered.
+    return _partition.partitioned(
+        run, "m c, g -> c p", (("m", "c"), ("g",)), (("c", "p"),),
+        lambda axes_of, *args: run(*args), ("c",),
+        need_replication_factors=("m", "g", "p"))(q, group_sizes)
+
+
+_transpose_codes_p = _primitives.define(
+    "nodrop_transpose_fp8_codes",
+    abstract_eval=lambda q, group_sizes, *, checked: _primitives.result_aval(
+        (q, group_sizes),
+        (q.shape[1], BLOCK * _contract_blocks(q.shape[0], group_sizes.shape[0])), E4M3),
+    lower=_transpose_codes_lowering)
 
 
 def _contract_codes(lhs_t, rhs_t, group_sizes, num_rows) -> int:

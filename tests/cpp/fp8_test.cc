@@ -1,5 +1,6 @@
 // Tests of quantize_fp8 (1 x block FP8 scaling), quantize_fp8_transposed (the weight gradient's
-// blocks of 128 rows within each group, transposed), quantize_fp8_weights and
+// blocks of 128 rows within each group, transposed) and transpose_fp8_codes (its layout of codes
+// already made), quantize_fp8_weights and
 // quantize_fp8_weights_transposed (the experts' weights in 128 x 128 blocks, in place for the
 // input gradient and transposed for the forward) and permute_rows_fp8 (permute with the rows'
 // quantisation) against a brute-force E4M3 encoder: the nearest of the 127 finite magnitudes,
@@ -365,6 +366,109 @@ TEST(QuantizeFp8TransposedArgs, RejectsNegativeShapesAndNullBuffers) {
   status = call(4, 2, 3, x.data(), nullptr);
   EXPECT_TRUE(mentions(status, "q_t is null")) << status.message();
   EXPECT_TRUE(call(0, 0, 0, nullptr, nullptr).ok());  // nothing to write: PB = 0
+}
+
+// ---- transpose_fp8_codes --------------------------------------------------------------------
+
+// Poisoned q_t between canaries, q fenced.
+std::vector<uint8_t> transpose_codes(const TransposedProblem& p, const std::vector<uint8_t>& q,
+                                     nodrop::ParallelRunner* runner, bool checked = false,
+                                     nodrop::Status* status = nullptr) {
+  Guarded<uint8_t> q_t(p.C * p.P(), 0xab);
+  const Fenced q_in(q), sizes_in(p.sizes);
+  const auto s = nodrop::cpu::transpose_fp8_codes(q_in.as<uint8_t>(), sizes_in.as<int32_t>(),
+                                                  p.M, p.C, p.G(), q_t.data(), checked, runner);
+  if (status) *status = s;
+  else EXPECT_TRUE(s.ok()) << s.message();
+  EXPECT_TRUE(q_t.canaries_intact());
+  return q_t.vec();
+}
+
+class TransposeFp8Codes : public testing::TestWithParam<TransposedProblem> {};
+
+// Every byte value (NaN codes too) moved to where quantize_fp8_transposed puts its code:
+// row j of group g's block b at q_t[c, 128 b + j]; every other byte zero.
+TEST_P(TransposeFp8Codes, MovesEachCodeToItsBlockAndZeroesTheRest) {
+  const TransposedProblem& p = GetParam();
+  std::mt19937 rng(13);
+  std::vector<uint8_t> q(p.M * p.C);
+  for (auto& code : q) code = static_cast<uint8_t>(rng());
+  const std::vector<uint8_t> got = transpose_codes(p, q, nullptr);
+  std::vector<uint8_t> want(p.C * p.P(), 0);
+  int64_t begin = 0, b = 0;
+  for (int64_t g = 0; g < p.G(); ++g) {
+    const int64_t end = std::min<int64_t>(p.M, begin + std::max<int32_t>(p.sizes[g], 0));
+    for (int64_t first = begin; first < end; first += kBlock, ++b) {
+      for (int64_t j = 0; j < std::min(kBlock, end - first); ++j) {
+        for (int64_t c = 0; c < p.C; ++c) {
+          want[c * p.P() + kBlock * b + j] = q[(first + j) * p.C + c];
+        }
+      }
+    }
+    begin = end;
+  }
+  EXPECT_EQ(got, want);
+  ThreadRunner runner(3);
+  EXPECT_EQ(transpose_codes(p, q, &runner), got);
+}
+
+// The tensorwise recipe's use: the rows quantised at one scale (permute_rows_fp8 with the scale
+// given, an identity row map), then re-laid, are bitwise quantize_fp8_transposed of the rows
+// at that scale, for the tensor's own scale, half of it (saturating) and NaN.
+TEST_P(TransposeFp8Codes, OfTensorwiseRowsIsTheTransposedQuantisation) {
+  const TransposedProblem& p = GetParam();
+  std::mt19937 rng(14);
+  const Array x = nodrop_test::random_array(DType::kBFloat16, p.M * p.C, rng, -3.0, 3.0);
+  std::vector<float> values(p.M * p.C);
+  for (int64_t i = 0; i < p.M * p.C; ++i) values[i] = static_cast<float>(x.at(i));
+  std::vector<int32_t> identity(p.M);
+  std::iota(identity.begin(), identity.end(), 0);
+  for (const float given : {want_scale(values), want_scale(values) * 0.5f, std::nanf("")}) {
+    SCOPED_TRACE(given);
+    Array rows(DType::kBFloat16, p.M * p.C);
+    std::vector<uint8_t> q(p.M * p.C);
+    std::vector<float> scale(p.M * ((p.C + kBlock - 1) / kBlock));
+    ASSERT_TRUE(nodrop::cpu::permute_rows_fp8(x.data(), DType::kBFloat16, identity.data(), p.M, 1,
+                                              p.C, &given, rows.data(), q.data(), scale.data())
+                    .ok());
+    const Transposed want = quantize_transposed(p, x, nullptr, false, nullptr, &given);
+    EXPECT_EQ(transpose_codes(p, q, nullptr), want.q_t);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, TransposeFp8Codes,
+    testing::Values(TransposedProblem{300, 37, {129, 1, 127, 43}},  // short last blocks
+                    TransposedProblem{37, 20, {5, 0, 20, 7}},       // an empty group, rows past
+                    TransposedProblem{300, 9, {0, 300, 0}},         // every row in one group
+                    TransposedProblem{20, 9, {-3, 10, 100}},        // clamped sizes
+                    TransposedProblem{256, 5, {128, 128}},          // whole blocks
+                    TransposedProblem{9, 0, {4, 5}},                // no columns
+                    TransposedProblem{0, 5, {0, 0}},                // no rows
+                    TransposedProblem{6, 4, {}}));                  // no groups
+
+TEST(TransposeFp8CodesArgs, RefusesInvalidGroupSizesNegativeShapesAndNullBuffers) {
+  nodrop::Status status = nodrop::Status::Ok();
+  transpose_codes(TransposedProblem{20, 3, {-3, 10, 100}}, std::vector<uint8_t>(60), nullptr,
+                  /*checked=*/true, &status);
+  EXPECT_TRUE(mentions(status, "group_sizes[0] = -3 is negative")) << status.message();
+  transpose_codes(TransposedProblem{20, 3, {10, 100}}, std::vector<uint8_t>(60), nullptr, true,
+                  &status);
+  EXPECT_TRUE(mentions(status, "group_sizes sum to 110 but there are only 20 rows"))
+      << status.message();
+  std::vector<uint8_t> q(8), q_t(2 * 128 * 4);
+  const std::vector<int32_t> sizes = {2, 2, 0};
+  auto call = [&](int64_t M, int64_t G, const uint8_t* q_data, uint8_t* q_t_data) {
+    return nodrop::cpu::transpose_fp8_codes(q_data, sizes.data(), M, 2, G, q_t_data, false);
+  };
+  EXPECT_TRUE(call(4, 3, q.data(), q_t.data()).ok());
+  status = call(-4, 3, q.data(), q_t.data());
+  EXPECT_TRUE(mentions(status, "transpose_fp8_codes: M = -4 is negative")) << status.message();
+  status = call(4, 3, nullptr, q_t.data());
+  EXPECT_TRUE(mentions(status, "transpose_fp8_codes: q is null")) << status.message();
+  status = call(4, 3, q.data(), nullptr);
+  EXPECT_TRUE(mentions(status, "q_t is null")) << status.message();
+  EXPECT_TRUE(call(0, 0, nullptr, nullptr).ok());  // nothing to write: PB = 0
 }
 
 // ---- quantize_fp8_weights and quantize_fp8_weights_transposed ----------------------------------

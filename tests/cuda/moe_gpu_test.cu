@@ -909,6 +909,60 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, QuantizeFp8TransposedGpu,
                          testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
                          [](const auto& info) { return std::string(dtype_short(info.param)); });
 
+// Bitwise the CPU engine's transpose_fp8_codes on random bytes (NaN codes among them): the
+// quantiser's group cases, C = 300 and 1100 (partial column tiles) and 7 (under one lane's 8),
+// q aligned (the vector path) and not (element by element).
+TEST(TransposeFp8CodesGpu, MatchesTheCpuBitwise) {
+  std::mt19937 rng(6);
+  std::uniform_int_distribution<int32_t> tiny(0, 12), byte(0, 255);
+  std::vector<int32_t> many(300);
+  for (auto& size : many) size = tiny(rng);
+  const std::tuple<int64_t, int64_t, std::vector<int32_t>> cases[] = {
+      {400, 300, {0, 1, 130, 200, 0}}, {300, 300, {-5, 200, 250, 7}}, {2000, 300, many},
+      {0, 300, {0, 0}}, {400, 1100, {0, 1, 130, 200, 0}}, {259, 7, {3, 256}}};
+  for (const auto& [case_rows, case_columns, case_sizes] : cases) {
+    const int64_t M = case_rows, C = case_columns;  // named copies: a lambda below captures them
+    const std::vector<int32_t>& sizes = case_sizes;
+    const int64_t G = static_cast<int64_t>(sizes.size());
+    const int64_t P = nodrop::fp8_contract_blocks(M, G) * nodrop::kFp8Block;
+    Bytes q(std::max<int64_t>(M * C, 1));
+    for (auto& code : q) code = static_cast<uint8_t>(byte(rng));
+    const DeviceBuffer d_sizes(std::max<int64_t>(G, 1) * sizeof(int32_t), 0, sizes.data());
+    Bytes want(C * P);
+    ASSERT_TRUE(nodrop::cpu::transpose_fp8_codes(q.data(), sizes.data(), M, C, G, want.data(),
+                                                 /*checked=*/false)
+                    .ok());
+    for (const size_t shift : {size_t{0}, size_t{3}}) {
+      const DeviceBuffer d_q = to_device(q, shift);
+      const DeviceBuffer q_t(C * P);
+      run_twice(
+          [&] {
+            return nodrop::cuda::transpose_fp8_codes(d_q.as<uint8_t>(), d_sizes.as<int32_t>(), M,
+                                                     C, G, q_t.as<uint8_t>(), stream());
+          },
+          {&q_t});
+      EXPECT_EQ(mismatch(download<uint8_t>(q_t), want), "")
+          << "M " << M << ", C " << C << ", G " << G << ", shift " << shift;
+    }
+  }
+}
+
+TEST(TransposeFp8CodesGpuArgs, RejectsBadShapesAndDoesNothingWhenEmpty) {
+  const DeviceBuffer buffer(1 << 12);
+  EXPECT_NE(nodrop::cuda::transpose_fp8_codes(buffer.as<uint8_t>(), buffer.as<int32_t>(), -1, 4,
+                                              1, buffer.as<uint8_t>(), stream())
+                .message()
+                .find("transpose_fp8_codes: M, C and G must not be negative"),
+            std::string::npos);
+  EXPECT_NE(nodrop::cuda::transpose_fp8_codes(nullptr, buffer.as<int32_t>(), 4, 4, 1,
+                                              buffer.as<uint8_t>(), stream())
+                .message()
+                .find("q is null"),
+            std::string::npos);
+  EXPECT_TRUE(nodrop::cuda::transpose_fp8_codes(nullptr, nullptr, 0, 4, 0, nullptr, stream()).ok());
+  CUDA_CHECK(cudaStreamSynchronize(stream()));
+}
+
 class PermuteRowsFp8Gpu : public testing::TestWithParam<DType> {};
 
 // Bitwise the CPU engine's permute_rows_fp8 (itself checked against permute_rows and

@@ -279,6 +279,17 @@ def check_quantize_fp8_transposed():
     np.testing.assert_array_equal(np.asarray(q_t, np.float32) * 0.5, want)
 
 
+def check_transpose_fp8_codes():
+    # Groups of 1 and 2 rows of 3, as check_quantize_fp8_transposed: row 0 in block 0, rows 1-2
+    # in block 1 of PB = 1 + 2; every other byte zero.
+    codes = np.asarray([[1.0, -2.0], [0.0, 448.0], [3.0, 0.5]], np.float32)
+    q_t = ffi("nodrop_transpose_fp8_codes", jax.ShapeDtypeStruct((2, 384), jnp.float8_e4m3fn),
+              jnp.asarray(codes, jnp.float8_e4m3fn), int32([1, 2]), checked=np.bool_(True))
+    want = np.zeros((2, 384), np.float32)
+    want[:, 0], want[:, 128:130] = codes[0], codes[1:].T
+    np.testing.assert_array_equal(np.asarray(q_t, np.float32), want)
+
+
 def check_quantize_fp8_weights(transposed=False):
     # Two experts' w [3, 130] (K = 3, N = 130): blocks (k 0-2, n 0-127) and (k 0-2, n 128-129),
     # so scale [2, 1, 2] (transposed [2, 2, 1]); expert 1's second block is all zero (scale 1).
@@ -405,6 +416,7 @@ CHECKS = {
     "nodrop_grouped_matmul_fp8_blockwise": check_grouped_matmul_fp8_blockwise,
     "nodrop_grouped_matmul_fp8_tensorwise": check_grouped_matmul_fp8_tensorwise,
     "nodrop_quantize_fp8_transposed": check_quantize_fp8_transposed,
+    "nodrop_transpose_fp8_codes": check_transpose_fp8_codes,
     "nodrop_quantize_fp8_weights": check_quantize_fp8_weights,
     "nodrop_quantize_fp8_weights_transposed": check_quantize_fp8_weights_transposed,
     "nodrop_grouped_matmul_fp8_blockwise_contract": check_grouped_matmul_fp8_blockwise_contract,
@@ -444,8 +456,8 @@ def test_ops_and_their_gradients_lower_to_every_registered_target():
     assert set(re.findall(r"custom_call @(nodrop_\w+)", lowered)) == set(_ffi.CPU_TARGETS) - {
         "nodrop_adamw_update", "nodrop_quantize_fp8", "nodrop_permute_fp8",
         "nodrop_grouped_matmul_fp8_blockwise", "nodrop_grouped_matmul_fp8_tensorwise",
-        "nodrop_quantize_fp8_transposed", "nodrop_quantize_fp8_weights",
-        "nodrop_quantize_fp8_weights_transposed",
+        "nodrop_quantize_fp8_transposed", "nodrop_transpose_fp8_codes",
+        "nodrop_quantize_fp8_weights", "nodrop_quantize_fp8_weights_transposed",
         "nodrop_grouped_matmul_fp8_blockwise_contract",
         "nodrop_grouped_matmul_fp8_tensorwise_contract"}
     grads = jax.block_until_ready(grad_fn(x, params))

@@ -878,14 +878,17 @@ def kernel_calls(text, recipe, rows, contractions):
     return got, want
 
 
-@pytest.mark.parametrize("recipe, engine_row_quantisers", [("blockwise", 2), ("tensorwise", 0)])
-def test_both_gradients_run_on_the_fp8_kernels(recipe, engine_row_quantisers):
+@pytest.mark.parametrize("recipe, engine_row_quantisers, transposed, re_laid",
+                         [("blockwise", 2, 2, 0), ("tensorwise", 0, 0, 2)])
+def test_both_gradients_run_on_the_fp8_kernels(recipe, engine_row_quantisers, transposed,
+                                               re_laid):
     """With forward="kernel": the recipe's FP8 kernel for the forward and the input gradient,
-    its FP8 contraction once on two transposed quantisations on the engine (the weight
+    its FP8 contraction once on two operands laid out by group on the engine (the weight
     gradient), the weights quantised on the engine in the forward's layout and the input
     gradient's, and none of nodrop's bf16 grouped matmuls: no float32 contraction of
-    dequantised operands. The blockwise recipe quantises the rows on the engine; the tensorwise one in XLA
-    (one amax per tensor), which also gives the transposed quantisations their scale."""
+    dequantised operands. The blockwise recipe quantises the rows on the engine, and lhs and
+    dout again for the weight gradient; the tensorwise one quantises the rows in XLA (one amax
+    per tensor) and re-lays those codes (transpose_codes) for the weight gradient."""
     lhs, rhs = jnp.ones((8, 128), jnp.bfloat16), jnp.ones((2, 128, 8), jnp.bfloat16)
     loss = lambda a, b: jnp.sum(jnp.sin(fp8.fp8_grouped_matmul(  # noqa: E731
         a, b, int32([3, 5]), recipe=recipe, forward="kernel").astype(jnp.float32)))
@@ -893,11 +896,12 @@ def test_both_gradients_run_on_the_fp8_kernels(recipe, engine_row_quantisers):
     got, want = kernel_calls(text, recipe, rows=2, contractions=1)
     assert got == want
     calls = {target: text.count(f"custom_call @{target}(") for target in (
-        "nodrop_quantize_fp8", "nodrop_quantize_fp8_transposed", "nodrop_quantize_fp8_weights",
-        "nodrop_quantize_fp8_weights_transposed", "nodrop_grouped_matmul",
-        "nodrop_grouped_matmul_contract")}
+        "nodrop_quantize_fp8", "nodrop_quantize_fp8_transposed", "nodrop_transpose_fp8_codes",
+        "nodrop_quantize_fp8_weights", "nodrop_quantize_fp8_weights_transposed",
+        "nodrop_grouped_matmul", "nodrop_grouped_matmul_contract")}
     assert calls == {"nodrop_quantize_fp8": engine_row_quantisers,
-                     "nodrop_quantize_fp8_transposed": 2,
+                     "nodrop_quantize_fp8_transposed": transposed,
+                     "nodrop_transpose_fp8_codes": re_laid,
                      "nodrop_quantize_fp8_weights": 1, "nodrop_quantize_fp8_weights_transposed": 1,
                      "nodrop_grouped_matmul": 0, "nodrop_grouped_matmul_contract": 0}
     # and the emulation's segment reductions of the weight gradient's blocks are gone
@@ -937,6 +941,47 @@ def test_an_unquantised_weight_gradient_runs_the_bf16_contraction(recipe):
     calls = {target: text.count(f"custom_call @{target}(") for target in (
         "nodrop_quantize_fp8_transposed", "nodrop_grouped_matmul_contract")}
     assert calls == {"nodrop_quantize_fp8_transposed": 0, "nodrop_grouped_matmul_contract": 1}
+
+
+@pytest.mark.parametrize("forward", ["kernel", "emulated"])
+@pytest.mark.parametrize("case", FP8_GEMM_CASES)
+def test_the_tensorwise_fp8_weight_gradient_reads_the_forwards_codes(case, forward):
+    """The tensorwise recipe's FP8 weight gradient contracts lhs's codes as the forward made
+    them, re-laid: bitwise the contraction of quantize_transposed's codes of lhs and dout at
+    their tensor scales (the rows in the groups'), what it ran before it kept the codes; the
+    emulation on the same codes dequantised. The backward keeps lhs's codes and scale, not
+    lhs; with lhs_quantized given, those."""
+    m, k, n, sizes = FP8_GEMM_CASES[case]
+    lhs, rhs, _ = fp8_operands(m, k, n, len(sizes), seed=6)
+    dout = jax.random.normal(jax.random.key(10), (m, n), jnp.bfloat16)
+    sizes = int32(sizes)
+
+    def vjp(lhs_quantized=None):
+        return jax.vjp(lambda a, b: fp8.fp8_grouped_matmul(
+            a, b, sizes, recipe="tensorwise", forward=forward, weight_gradient="fp8",
+            lhs_quantized=lhs_quantized), lhs, rhs)[1]
+
+    backward = vjp()
+    kept = [x for x in jax.tree.leaves(backward) if x.shape == lhs.shape]
+    assert [x.dtype for x in kept] == [fp8.E4M3], "lhs's codes kept, not lhs"
+    drhs = backward(dout)[1]
+    lhs_q, lhs_scale = fp8._tensor_rows(lhs, sizes)
+    dout_q, dout_scale = fp8._tensor_rows(dout, sizes)
+    if forward == "kernel":
+        want = fp8.grouped_matmul_fp8_tensorwise_contract(
+            fp8.quantize_transposed(lhs, sizes, scale=lhs_scale)[0], lhs_scale,
+            fp8.quantize_transposed(dout, sizes, scale=dout_scale)[0], dout_scale, sizes,
+            num_rows=m, fast_accumulation=False)
+        np.testing.assert_array_equal(as_f64(drhs), as_f64(want))
+    else:
+        _, transpose = jax.vjp(lambda w: reference.grouped_matmul(
+            fp8.dequantize(lhs_q, lhs_scale, "tensor"), w, sizes), rhs.astype(jnp.float32))
+        want, = transpose(fp8._rows_in_groups(fp8.dequantize(dout_q, dout_scale, "tensor"),
+                                              sizes))
+        assert_bf16_close(drhs, want, "drhs")
+    # Codes given (permute_fp8's): the weight gradient reads those, at their scale.
+    halved = (lhs_q, lhs_scale * 2)  # as if another scale had made them: each value doubles
+    np.testing.assert_array_equal(as_f64(vjp(halved)(dout)[1]), 2 * as_f64(drhs))
 
 
 @pytest.mark.parametrize("recipe", fp8.RECIPES)
@@ -1282,13 +1327,14 @@ def test_quantize_transposed_with_a_given_scale_is_bitwise_the_numpy_derivation(
 
 
 def test_the_tensorwise_weight_gradient_operand_is_the_emulations():
-    """The kernel path's tensorwise operand (the scale of the rows in the groups, then
-    quantize_transposed's codes with it given, and that scale [1]) dequantises to the
-    emulation's tensorwise quantisation of those rows, and ignores the rows past the groups."""
+    """The kernel path's tensorwise operand (the rows in the groups quantised at their one
+    scale, the forward's, then re-laid by transpose_codes) dequantises to the emulation's
+    tensorwise quantisation of those rows, and ignores the rows past the groups."""
     m, c, sizes = TRANSPOSED_CASES["unaligned_groups_and_rows_past_them"]
     x = jax.random.normal(jax.random.key(4), (m, c), jnp.bfloat16) * 3
     x = x.at[m - 1].set(1e4)  # past the groups: no effect on the scale
-    q_t, scale = fp8._tensor_transposed(x, int32(sizes))
+    q, scale = fp8._tensor_rows(x, int32(sizes))
+    q_t = fp8.transpose_codes(q, int32(sizes))
     used = group_offsets(sizes, m)[-1]
     want_q, want_scale = fp8.quantize(x[:used], "tensor")
     assert scale.shape == (1,) and float(scale[0]) == float(want_scale.reshape(()))
@@ -1299,9 +1345,11 @@ def test_the_tensorwise_weight_gradient_operand_is_the_emulations():
 
 
 def untransposed(q_t, scale, sizes, m):
-    """The rows of quantize_transposed's blocks put back: [M, C] float32, zero past the groups."""
-    values = as_f64(fp8.dequantize(jnp.swapaxes(q_t, 0, 1), scale, fp8.WGRAD_BLOCK))
-    out = np.zeros((m, values.shape[1]))
+    """The rows of quantize_transposed's blocks put back: [M, C] float32, zero past the groups
+    (scale None: q_t's bytes as they are, [M, C] uint8)."""
+    values = (np.swapaxes(q_t, 0, 1) if scale is None else
+              as_f64(fp8.dequantize(jnp.swapaxes(q_t, 0, 1), scale, fp8.WGRAD_BLOCK)))
+    out = np.zeros((m, values.shape[1]), values.dtype)
     bounds, b = group_offsets(sizes, m), 0
     for start, end in zip(bounds[:-1], bounds[1:]):
         for first in range(start, end, fp8.BLOCK):
@@ -1365,7 +1413,7 @@ def test_the_fp8_contraction_is_the_emulated_weight_gradient(case):
         *operands, int32(sizes), num_rows=m), "reference")
     rhs = jnp.zeros((len(sizes), k, n), jnp.bfloat16)  # the weight gradient needs its shape only
     _, emulated = jax.jit(fp8._emulated_backward, static_argnums=(4, 5, 6))(
-        lhs, rhs, dout, int32(sizes), "blockwise", "fp8", grouped_matmul)
+        (lhs,), rhs, dout, int32(sizes), "blockwise", "fp8", grouped_matmul)
     assert_bf16_close(got, emulated, "emulation")
     for g, size in enumerate(np.diff(group_offsets(sizes, m))):
         if size == 0:
@@ -1375,11 +1423,18 @@ def test_the_fp8_contraction_is_the_emulated_weight_gradient(case):
                                   as_f64(got))
 
 
+def kept(lhs, sizes, recipe):
+    """What the forward keeps of lhs for an FP8 weight gradient: lhs, or for the tensorwise
+    recipe its codes and scale."""
+    return fp8._tensor_rows(lhs, sizes) if recipe == "tensorwise" else (lhs,)
+
+
 @functools.partial(jax.jit, static_argnums=3)
 def kernel_and_emulated_weight_gradients(lhs, dout, sizes, recipe):
     rhs = jnp.zeros((sizes.shape[0], lhs.shape[1], dout.shape[1]), lhs.dtype)
-    return (fp8._kernel_backward(lhs, rhs, dout, sizes, recipe, "fp8")[1],
-            fp8._emulated_backward(lhs, rhs, dout, sizes, recipe, "fp8", grouped_matmul)[1])
+    operands = (kept(lhs, sizes, recipe), rhs, dout, sizes, recipe, "fp8")
+    return (fp8._kernel_backward(*operands)[1],
+            fp8._emulated_backward(*operands, grouped_matmul)[1])
 
 
 @settings(max_examples=20)
@@ -1480,12 +1535,18 @@ TENSORWISE_CONTRACT_CASES = {**CONTRACT_CASES, "no_groups": (6, 16, 8, [])}
 
 def tensorwise_contract_operands(m, k, n, sizes, seed=0):
     """lhs [M, K] and dout [M, N] in bfloat16 (dout on a scale of its own), and the tensorwise
-    contraction's operands: each one's quantize_transposed codes with its one scale over the
-    rows in the groups given, and that scale [1]."""
+    contraction's operands, as the recipe makes them: each one's codes at its one scale over the
+    rows in the groups, re-laid by transpose_codes, and that scale [1]."""
     lhs = jax.random.normal(jax.random.key(seed), (m, k), jnp.bfloat16)
     dout = jax.random.normal(jax.random.key(seed + 1), (m, n), jnp.bfloat16) / 1024
-    return lhs, dout, (*fp8._tensor_transposed(lhs, int32(sizes)),
-                       *fp8._tensor_transposed(dout, int32(sizes)))
+    return lhs, dout, (*tensorwise_transposed(lhs, int32(sizes)),
+                       *tensorwise_transposed(dout, int32(sizes)))
+
+
+def tensorwise_transposed(x, sizes):
+    """The tensorwise weight gradient's operand of x: its rows' codes re-laid, and their scale."""
+    q, scale = fp8._tensor_rows(x, sizes)
+    return fp8.transpose_codes(q, sizes), scale
 
 
 @pytest.mark.parametrize("case", TENSORWISE_CONTRACT_CASES)
@@ -1501,7 +1562,8 @@ def test_grouped_matmul_fp8_tensorwise_contract_matches_the_reference(case):
         *operands, int32(sizes), num_rows=m), "reference")
     rhs = jnp.zeros((len(sizes), k, n), jnp.bfloat16)  # the weight gradient needs its shape only
     _, emulated = jax.jit(fp8._emulated_backward, static_argnums=(4, 5, 6))(
-        lhs, rhs, dout, int32(sizes), "tensorwise", "fp8", grouped_matmul)
+        kept(lhs, int32(sizes), "tensorwise"), rhs, dout, int32(sizes), "tensorwise", "fp8",
+        grouped_matmul)
     assert_bf16_close(got, emulated, "emulation")
     for g, size in enumerate(np.diff(group_offsets(sizes, m))):
         if size == 0:
@@ -1537,7 +1599,7 @@ def test_grouped_matmul_fp8_tensorwise_contract_under_vmap_scan_and_checked_mode
     m, k, sizes = 40, 16, int32([10, 30])
     x = jax.random.normal(jax.random.key(0), (2, m, k), jnp.bfloat16) * jnp.asarray(
         [[[1.0]], [[8.0]]], jnp.bfloat16)
-    q_t, scale = (jnp.stack(parts) for parts in zip(*(fp8._tensor_transposed(xi, sizes)
+    q_t, scale = (jnp.stack(parts) for parts in zip(*(tensorwise_transposed(xi, sizes)
                                                       for xi in x)))
     gram = lambda q, s: nodrop.grouped_matmul_fp8_tensorwise_contract(  # noqa: E731
         q, s, q, s, sizes, num_rows=m)
@@ -1612,6 +1674,47 @@ def test_fast_accumulation_reaches_the_engine_and_changes_nothing_on_the_cpu(op)
         assert f"fast_accumulation = {str(fast).lower()}" in f.lower(*operands, sizes).as_text()
         results[fast] = f(*operands, sizes)
     np.testing.assert_array_equal(as_f64(results[True]), as_f64(results[False]))
+
+
+@pytest.mark.parametrize("case", TRANSPOSED_CASES)
+def test_transpose_codes_of_tensorwise_rows_is_the_transposed_quantisation(case):
+    """Rows quantised at one scale, then re-laid: bitwise quantize_transposed of the rows at
+    that scale (and the numpy derivation's codes), for the tensor's own scale, a quarter of it
+    (the largest codes saturate) and NaN; eagerly and under jit, and every byte value moved as
+    it is."""
+    m, c, sizes = TRANSPOSED_CASES[case]
+    rng = np.random.default_rng(m + c + 2)
+    x = jnp.asarray(rng.standard_normal((m, c)) * np.exp2(rng.integers(-6, 6, (1, c))),
+                    jnp.bfloat16)
+    _, tensor_scale = fp8.quantize(x, "tensor")
+    for given_scale in (tensor_scale, tensor_scale / 4, jnp.float32(jnp.nan)):
+        q, _ = fp8.quantize(x, "tensor", scale=jnp.reshape(given_scale, (1, 1)))
+        q_t = fp8.transpose_codes(q, int32(sizes))
+        want, _ = fp8.quantize_transposed(x, int32(sizes), scale=given_scale)
+        assert q_t.dtype == fp8.E4M3 and q_t.shape == want.shape
+        np.testing.assert_array_equal(bits(q_t), bits(want))
+        want_q, _ = numpy_quantize_transposed(x, sizes, np.float32(given_scale.item()))
+        np.testing.assert_array_equal(bits(q_t), want_q)
+        np.testing.assert_array_equal(bits(jax.jit(fp8.transpose_codes)(q, int32(sizes))),
+                                      bits(q_t))
+    codes = jnp.asarray(rng.integers(0, 256, (m, c), np.uint8)).view(fp8.E4M3)
+    q_t = bits(fp8.transpose_codes(codes, int32(sizes)))
+    want = np.where(np.arange(m)[:, None] < group_offsets(sizes, m)[-1], bits(codes), 0)
+    np.testing.assert_array_equal(untransposed(q_t, None, sizes, m), want)
+
+
+@pytest.mark.parametrize("args, error, message", [
+    ((jnp.ones((4,), fp8.E4M3), int32([4])), ValueError, "q must have rank 2 ([M, C])"),
+    ((jnp.ones((4, 4), jnp.bfloat16), int32([4])), TypeError,
+     "q must be float8_e4m3fn, got bfloat16"),
+    ((jnp.ones((4, 4), fp8.E4M3), int32([[4]])), ValueError,
+     "group_sizes must have rank 1 ([G]), got shape (1, 1)"),
+    ((jnp.ones((4, 4), fp8.E4M3), jnp.ones((1,), jnp.float32)), TypeError,
+     "group_sizes must have an integer dtype, got float32"),
+])
+def test_transpose_codes_refuses_bad_input(args, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        fp8.transpose_codes(*args)
 
 
 @pytest.mark.parametrize("args, error, message", [

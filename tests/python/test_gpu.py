@@ -528,6 +528,30 @@ def test_fp8_quantize_transposed_is_bitwise_the_numpy_derivation_on_the_gpu(dtyp
             np.testing.assert_array_equal(np.asarray(scale), want_scale, err_msg=where)
 
 
+def test_fp8_transpose_codes_is_the_transposed_quantisation_on_the_gpu():
+    """The CUDA re-layout of codes made at one scale is bitwise the CUDA transposed quantisation
+    at that scale and the numpy derivation (NaN, groups not multiples of 128, empty groups,
+    rows past the groups), for a column count off 8 too (element by element); jitted once and
+    replayed with new group sizes."""
+    from nodrop.ops import fp8
+
+    rng = np.random.default_rng(17)
+    relay, quantize = jax.jit(fp8.transpose_codes), jax.jit(fp8.quantize_transposed)
+    for m, c in ((1000, 200), (300, 13)):
+        x = jnp.asarray(rng.standard_normal((m, c)), jnp.bfloat16).at[5, 7].set(jnp.nan)
+        for kind in SIZE_KINDS:
+            sizes = group_sizes(kind, m, 8, rng)
+            for scale in (fp8._tensor_rows(x, sizes)[1], jnp.float32(0.001)):
+                q, _ = fp8.quantize(x, "tensor", scale=jnp.reshape(scale, (1, 1)))
+                got = np.asarray(relay(q, sizes).view(jnp.uint8))
+                want = np.asarray(quantize(x, sizes, scale=scale)[0].view(jnp.uint8))
+                where = f"{m}x{c}, {kind}, scale {float(np.asarray(scale).reshape(()))}"
+                np.testing.assert_array_equal(got, want, err_msg=where)
+                want_q, _ = numpy_quantize_transposed(x, np.asarray(sizes).tolist(),
+                                                      np.float32(np.asarray(scale).reshape(())))
+                np.testing.assert_array_equal(got, want_q, err_msg=where)
+
+
 @pytest.mark.parametrize("kind", SIZE_KINDS)
 def test_fp8_blockwise_contract_matches_the_reference_on_the_gpu(kind):
     """The FP8 weight gradient on the GPU against the dequantised reference on the CPU, from the
@@ -567,9 +591,13 @@ def test_fp8_tensorwise_contract_matches_the_reference_on_the_gpu(kind, fast_acc
     m, k, n, g = 1000, 200, 132, 8
     rng = np.random.default_rng(16)
     lhs, _, dout = inputs((m, k, n, g), jnp.bfloat16, seed=16)
+    def operand(x, sizes):  # the recipe's: the rows' codes at their tensor scale, re-laid
+        q, scale = fp8._tensor_rows(x, sizes)
+        return fp8.transpose_codes(q, sizes), scale
+
     run = jax.jit(lambda a, d, sizes: nodrop.grouped_matmul_fp8_tensorwise_contract(
-        *fp8._tensor_transposed(a, sizes), *fp8._tensor_transposed(d, sizes), sizes,
-        num_rows=m, fast_accumulation=fast_accumulation))
+        *operand(a, sizes), *operand(d, sizes), sizes, num_rows=m,
+        fast_accumulation=fast_accumulation))
     cpu = jax.devices("cpu")[0]
     for sizes in (group_sizes(kind, m, g, rng), group_sizes("random_short", m, g, rng)):
         got = run(lhs, dout, sizes)

@@ -101,6 +101,28 @@ Status permute_rows_fp8(const void* src, DType dtype, const int32_t* row_map, in
   return Status::Ok();
 }
 
+namespace {
+
+// The weight gradient's row blocks (engine.h): the first row of each, group by group, and its
+// end (a group's last block ends at the group's end); group_sizes clamped as
+// clamp_group_offsets.
+Status contract_row_blocks(const int32_t* group_sizes, int64_t M, int64_t G, bool checked,
+                           std::vector<int64_t>& block_begin, std::vector<int64_t>& block_end) {
+  std::vector<int64_t> offsets(G + 1);
+  const Status status =
+      clamp_group_offsets(group_sizes, G, M, checked, "group_sizes", offsets.data());
+  if (!status.ok()) return status;
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t row = offsets[g]; row < offsets[g + 1]; row += kFp8Block) {
+      block_begin.push_back(row);
+      block_end.push_back(std::min(offsets[g + 1], row + kFp8Block));
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_sizes, int64_t M,
                                int64_t C, int64_t G, const float* given_scale, uint8_t* q_t,
                                float* scale, bool checked, ParallelRunner* runner) {
@@ -110,17 +132,9 @@ Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_
       {{"x", x, M * C}, {"group_sizes", group_sizes, G}, {"q_t", q_t, C * P},
        {"scale", scale, PB * C}});
   if (!status.ok()) return status;
-  std::vector<int64_t> offsets(G + 1);
-  status = clamp_group_offsets(group_sizes, G, M, checked, "group_sizes", offsets.data());
-  if (!status.ok()) return status;
-  // The first row of each block, group by group; a group's last block ends at its end.
   std::vector<int64_t> block_begin, block_end;
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t row = offsets[g]; row < offsets[g + 1]; row += kFp8Block) {
-      block_begin.push_back(row);
-      block_end.push_back(std::min(offsets[g + 1], row + kFp8Block));
-    }
-  }
+  status = contract_row_blocks(group_sizes, M, G, checked, block_begin, block_end);
+  if (!status.ok()) return status;
   const int64_t used = static_cast<int64_t>(block_begin.size());
   std::fill(scale + used * C, scale + PB * C, given_scale ? *given_scale : 1.0f);
   for (int64_t c = 0; c < C; ++c) std::fill(q_t + c * P + used * kFp8Block, q_t + (c + 1) * P, 0);
@@ -148,6 +162,31 @@ Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_
       for (int64_t c = 0; c < C; ++c) {
         uint8_t* column = q_t + c * P + b * kFp8Block;  // the block's 128 columns of row c
         for (int64_t j = 0; j < rows; ++j) column[j] = quantize_value(values[j * C + c], inverse[c]);
+        std::fill(column + rows, column + kFp8Block, 0);
+      }
+    }
+  });
+  return Status::Ok();
+}
+
+Status transpose_fp8_codes(const uint8_t* q, const int32_t* group_sizes, int64_t M, int64_t C,
+                           int64_t G, uint8_t* q_t, bool checked, ParallelRunner* runner) {
+  const int64_t PB = fp8_contract_blocks(M, G), P = kFp8Block * PB;
+  Status status = check_arguments(
+      "transpose_fp8_codes", {{"M", M}, {"C", C}, {"G", G}},
+      {{"q", q, M * C}, {"group_sizes", group_sizes, G}, {"q_t", q_t, C * P}});
+  if (!status.ok()) return status;
+  std::vector<int64_t> block_begin, block_end;
+  status = contract_row_blocks(group_sizes, M, G, checked, block_begin, block_end);
+  if (!status.ok()) return status;
+  const int64_t used = static_cast<int64_t>(block_begin.size());
+  for (int64_t c = 0; c < C; ++c) std::fill(q_t + c * P + used * kFp8Block, q_t + (c + 1) * P, 0);
+  parallel_blocks(runner, used, 1, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t rows = block_end[b] - block_begin[b];
+      for (int64_t c = 0; c < C; ++c) {
+        uint8_t* column = q_t + c * P + b * kFp8Block;
+        for (int64_t j = 0; j < rows; ++j) column[j] = q[(block_begin[b] + j) * C + c];
         std::fill(column + rows, column + kFp8Block, 0);
       }
     }

@@ -13,6 +13,7 @@
 //   blocks. Each thread holds 8 rows x 8 columns of a row block's tile; column amaxes are
 //   reduced across the thread block (skipped where one scale is given for all), and the
 //   transposed codes pass through shared memory so that q_t is written in 256-byte runs.
+// - transpose_fp8_codes: the same kernel on codes already made, moved as bytes.
 // - quantize_fp8_weights(_transposed): one thread block per 128 x 128 block of an expert's
 //   weight, read as quantize_fp8_transposed's tiles, one amax over the block (skipped where each
 //   expert's scale is given), written in place or, staged, as 128-byte runs of the transposed
@@ -105,6 +106,23 @@ struct Chunk {
   }
   __device__ float operator[](int j) const { return to_float(reinterpret_cast<const T*>(raw)[j]); }
   __device__ uint32_t word(int w) const { return reinterpret_cast<const uint32_t*>(raw)[w]; }
+};
+
+// Eight consecutive codes of one row (transpose_fp8_codes): one 8-byte vector.
+template <>
+struct Chunk<uint8_t> {
+  uint2 raw;
+
+  __device__ void clear() { raw = make_uint2(0, 0); }
+  // p aligned to 8 bytes.
+  __device__ void load(const uint8_t* p) { raw = *reinterpret_cast<const uint2*>(p); }
+  __device__ void load_partial(const uint8_t* p, int count) {
+    clear();
+    for (int j = 0; j < count; ++j) reinterpret_cast<uint8_t*>(&raw)[j] = p[j];
+  }
+  __device__ uint32_t code(int j) const {
+    return ((j < 4 ? raw.x : raw.y) >> (8 * (j % 4))) & 0xffu;
+  }
 };
 
 // The largest |v| keys of eight columns over the chunks added, kept as the chunks' words: one
@@ -269,11 +287,11 @@ static_assert(kThreads % (kRowBlocks * kPairs) == 0, "whole columns per store st
 // in flight while it reduces and writes a tile, so the others' loads must cover that time.
 // Without the bound the 16-bit kernels took 108 registers a thread (two thread blocks an SM).
 template <typename T>
-constexpr int kTransposedBlocksPerSm = sizeof(T) == 2 ? 3 : 2;
+constexpr int kTransposedBlocksPerSm = sizeof(T) == 4 ? 2 : 3;
 
 // The thread's 8 rows (8 rg + i) of its 8 columns (c0 onwards, `columns` of them inside x) of a
 // tile whose `rows` rows start at x's row `begin` (C columns); rows past the tile and columns
-// past x read as zeros. kVector: C % 8 == 0 and x 16-byte aligned.
+// past x read as zeros. kVector: C % 8 == 0 and x 16-byte aligned (8-byte for codes).
 template <typename T, bool kVector>
 __device__ void load_tile_rows(Chunk<T> (&chunk)[kRowsPerThread], const T* __restrict__ x,
                                int64_t begin, int rows, int64_t C, int64_t c0, int columns,
@@ -320,6 +338,20 @@ __device__ void stage_transposed(uint8_t (*tile)[kBlock], const Chunk<T> (&chunk
   }
 }
 
+// stage_transposed for codes already made (transpose_fp8_codes): column 8 cg + j's 8 rows are
+// byte j of the thread's 8 chunks, moved as they are.
+__device__ void stage_codes_transposed(uint8_t (*tile)[kBlock],
+                                       const Chunk<uint8_t> (&chunk)[kRowsPerThread], int cg,
+                                       int rg) {
+#pragma unroll
+  for (int j = 0; j < kChunk; ++j) {
+    const uint2 run = pack_pairs([&](int p) {
+      return chunk[2 * p].code(j) | (chunk[2 * p + 1].code(j) << 8);
+    });
+    *reinterpret_cast<uint2*>(&tile[kChunk * cg + j][kRowsPerThread * (rg ^ cg)]) = run;
+  }
+}
+
 // Codes of rows 16 pair to 16 pair + 15 of column c of a staged tile, in order.
 __device__ uint4 staged_rows(const uint8_t (*tile)[kBlock], int c, int pair) {
   const int column_group = c / kChunk;
@@ -346,6 +378,8 @@ quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restric
   const int row_blocks = int(min(int64_t(kRowBlocks), P / kBlock - b0));
   const int t = threadIdx.x, warp = t / 32;
   const int cg = t % kLanesPerBlock, rg = t / kLanesPerBlock;  // column and row group
+  // Codes (transpose_fp8_codes) are moved as they are: no scales, read or written.
+  constexpr bool kCodes = std::is_same_v<T, uint8_t>;
   // A given scale replaces every block's: no amax, no reduction, the same for the whole grid.
   const bool given = given_scale != nullptr;
   const float fixed = given ? *given_scale : 1.0f, fixed_inverse = __frcp_rn(fixed);
@@ -378,46 +412,54 @@ quantize_fp8_transposed_kernel(const T* __restrict__ x, const int32_t* __restric
         // them (up to 32 of DeepSeek-V3 EP8's 96). rows is the same for the whole thread block,
         // so all of it skips the barriers. Its codes are written as zeros below.
         const int64_t c = tile * kTileColumns + t;
-        if (t < kTileColumns && c < C) scale_t[(b0 + r) * C + c] = given ? fixed : key_scale(0);
+        if (!kCodes && t < kTileColumns && c < C) {
+          scale_t[(b0 + r) * C + c] = given ? fixed : key_scale(0);
+        }
         continue;
       }
       Chunk<T> chunk[kRowsPerThread];
       load_tile_rows<T, kVector>(chunk, x, begin, rows, C, c0, columns, rg);
 
-      if (given) {
-        const int64_t c = tile * kTileColumns + t;
-        if (t < kTileColumns && c < C) scale_t[(b0 + r) * C + c] = fixed;
+      if constexpr (kCodes) {
+        // Rows past the block were read as zeros: its codes there are 0, as
+        // quantize_fp8_transposed's.
+        stage_codes_transposed(codes_t[r], chunk, cg, rg);
       } else {
-        // Column amaxes over the block's rows (rows past it were read as zeros): the thread's 8
-        // rows, its warp's 16, then all 128.
-        ColumnKeys<T> keys;
-#pragma unroll
-        for (int i = 0; i < kRowsPerThread; ++i) keys.add(chunk[i]);
-        keys.add_lane_xor(kLanesPerBlock);
-        if (t % 32 < kLanesPerBlock) {
-          uint4* part = reinterpret_cast<uint4*>(&part_key[warp][kChunk * cg]);
-          part[0] = make_uint4(keys.column(0), keys.column(1), keys.column(2), keys.column(3));
-          part[1] = make_uint4(keys.column(4), keys.column(5), keys.column(6), keys.column(7));
-        }
-        __syncthreads();
-
-        if (t < kTileColumns) {
-          uint32_t key = 0;
-#pragma unroll
-          for (int w = 0; w < kWarpsPerBlock; ++w) key = max(key, part_key[w][t]);
-          const float s = key_scale(key);
-          column_inverse[(t % kChunk) * kLanesPerBlock + t / kChunk] = __frcp_rn(s);
+        if (given) {
           const int64_t c = tile * kTileColumns + t;
-          if (c < C) scale_t[(b0 + r) * C + c] = s;
-        }
-        __syncthreads();
-      }
+          if (t < kTileColumns && c < C) scale_t[(b0 + r) * C + c] = fixed;
+        } else {
+          // Column amaxes over the block's rows (rows past it were read as zeros): the thread's 8
+          // rows, its warp's 16, then all 128.
+          ColumnKeys<T> keys;
+#pragma unroll
+          for (int i = 0; i < kRowsPerThread; ++i) keys.add(chunk[i]);
+          keys.add_lane_xor(kLanesPerBlock);
+          if (t % 32 < kLanesPerBlock) {
+            uint4* part = reinterpret_cast<uint4*>(&part_key[warp][kChunk * cg]);
+            part[0] = make_uint4(keys.column(0), keys.column(1), keys.column(2), keys.column(3));
+            part[1] = make_uint4(keys.column(4), keys.column(5), keys.column(6), keys.column(7));
+          }
+          __syncthreads();
 
-      // Rows past the block are 0 (even where the scale is NaN). The next row block's first
-      // barrier orders these reads of column_inverse before its writes.
-      stage_transposed(codes_t[r], chunk, cg, rg, rows_kept(rg, rows), [&](int j) {
-        return given ? fixed_inverse : column_inverse[j * kLanesPerBlock + cg];
-      });
+          if (t < kTileColumns) {
+            uint32_t key = 0;
+#pragma unroll
+            for (int w = 0; w < kWarpsPerBlock; ++w) key = max(key, part_key[w][t]);
+            const float s = key_scale(key);
+            column_inverse[(t % kChunk) * kLanesPerBlock + t / kChunk] = __frcp_rn(s);
+            const int64_t c = tile * kTileColumns + t;
+            if (c < C) scale_t[(b0 + r) * C + c] = s;
+          }
+          __syncthreads();
+        }
+
+        // Rows past the block are 0 (even where the scale is NaN). The next row block's first
+        // barrier orders these reads of column_inverse before its writes.
+        stage_transposed(codes_t[r], chunk, cg, rg, rows_kept(rg, rows), [&](int j) {
+          return given ? fixed_inverse : column_inverse[j * kLanesPerBlock + cg];
+        });
+      }
     }
     __syncthreads();
 
@@ -689,6 +731,31 @@ Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_
                                           scale);
   });
   return launch_status("quantize_fp8_transposed");
+}
+
+Status transpose_fp8_codes(const uint8_t* q, const int32_t* group_sizes, int64_t M, int64_t C,
+                           int64_t G, uint8_t* q_t, cudaStream_t stream) {
+  auto fail = [](const std::string& what) {
+    return Status::Error("transpose_fp8_codes: " + what);
+  };
+  if (M < 0 || C < 0 || G < 0) {
+    return fail("M, C and G must not be negative, got M = " + std::to_string(M) + ", C = " +
+                std::to_string(C) + ", G = " + std::to_string(G));
+  }
+  const int64_t PB = fp8_contract_blocks(M, G), P = PB * kFp8Block;
+  if (PB == 0 || C == 0) return Status::Ok();
+  if (q_t == nullptr) return fail("q_t is null");
+  if (M > 0 && q == nullptr) return fail("q is null");
+  if (G > 0 && group_sizes == nullptr) return fail("group_sizes is null");
+  if (!aligned(q_t, 16)) return fail("q_t must be 16-byte aligned");
+  if (PB > INT32_MAX) return fail("too large: " + std::to_string(PB) + " row blocks");
+  const int64_t tiles = (C + kTileColumns - 1) / kTileColumns;
+  const dim3 grid{static_cast<unsigned>((PB + kRowBlocks - 1) / kRowBlocks),
+                  static_cast<unsigned>(min(tiles, int64_t(65535)))};
+  auto kernel = C % kChunk == 0 && aligned(q, 8) ? quantize_fp8_transposed_kernel<uint8_t, true>
+                                                 : quantize_fp8_transposed_kernel<uint8_t, false>;
+  kernel<<<grid, kThreads, 0, stream>>>(q, group_sizes, M, C, G, P, nullptr, q_t, nullptr);
+  return launch_status("transpose_fp8_codes");
 }
 
 namespace {

@@ -101,6 +101,16 @@ Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_
                                int64_t C, int64_t G, const float* given_scale, uint8_t* q_t,
                                float* scale, bool checked, ParallelRunner* runner = nullptr);
 
+// quantize_fp8_transposed's q_t from codes already made: q [M, C] E4M3 bytes (the rows of a
+// tensor quantised at one scale for all, say by quantize_fp8 or permute_rows_fp8 with that scale
+// given) with group_sizes [G] (clamped and checked as quantize_fp8_transposed) -> q_t [C, P],
+// the same codes in its layout, P = 128 * fp8_contract_blocks(M, G): the bytes
+// quantize_fp8_transposed writes when given that scale, read from one byte an element instead
+// of the float tensor. No scales: a tensorwise scale is the rows' one.
+Status transpose_fp8_codes(const uint8_t* q, const int32_t* group_sizes, int64_t M, int64_t C,
+                           int64_t G, uint8_t* q_t, bool checked,
+                           ParallelRunner* runner = nullptr);
+
 // The FP8 input gradient's weight operand (dout @ w[g]^T reads w[g] [K, N] as the "transposed
 // weight" [N', K'] = [K, N]): quantize_fp8_weights_transposed's blocks and codes in w's own
 // layout, q [G, K, N] E4M3 bytes and scale [G, KB, NB] float32, q[g, k, n] the code of w[g, k, n]

@@ -328,6 +328,11 @@ Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_
                                int64_t C, int64_t G, const float* given_scale, uint8_t* q_t,
                                float* scale, cudaStream_t stream);
 
+// engine_cpu.h's transpose_fp8_codes (bitwise the same q_t): quantize_fp8_transposed's kernel
+// on the codes, moved as bytes.
+Status transpose_fp8_codes(const uint8_t* q, const int32_t* group_sizes, int64_t M, int64_t C,
+                           int64_t G, uint8_t* q_t, cudaStream_t stream);
+
 // engine_cpu.h's quantize_fp8_weights and quantize_fp8_weights_transposed (bitwise the same
 // codes and scales): one thread block per 128 x 128 block of an expert's weight, read row by
 // row and written in place, or transposed through shared memory. given_scale is null or G

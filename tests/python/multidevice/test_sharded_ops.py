@@ -225,10 +225,11 @@ def test_permute_partitions_the_hidden_axis_locally():
 @pytest.mark.parametrize("recipe, given_scale", [("blockwise", None), ("blockwise", 0.05),
                                                  ("tensorwise", 0.05)])
 def test_fp8_weight_gradient_partitions_its_columns_locally(recipe, given_scale):
-    """quantize_transposed (each block's scale, or one given, as the tensorwise recipe's) and
-    the FP8 contraction (blockwise, or tensorwise on the codes and the one scale) with their
-    operands' columns split (K over x, N over y): no collective, the output keeps both splits,
-    and the values are the one device's, bit for bit (the rows, summed over, stay whole)."""
+    """quantize_transposed (each block's scale, or one given), or for the tensorwise recipe
+    transpose_codes of the rows' codes at one scale, and the FP8 contraction (blockwise, or
+    tensorwise on the codes and the one scale) with their operands' columns split (K over x, N
+    over y): no collective, the output keeps both splits, and the values are the one device's,
+    bit for bit (the rows, summed over, stay whole)."""
     from nodrop.ops import fp8
 
     rng = np.random.default_rng(5)
@@ -237,11 +238,13 @@ def test_fp8_weight_gradient_partitions_its_columns_locally(recipe, given_scale)
     scale = None if given_scale is None else jnp.float32(given_scale)
 
     def weight_gradient(a, d):
-        (a_t, a_scales), (d_t, d_scales) = (fp8.quantize_transposed(x, SIZES, scale=scale)
-                                            for x in (a, d))
         if recipe == "tensorwise":
+            a_t, d_t = (fp8.transpose_codes(
+                fp8.quantize(x, "tensor", scale=scale.reshape(1, 1))[0], SIZES) for x in (a, d))
             return nodrop.grouped_matmul_fp8_tensorwise_contract(
                 a_t, scale.reshape(1), d_t, scale.reshape(1), SIZES, num_rows=M)
+        (a_t, a_scales), (d_t, d_scales) = (fp8.quantize_transposed(x, SIZES, scale=scale)
+                                            for x in (a, d))
         return nodrop.grouped_matmul_fp8_blockwise_contract(a_t, a_scales, d_t, d_scales, SIZES,
                                                             num_rows=M)
 

@@ -457,6 +457,24 @@ INSTANTIATE_TEST_SUITE_P(
 // ---- bad arguments ---------------------------------------------------------------------------
 
 // Each call must fail before touching the GPU, with a message that names the argument.
+// The bandwidth the tile rule reads: the device's memory clock times its bus width, found on
+// the first call and the same on every later one; a device that does not exist reports 0.
+TEST(CudaMemoryBandwidth, IsTheDevicesAndKeptAcrossCalls) {
+  int device = 0, clock_khz = 0, bus_bits = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device),
+            cudaSuccess);
+  const int64_t want = int64_t{2} * clock_khz * 1000 * (bus_bits / 8);
+  EXPECT_GT(want, 0);
+  for (int call = 0; call < 3; ++call) EXPECT_EQ(nodrop::cuda::memory_bandwidth(device), want);
+  int devices = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&devices), cudaSuccess);
+  EXPECT_EQ(nodrop::cuda::memory_bandwidth(devices + 7), 0);
+  EXPECT_EQ(nodrop::cuda::memory_bandwidth(devices + 7), 0);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);  // the failed query's error was cleared
+}
+
 TEST(CudaGroupedMatmulArguments, ErrorsNameTheArgument) {
   const Problem p{Mode::kRows, 64, 64, 64, 2, DType::kBFloat16, DType::kBFloat16};
   Buffers buffers(p);

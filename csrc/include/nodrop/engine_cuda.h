@@ -60,7 +60,8 @@ GemmTile grouped_matmul_tile(int64_t M, int64_t K, int64_t N, int64_t G, bool co
 inline constexpr int64_t kPingpongMemoryBandwidth = int64_t{4'000'000'000'000};
 
 // The peak memory bandwidth of `device` in bytes a second, from its memory clock and bus width;
-// 0 where CUDA does not report them. Host queries only.
+// 0 where CUDA does not report them. Host queries only, on the first call for a device; later
+// calls return what it found.
 int64_t memory_bandwidth(int device);
 
 // How CUTLASS's persistent tile scheduler walks the output tiles of a group: along M (consecutive

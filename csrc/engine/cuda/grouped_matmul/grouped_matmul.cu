@@ -257,10 +257,11 @@ Status run_gemm(GemmForm form, DType in_dtype, DType out_dtype, GemmTile tile,
 
 }  // namespace
 
-// The memory clock is not among the attributes the runtime keeps: each query asks the driver,
-// which cost every bf16 grouped GEMM call about half a millisecond of host time on an H100
-// (2026-12-07), a floor under the small ones. A device's bandwidth does not change: it is asked
-// once per device and kept (0 also for a failed query, whose error is cleared then).
+// The memory clock is not among the attributes the runtime keeps: each query asks the driver.
+// With it asked on every call, an H100 timed each small bf16 grouped GEMM at 0.75-0.88 ms against
+// 0.20-0.44 ms before the query was added, while the FP8 GEMMs, which do not ask, kept their
+// times (bench/results/2026-12-07-fp8-relaid-codes/). A device's bandwidth does not change: it
+// is asked once per device and kept (0 also for a failed query, whose error is cleared then).
 int64_t memory_bandwidth(int device) {
   constexpr int kDevices = 64;
   static std::atomic<int64_t> known[kDevices] = {};  // bandwidth + 1; 0: not asked yet

@@ -702,11 +702,18 @@ Status permute_rows_fp8(const void* src, DType dtype, const int32_t* row_map, in
   return launch_status("permute_rows_fp8");
 }
 
-Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_sizes, int64_t M,
-                               int64_t C, int64_t G, const float* given_scale, uint8_t* q_t,
-                               float* scale, cudaStream_t stream) {
-  auto fail = [](const std::string& what) {
-    return Status::Error("quantize_fp8_transposed: " + what);
+namespace {
+
+// quantize_fp8_transposed_kernel<T> on x [M, C], for `fn`: T a float type (quantize_fp8_transposed)
+// or uint8_t codes (transpose_fp8_codes, which has no scales); x_name names x in its errors.
+template <typename T>
+Status launch_transposed(const char* fn, const char* x_name, const T* x,
+                         const int32_t* group_sizes, int64_t M, int64_t C, int64_t G,
+                         const float* given_scale, uint8_t* q_t, float* scale,
+                         cudaStream_t stream) {
+  constexpr bool kCodes = std::is_same_v<T, uint8_t>;
+  auto fail = [fn](const std::string& what) {
+    return Status::Error(std::string(fn) + ": " + what);
   };
   if (M < 0 || C < 0 || G < 0) {
     return fail("M, C and G must not be negative, got M = " + std::to_string(M) + ", C = " +
@@ -714,48 +721,40 @@ Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_
   }
   const int64_t PB = fp8_contract_blocks(M, G), P = PB * kFp8Block;
   if (PB == 0 || C == 0) return Status::Ok();
-  if (q_t == nullptr || scale == nullptr) return fail("q_t or scale is null");
-  if (M > 0 && x == nullptr) return fail("x is null");
+  if (q_t == nullptr) return fail(kCodes ? "q_t is null" : "q_t or scale is null");
+  if (!kCodes && scale == nullptr) return fail("q_t or scale is null");
+  if (M > 0 && x == nullptr) return fail(std::string(x_name) + " is null");
   if (G > 0 && group_sizes == nullptr) return fail("group_sizes is null");
   if (!aligned(q_t, 16)) return fail("q_t must be 16-byte aligned");
   if (PB > INT32_MAX) return fail("too large: " + std::to_string(PB) + " row blocks");
   const int64_t tiles = (C + kTileColumns - 1) / kTileColumns;
   const dim3 grid{static_cast<unsigned>((PB + kRowBlocks - 1) / kRowBlocks),
                   static_cast<unsigned>(min(tiles, int64_t(65535)))};
-  const bool vector = C % kChunk == 0 && aligned(x, 16);
+  // The vector path reads a thread's 8 elements of a row as one piece: 16 bytes, 8 of codes.
+  const bool vector = C % kChunk == 0 && aligned(x, kCodes ? 8 : 16);
+  auto kernel =
+      vector ? quantize_fp8_transposed_kernel<T, true> : quantize_fp8_transposed_kernel<T, false>;
+  kernel<<<grid, kThreads, 0, stream>>>(x, group_sizes, M, C, G, P, given_scale, q_t, scale);
+  return launch_status(fn);
+}
+
+}  // namespace
+
+Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_sizes, int64_t M,
+                               int64_t C, int64_t G, const float* given_scale, uint8_t* q_t,
+                               float* scale, cudaStream_t stream) {
+  Status status = Status::Ok();
   with_element_type(x, dtype, [&](auto typed_x) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed_x)>>;
-    auto kernel = vector ? quantize_fp8_transposed_kernel<T, true>
-                         : quantize_fp8_transposed_kernel<T, false>;
-    kernel<<<grid, kThreads, 0, stream>>>(typed_x, group_sizes, M, C, G, P, given_scale, q_t,
-                                          scale);
+    status = launch_transposed("quantize_fp8_transposed", "x", typed_x, group_sizes, M, C, G,
+                               given_scale, q_t, scale, stream);
   });
-  return launch_status("quantize_fp8_transposed");
+  return status;
 }
 
 Status transpose_fp8_codes(const uint8_t* q, const int32_t* group_sizes, int64_t M, int64_t C,
                            int64_t G, uint8_t* q_t, cudaStream_t stream) {
-  auto fail = [](const std::string& what) {
-    return Status::Error("transpose_fp8_codes: " + what);
-  };
-  if (M < 0 || C < 0 || G < 0) {
-    return fail("M, C and G must not be negative, got M = " + std::to_string(M) + ", C = " +
-                std::to_string(C) + ", G = " + std::to_string(G));
-  }
-  const int64_t PB = fp8_contract_blocks(M, G), P = PB * kFp8Block;
-  if (PB == 0 || C == 0) return Status::Ok();
-  if (q_t == nullptr) return fail("q_t is null");
-  if (M > 0 && q == nullptr) return fail("q is null");
-  if (G > 0 && group_sizes == nullptr) return fail("group_sizes is null");
-  if (!aligned(q_t, 16)) return fail("q_t must be 16-byte aligned");
-  if (PB > INT32_MAX) return fail("too large: " + std::to_string(PB) + " row blocks");
-  const int64_t tiles = (C + kTileColumns - 1) / kTileColumns;
-  const dim3 grid{static_cast<unsigned>((PB + kRowBlocks - 1) / kRowBlocks),
-                  static_cast<unsigned>(min(tiles, int64_t(65535)))};
-  auto kernel = C % kChunk == 0 && aligned(q, 8) ? quantize_fp8_transposed_kernel<uint8_t, true>
-                                                 : quantize_fp8_transposed_kernel<uint8_t, false>;
-  kernel<<<grid, kThreads, 0, stream>>>(q, group_sizes, M, C, G, P, nullptr, q_t, nullptr);
-  return launch_status("transpose_fp8_codes");
+  return launch_transposed("transpose_fp8_codes", "q", q, group_sizes, M, C, G, nullptr, q_t,
+                           nullptr, stream);
 }
 
 namespace {

@@ -1058,6 +1058,13 @@ TEST(QuantizeFp8TransposedGpuArgs, RejectsBadShapesAndDoesNothingWhenEmpty) {
                 .message()
                 .find("M = -1"),
             std::string::npos);
+  EXPECT_NE(nodrop::cuda::quantize_fp8_transposed(buffer.get(), static_cast<DType>(7),
+                                                  buffer.as<int32_t>(), 4, 4, 1, nullptr,
+                                                  buffer.as<uint8_t>(), buffer.as<float>(),
+                                                  stream())
+                .message()
+                .find("unknown dtype 7"),
+            std::string::npos);
   EXPECT_TRUE(nodrop::cuda::quantize_fp8_transposed(nullptr, DType::kFloat32, nullptr, 0, 4, 0,
                                                     nullptr, nullptr, nullptr, stream())
                   .ok());

@@ -743,6 +743,9 @@ Status launch_transposed(const char* fn, const char* x_name, const T* x,
 Status quantize_fp8_transposed(const void* x, DType dtype, const int32_t* group_sizes, int64_t M,
                                int64_t C, int64_t G, const float* given_scale, uint8_t* q_t,
                                float* scale, cudaStream_t stream) {
+  if (dtype != DType::kFloat32 && dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
+    return Status::Error("quantize_fp8_transposed: unknown dtype " + std::to_string(int(dtype)));
+  }
   Status status = Status::Ok();
   with_element_type(x, dtype, [&](auto typed_x) {
     status = launch_transposed("quantize_fp8_transposed", "x", typed_x, group_sizes, M, C, G,
